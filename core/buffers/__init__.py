@@ -1,0 +1,36 @@
+"""Rollouts, fragments, train batches and episode statistics (pure functions plus two small stateful pieces).
+
+Stateful: :class:`FragmentBuilder` (steps -> fragments, on the actor) with its :class:`EpisodeTracker`, and
+the seed-001 facade :class:`MultiAgentRolloutBuffer`. Everything else takes and returns TensorDicts.
+"""
+
+from core.buffers.batching import concat_fragments, filter_stale, flatten_transitions, is_fresh, minibatches
+from core.buffers.episodes import (
+    advance_carry,
+    agent_trajectory,
+    completed_episodes,
+    empty_carry,
+    episode_stats,
+    summarize_episodes,
+)
+from core.buffers.fragments import FragmentBuilder, bootstrap_step
+from core.buffers.rollout_buffer import MultiAgentRolloutBuffer
+from core.buffers.tracking import EpisodeTracker
+
+__all__ = [
+    "EpisodeTracker",
+    "FragmentBuilder",
+    "MultiAgentRolloutBuffer",
+    "advance_carry",
+    "agent_trajectory",
+    "bootstrap_step",
+    "completed_episodes",
+    "concat_fragments",
+    "empty_carry",
+    "episode_stats",
+    "filter_stale",
+    "flatten_transitions",
+    "is_fresh",
+    "minibatches",
+    "summarize_episodes",
+]

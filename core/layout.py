@@ -1,0 +1,76 @@
+"""The one data layout of Shoal, written down once.
+
+A *step* is a TensorDict with batch ``[env]``; a *fragment* or *rollout* is ``[env, time]``.
+
+Agents live in **groups**: ``td[group]`` has batch ``[env, time, agent]`` (``[env, agent]`` for one step).
+A group stacks agents that share observation and action spaces, so one forward pass serves all of them.
+Absent agents (not joined yet, dead, not their turn) are padded and carry ``(group, MASK) == False``.
+
+Keys of one transition (``E`` envs, ``T`` steps, ``A`` agents of the group)::
+
+    (group, "observation", ...)       [E, T, A, *obs]   observation tree of the agent (leaf or sub-TensorDict)
+    (group, "action", ...)            [E, T, A, *act]   action tree (leaf or sub-TensorDict)
+    (group, "mask")                   [E, T, A]  bool   agent present at t (acts and is trained on)
+    (group, "action_mask")            [E, T, A, n] bool legal discrete actions (optional)
+    (group, "log_prob")               [E, T, A, 1]      behaviour log-probability of the action
+    (group, "state_value")            [E, T, A, 1]      critic value at t (filled by the learner or actor)
+    ("shared", ...)                   [E, T, *]         population-level shared observations (global state)
+    ("next", group, "observation")    [E, T, A, *obs]   observation after the step (the *final* one at an end)
+    ("next", group, "reward")         [E, T, A, 1]
+    ("next", group, "terminated")     [E, T, A, 1] bool true end for this agent: no bootstrap
+    ("next", group, "truncated")      [E, T, A, 1] bool cut (time limit, fragment end, fault): bootstrap
+    ("next", group, "done")           [E, T, A, 1] bool terminated | truncated
+    ("next", "terminated"|"truncated"|"done")  [E, T, 1]  the env-level flags (episode of the env ended)
+
+Fragment metadata (root, ``[E, T]``; constant along time, so fragments concatenate along ``env``)::
+
+    ("policy_version", group)  int64  version of the policy that acted for that group
+    "worker_id"                int64
+    "fragment_id"              int64  (worker_id << 32) | sequence number: unique across the run
+    "episode_id"               int64  id of the env's episode at that step (unique per worker)
+    "env_id"                   int64  index of the env inside its worker
+
+``terminated``, ``truncated`` and ``done`` are never merged into one flag. Per-sample scalars keep a
+trailing 1. Functions check shapes on entry instead of broadcasting.
+"""
+
+from __future__ import annotations
+
+NEXT = "next"
+OBSERVATION = "observation"
+ACTION = "action"
+MASK = "mask"
+ACTION_MASK = "action_mask"
+LOG_PROB = "log_prob"
+STATE_VALUE = "state_value"
+REWARD = "reward"
+DONE = "done"
+TERMINATED = "terminated"
+TRUNCATED = "truncated"
+SHARED = "shared"
+ADVANTAGE = "advantage"
+VALUE_TARGET = "value_target"
+RECURRENT_STATE = "recurrent_state"
+
+POLICY_VERSION = "policy_version"
+WORKER_ID = "worker_id"
+FRAGMENT_ID = "fragment_id"
+EPISODE_ID = "episode_id"
+ENV_ID = "env_id"
+
+#: Root-level keys that are not agent groups.
+RESERVED_ROOT_KEYS = frozenset(
+    {NEXT, SHARED, POLICY_VERSION, WORKER_ID, FRAGMENT_ID, EPISODE_ID, ENV_ID, DONE, TERMINATED, TRUNCATED}
+)
+
+
+def group_names(td) -> list[str]:
+    """Names of the agent groups of a step/fragment TensorDict (root keys that are not reserved)."""
+    return [k for k in td.keys() if k not in RESERVED_ROOT_KEYS and not isinstance(k, tuple)]
+
+
+def make_fragment_id(worker_id: int, sequence: int) -> int:
+    """A run-unique fragment id: ``worker_id`` in the high 32 bits, the worker's sequence number below."""
+    if not (0 <= worker_id < 2**31 and 0 <= sequence < 2**32):
+        raise ValueError(f"worker_id {worker_id} or sequence {sequence} out of range for a fragment id")
+    return (worker_id << 32) | sequence

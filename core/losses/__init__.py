@@ -1,0 +1,17 @@
+"""PPO losses, advantage estimators and the update step (pure functions plus one effectful ``ppo_update_``)."""
+
+from core.losses.advantages import gae, vtrace, with_gae, with_vtrace
+from core.losses.config import PPOConfig
+from core.losses.ppo import ENTROPY, ppo_loss
+from core.losses.update import ppo_update_
+
+__all__ = [
+    "ENTROPY",
+    "PPOConfig",
+    "gae",
+    "ppo_loss",
+    "ppo_update_",
+    "vtrace",
+    "with_gae",
+    "with_vtrace",
+]
