@@ -1,0 +1,182 @@
+"""Actor (seed 002): acts for every agent of a batched env with the policies mapped to it, records fragments.
+
+One batched forward pass per group per step serves all envs and all agents of the group. Steps travel as
+plain dicts of tensors and become a TensorDict once per fragment (:class:`core.buffers.FragmentBuilder`).
+Single-threaded; the Ray backend wraps the same class.
+
+Usage loop::
+
+    actor = Actor(env, policies, mapping, seed=0)
+    fragment = actor.collect()          # [env, fragment_length], kept in the outbox
+    actor.sync(learners)                # sends the outbox, then picks up the newest published weights
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from core.buffers import FragmentBuilder
+from core.layout import ACTION, ACTION_MASK, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SHARED, \
+    STATE_VALUE
+from core.policies import GroupPolicy
+from core.specs import groups
+
+
+class WeightSource(Protocol):
+    """What an actor needs from a learner: a place to send data and the newest published weights."""
+
+    def receive(self, fragment: TensorDictBase) -> None: ...
+
+    def published(self) -> tuple[int, TensorDictBase]: ...
+
+
+def _plain(td: TensorDictBase) -> dict:
+    """A TensorDict as nested plain dicts (what FragmentBuilder stores per step: ~8 µs, no TensorDict built)."""
+    return {k: _plain(v) if isinstance(v, TensorDictBase) else v for k, v in td.items()}
+
+
+class Actor:
+    """Acts in ``env`` for all of its groups and records fragments of ``fragment_length`` steps.
+
+    Args:
+        env: a :class:`adapters.protocol.BatchedEnv`.
+        policies: policy id -> module acting for the groups mapped to it (this actor's own copies).
+        mapping: group -> policy id (default: :func:`core.specs.default_policy_mapping`, one policy per group).
+        fragment_length: steps per fragment.
+        seed: seeds the env reset and the sampling generator.
+        worker_id: goes into every fragment's metadata.
+        deterministic: act with the policies' modes (evaluation actors).
+        record: keep fragments (training actors); evaluation actors only count episodes.
+    """
+
+    def __init__(self, env, policies: Mapping[str, GroupPolicy], mapping: Mapping[str, str], *,
+                 fragment_length: int = 128, seed: int = 0, worker_id: int = 0, deterministic: bool = False,
+                 record: bool = True) -> None:
+        missing = [g for g in groups(env.tree) if g not in mapping]
+        if missing:
+            raise KeyError(f"no policy mapped to groups {missing}")
+        self.env, self.policies, self.mapping = env, dict(policies), dict(mapping)
+        self.fragment_length = fragment_length
+        self.deterministic, self.record = deterministic, record
+        self.generator = torch.Generator().manual_seed(seed)
+        self.builder = FragmentBuilder(env.num_envs, worker_id=worker_id)
+        self.versions = {pid: 0 for pid in self.policies}
+        self.outbox: list[TensorDictBase] = []
+        self.env_steps = 0
+        self._obs = env.reset(seed=seed)
+        self._rnn: dict[str, torch.Tensor | None] = {g: None for g in mapping}
+        self._episode_start = torch.ones(env.num_envs, dtype=torch.bool)
+
+    # -- acting ------------------------------------------------------------------------------------------
+    def _act(self, obs: TensorDictBase) -> tuple[dict, TensorDict]:
+        """One batched forward per group: the step entries to record and the actions to send."""
+        shared = obs.get(SHARED, None)
+        entries, actions = {}, {}
+        for group, pid in self.mapping.items():
+            g_obs = obs.get(group)
+            out = self.policies[pid].act_step(g_obs, shared, self.generator, self.deterministic,
+                                              self._rnn[group], self._episode_start)
+            entry = {OBSERVATION: _maybe_plain(g_obs.get(OBSERVATION)), MASK: g_obs.get(MASK),
+                     ACTION: out[ACTION], LOG_PROB: out[LOG_PROB], STATE_VALUE: out[STATE_VALUE]}
+            if ACTION_MASK in g_obs.keys():
+                entry[ACTION_MASK] = g_obs.get(ACTION_MASK)
+            if RECURRENT_STATE in out:
+                entry[RECURRENT_STATE] = out[RECURRENT_STATE]
+                self._rnn[group] = out[NEXT][RECURRENT_STATE]
+            entries[group] = entry
+            actions[group] = TensorDict({ACTION: out[ACTION]}, batch_size=g_obs.batch_size)
+        if shared is not None:
+            entries[SHARED] = _maybe_plain(shared)
+        return entries, TensorDict(actions, batch_size=obs.batch_size)
+
+    def step(self) -> TensorDictBase:
+        """Acts once in every env; records the transition; returns the env's output (``"next"`` + next obs)."""
+        entries, actions = self._act(self._obs)
+        out = self.env.step(actions)
+        nxt = out.get(NEXT)
+        if self.record:
+            entries[NEXT] = _plain(nxt)
+            self.builder.add_step_(entries)
+        self._episode_start = nxt.get(DONE).reshape(-1)
+        self._obs = out.exclude(NEXT)
+        self.env_steps += self.env.num_envs
+        return out
+
+    @torch.no_grad()
+    def collect(self) -> TensorDict:
+        """Runs ``fragment_length`` steps and returns the fragment ``[env, T]`` (also put in the outbox)."""
+        for _ in range(self.fragment_length):
+            self.step()
+        fragment = self.builder.build({g: self.versions[pid] for g, pid in self.mapping.items()})
+        self.outbox.append(fragment)
+        return fragment
+
+    @torch.no_grad()
+    def run_episodes(self, num_episodes: int, max_steps: int = 100_000) -> list[float]:
+        """Plays until ``num_episodes`` episodes ended (evaluation); returns their team returns."""
+        returns: list[float] = []
+        running = torch.zeros(self.env.num_envs)
+        for _ in range(max_steps):
+            nxt = self.step().get(NEXT)
+            for group in self.mapping:
+                reward = nxt.get((group, "reward"))
+                present = nxt.get((group, MASK), None)
+                if present is not None:
+                    reward = reward * present.unsqueeze(-1)
+                running += reward.sum((-2, -1))
+            done = nxt.get(DONE).reshape(-1)
+            if done.any():
+                returns.extend(running[done].tolist())
+                running[done] = 0.0
+                if len(returns) >= num_episodes:
+                    return returns[:num_episodes]
+        return returns
+
+    # -- data out, weights in ----------------------------------------------------------------------------
+    def completed_episodes(self) -> dict[str, torch.Tensor]:
+        """Episodes that ended since the last call, ``[K]`` each, in env-then-time order.
+
+        ``"return"``: team return summed over every group (the usual score of a single-agent or cooperative
+        env); ``"return/<group>"``: the group's team return; ``"length"``: env steps.
+        """
+        records = self.builder.pop_completed_episodes()
+        if not records:
+            return {}
+        out = {f"return/{g}": r.get("team_return").reshape(-1) for g, r in records.items()}
+        out["return"] = torch.stack(list(out.values())).sum(0)
+        out["length"] = next(iter(records.values())).get("length").reshape(-1)
+        return out
+
+    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
+        """Copies ``weights`` into this actor's copy of ``policy_id`` (the learner keeps training its own)."""
+        if version == self.versions[policy_id]:
+            return
+        with torch.no_grad():
+            TensorDict.from_module(self.policies[policy_id]).update_(weights)
+        self.versions[policy_id] = version
+
+    def sync(self, learners: Mapping[str, WeightSource]) -> int:
+        """Sends the outbox to the learners of each group's policy, then loads their newest weights.
+
+        Returns:
+            The number of fragments sent.
+        """
+        sent = len(self.outbox)
+        for fragment in self.outbox:
+            for pid in set(self.mapping.values()):
+                learners[pid].receive(fragment)
+        self.outbox.clear()
+        for pid in self.policies:
+            version, weights = learners[pid].published()
+            self.set_weights(pid, version, weights)
+        return sent
+
+
+def _maybe_plain(value):
+    return _plain(value) if isinstance(value, TensorDictBase) else value
+
+
+__all__ = ["Actor", "WeightSource"]

@@ -1,0 +1,89 @@
+"""Configuration records of a training run, each declared once (the CLI builds them with tyro)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from core.losses import PPOConfig
+from core.policies import PolicyConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """How experience is collected (seed 000/004 vocabulary: see ARCHITECTURE.md)."""
+
+    num_envs: int = 8
+    """Envs stepped together by one actor (one batched forward pass per step serves all of them)."""
+    fragment_length: int = 128
+    """Steps per fragment; a fragment boundary is not an episode end (it is bootstrapped)."""
+    num_workers: int = 1
+    """Rollout workers (actors), each with ``num_envs`` envs."""
+    check: Literal["strict", "lenient"] = "strict"
+    """Bad env output: raise a named error (strict) or truncate that env's episode and count it (lenient)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_envs", "fragment_length", "num_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def steps_per_round(self) -> int:
+        """Env steps one round of fragments (one per worker) brings."""
+        return self.num_envs * self.fragment_length * self.num_workers
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """A whole training run: environment, rollout, PPO, policy, budget, evaluation, outputs."""
+
+    env: str = "CartPole-v1"
+    """Environment: a gymnasium id (``CartPole-v1``), ``mpe2:simple_spread_v3``, ``pettingzoo:classic.connect_four_v3``
+    or a built-in one (``builtin:cartpole``, ``builtin:spread``)."""
+    env_kwargs: tuple[tuple[str, str], ...] = ()
+    """Extra keyword arguments of the env constructor as ``(name, python literal)`` pairs."""
+    seed: int = 0
+    """Seed of every generator of the run (envs, sampling, minibatch order, initial weights)."""
+    iterations: int = 50
+    """Training iterations (each: ``train_batch_size`` env steps, then ``num_epochs`` of SGD, then sync)."""
+    train_batch_size: int = 0
+    """Env steps per iteration; 0 means one round of fragments (``num_envs * fragment_length * num_workers``)."""
+    lr: float = 3e-4
+    """Adam learning rate."""
+    anneal_lr: bool = False
+    """Decay the learning rate linearly to 0 over ``iterations`` (37 details, detail 4)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Experience collection."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """Loss, estimator and update."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Networks built from the tree spec."""
+    eval_every: int = 0
+    """Evaluate every N iterations on separate envs with deterministic actors; 0 disables."""
+    eval_episodes: int = 10
+    """Episodes per evaluation."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every N iterations (and at the end); 0 writes only the final one."""
+    run_dir: str = "runs/shoal"
+    """Directory for metrics.csv, TensorBoard files, the learning-curve PNG and checkpoints."""
+    device: str = "auto"
+    """Learner device: ``auto`` (CUDA when present), ``cpu`` or ``cuda[:i]``."""
+    backend: Literal["local", "ray"] = "local"
+    """``local``: everything in this process; ``ray``: rollout workers and learners as Ray actors."""
+    address: str | None = None
+    """Ray cluster address to join (else ``RAY_ADDRESS``; else a local Ray instance is started)."""
+
+    def __post_init__(self) -> None:
+        if self.iterations < 0 or self.train_batch_size < 0 or self.lr <= 0:
+            raise ValueError("iterations and train_batch_size must be >= 0 and lr > 0")
+        if self.train_batch_size and self.train_batch_size % (self.rollout.num_envs * self.rollout.fragment_length):
+            raise ValueError(f"train_batch_size {self.train_batch_size} must be a multiple of num_envs * "
+                             f"fragment_length = {self.rollout.num_envs * self.rollout.fragment_length}")
+
+    @property
+    def steps_per_iteration(self) -> int:
+        """Env steps collected per iteration."""
+        return self.train_batch_size or self.rollout.steps_per_round
+
+
+__all__ = ["RolloutConfig", "TrainConfig"]

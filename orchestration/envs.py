@@ -1,0 +1,53 @@
+"""Environment names to batched envs: the one place that knows every adapter (the composition root's helper).
+
+Names:
+- ``builtin:cartpole``, ``builtin:spread``: Shoal's own vectorised torch envs;
+- ``mpe2:simple_spread_v3`` (any mpe2 module), ``pettingzoo:classic.connect_four_v3`` (any PettingZoo module):
+  parallel or AEC PettingZoo envs, ``num_envs`` copies batched;
+- anything else: a gymnasium id (``CartPole-v1``), vectorised with ``SyncVectorEnv``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from typing import Any, Iterable
+
+
+def parse_kwargs(pairs: Iterable[tuple[str, str]]) -> dict[str, Any]:
+    """``(("max_cycles", "25"),)`` -> ``{"max_cycles": 25}`` (values are Python literals, else strings)."""
+    out = {}
+    for key, text in pairs:
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
+
+
+def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[str, Any] | None = None):
+    """Builds ``num_envs`` envs of ``name`` behind :class:`adapters.protocol.BatchedEnv`."""
+    kwargs = dict(kwargs or {})
+    if name.startswith("builtin:"):
+        which = name.split(":", 1)[1]
+        if which == "cartpole":
+            from adapters.builtin.cartpole import CartPole, CartPoleConfig
+
+            return CartPole(CartPoleConfig(num_envs=num_envs, **kwargs))
+        if which == "spread":
+            from adapters.builtin.spread import Spread, SpreadConfig
+
+            return Spread(SpreadConfig(num_envs=num_envs, **kwargs))
+        raise ValueError(f"unknown built-in env {which!r}: use builtin:cartpole or builtin:spread")
+    if name.startswith(("mpe2:", "pettingzoo:")):
+        family, module_name = name.split(":", 1)
+        module = importlib.import_module(f"{family}.{module_name}")
+        from adapters.pettingzoo_env import make_pettingzoo
+
+        return make_pettingzoo(module, num_envs, check=check, **kwargs)
+    from adapters.gymnasium_env import make_gymnasium
+
+    return make_gymnasium(name, num_envs, check=check, **kwargs)
+
+
+__all__ = ["make_env", "parse_kwargs"]

@@ -1,0 +1,92 @@
+"""Where metrics go: a CSV file, TensorBoard event files, and a learning-curve PNG at the end.
+
+The only effectful sink of training metrics; everything upstream returns plain dicts of numbers.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Mapping
+
+
+class MetricsLog:
+    """Appends one row of scalar metrics per iteration to ``DIR/metrics.csv`` and TensorBoard.
+
+    Columns are fixed by the first row; later keys that were not there are added to TensorBoard only
+    (CSV readers choke on a header that changes mid-file).
+    """
+
+    def __init__(self, directory: str | Path, *, tensorboard: bool = True, resume: bool = False) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.csv_path = self.directory / "metrics.csv"
+        self._columns: list[str] | None = None
+        if resume and self.csv_path.exists():
+            with open(self.csv_path) as f:
+                self._columns = next(csv.reader(f), None)
+        elif self.csv_path.exists():
+            self.csv_path.unlink()
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.directory / "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Records ``metrics`` at env step ``step``."""
+        row = {"env_steps": step, **{k: float(v) for k, v in metrics.items()}}
+        if self._columns is None:
+            self._columns = list(row)
+            with open(self.csv_path, "w", newline="") as f:
+                csv.writer(f).writerow(self._columns)
+        with open(self.csv_path, "a", newline="") as f:
+            csv.writer(f).writerow([row.get(c, "") for c in self._columns])
+        if self._writer is not None:
+            for k, v in row.items():
+                if k != "env_steps" and math.isfinite(v):
+                    self._writer.add_scalar(k, v, step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flushes TensorBoard."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def read_csv(path: str | Path) -> dict[str, list[float]]:
+    """Columns of a metrics CSV as float lists (empty cells become NaN)."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    return {k: [float(r[k]) if r[k] not in ("", None) else math.nan for r in rows] for k in (rows[0] if rows else {})}
+
+
+def plot_learning_curve(csv_path: str | Path, png_path: str | Path, *, y: str = "episode_return_mean",
+                        title: str = "") -> Path | None:
+    """Writes a PNG of ``y`` against env steps from a metrics CSV; returns its path (None without data)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = read_csv(csv_path)
+    if y not in data or not data[y]:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(data["env_steps"], data[y], label=y)
+    if "eval_return_mean" in data and any(math.isfinite(v) for v in data["eval_return_mean"]):
+        ax.plot(data["env_steps"], data["eval_return_mean"], label="eval_return_mean", linestyle="--")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("return")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return Path(png_path)
+
+
+__all__ = ["MetricsLog", "plot_learning_curve", "read_csv"]

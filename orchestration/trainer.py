@@ -1,0 +1,146 @@
+"""Trainer (seed 002): one ``train()`` call runs one iteration of seed 000's synchronous loop.
+
+collect ``train_batch_size`` env steps with the training actors -> ``sync`` (data to learners) -> every ready
+learner trains ``num_epochs`` over minibatches -> ``sync`` (new weights to actors) -> evaluate now and then.
+
+The trainer is written against plain objects (actors, learners); the Ray backend hands it remote-backed
+ones with the same methods. :func:`build_trainer` is the composition root of a local run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Mapping
+
+import torch
+
+from core.policies import GroupPolicy, make_policies
+from core.specs import default_policy_mapping, groups, to_json
+from orchestration.actor import Actor
+from orchestration.config import TrainConfig
+from orchestration.envs import make_env, parse_kwargs
+from orchestration.learner import FixedLearner, PPOLearner, resolve_device
+
+
+def _copy(policy: GroupPolicy) -> GroupPolicy:
+    import copy
+
+    return copy.deepcopy(policy).cpu()
+
+
+class Trainer:
+    """Runs iterations over actors and learners and keeps the run's counters.
+
+    Args:
+        config: the run.
+        actors: training actors (one per rollout worker in the local backend).
+        learners: policy id -> learner.
+        eval_actor: a deterministic actor on separate envs, or None.
+    """
+
+    def __init__(self, config: TrainConfig, actors: list[Actor], learners: Mapping, eval_actor: Actor | None,
+                 tree) -> None:
+        self.config, self.actors, self.learners, self.eval_actor = config, actors, dict(learners), eval_actor
+        self.tree = tree
+        self.iteration = 0
+        self.env_steps = 0
+        self.returns: deque[float] = deque(maxlen=100)
+        self.lengths: deque[float] = deque(maxlen=100)
+
+    def _collect(self) -> float:
+        """Collects one iteration's fragments; returns the seconds spent."""
+        start = time.perf_counter()
+        target = self.config.steps_per_iteration
+        collected = 0
+        while collected < target:
+            for actor in self.actors:
+                fragment = actor.collect()
+                collected += fragment.batch_size.numel()
+        self.env_steps += collected
+        return time.perf_counter() - start
+
+    def _episodes(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        finished = 0
+        for actor in self.actors:
+            eps = actor.completed_episodes()
+            if eps:
+                self.returns.extend(eps["return"].tolist())
+                self.lengths.extend(eps["length"].double().tolist())
+                finished += len(eps["return"])
+        last10 = list(self.returns)[-10:]
+        out["episodes"] = finished
+        out["episode_return_mean"] = sum(self.returns) / len(self.returns) if self.returns else math.nan
+        out["episode_return_mean_10"] = sum(last10) / len(last10) if last10 else math.nan
+        out["episode_length_mean"] = sum(self.lengths) / len(self.lengths) if self.lengths else math.nan
+        return out
+
+    def train(self) -> dict[str, float]:
+        """One iteration; returns its metrics (plain floats)."""
+        cfg = self.config
+        progress = self.iteration / max(cfg.iterations, 1)
+        if cfg.anneal_lr:
+            for learner in self.learners.values():
+                if isinstance(learner, PPOLearner):
+                    learner.set_lr(cfg.lr * (1.0 - progress))
+        t_collect = self._collect()
+        for actor in self.actors:
+            actor.sync(self.learners)  # data out (weights unchanged: nothing trained yet)
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        for pid, learner in self.learners.items():
+            if learner.ready():
+                out = learner.train(progress)
+                metrics.update({f"{pid}/{k}" if len(self.learners) > 1 else k: v for k, v in out.items()})
+        t_learn = time.perf_counter() - start
+        for actor in self.actors:
+            actor.sync(self.learners)  # new weights in
+        self.iteration += 1
+        metrics.update(self._episodes())
+        metrics.update(iteration=self.iteration, env_steps=self.env_steps, time_collect=t_collect,
+                       time_learn=t_learn, env_steps_per_s=self.config.steps_per_iteration / max(t_collect, 1e-9))
+        if self.eval_actor is not None and cfg.eval_every and self.iteration % cfg.eval_every == 0:
+            metrics["eval_return_mean"] = self.evaluate()
+        return metrics
+
+    def evaluate(self, episodes: int | None = None) -> float:
+        """Mean return of deterministic actors with the newest weights over ``episodes`` episodes."""
+        actor = self.eval_actor
+        if actor is None:
+            raise ValueError("this trainer has no evaluation actor")
+        for pid, learner in self.learners.items():
+            actor.set_weights(pid, *learner.published())
+        returns = actor.run_episodes(episodes or self.config.eval_episodes)
+        return sum(returns) / max(len(returns), 1)
+
+
+def build_trainer(config: TrainConfig) -> Trainer:
+    """The composition root of a local run: envs, policies, learners, actors, from one config."""
+    torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point
+    kwargs = parse_kwargs(config.env_kwargs)
+    rc = config.rollout
+    envs = [make_env(config.env, rc.num_envs, check=rc.check, kwargs=kwargs) for _ in range(rc.num_workers)]
+    tree = envs[0].tree
+    mapping = default_policy_mapping(tree)
+    group_to_policy = {g: mapping[spec.agent_names[0]] for g, spec in groups(tree).items()}
+    policies = make_policies(tree, config.policy)
+    device = resolve_device(config.device)
+    learners = {}
+    for pid in sorted(set(group_to_policy.values())):
+        mapped = [g for g, p in group_to_policy.items() if p == pid]
+        learners[pid] = PPOLearner(policies[pid], mapped, ppo=config.ppo, lr=config.lr,
+                                   batch_steps=config.steps_per_iteration, seed=config.seed, device=device)
+    actors = [Actor(env, {pid: _copy(p) for pid, p in policies.items()}, group_to_policy,
+                    fragment_length=rc.fragment_length, seed=config.seed + 1000 * i, worker_id=i)
+              for i, env in enumerate(envs)]
+    eval_actor = None
+    if config.eval_every:
+        eval_env = make_env(config.env, min(rc.num_envs, config.eval_episodes), check=rc.check, kwargs=kwargs)
+        eval_actor = Actor(eval_env, {pid: _copy(p) for pid, p in policies.items()}, group_to_policy,
+                           seed=config.seed + 10**6, deterministic=True, record=False)
+    return Trainer(config, actors, learners, eval_actor, tree)
+
+
+__all__ = ["FixedLearner", "Trainer", "build_trainer", "to_json"]
