@@ -3,10 +3,11 @@
 from core.losses.advantages import gae, vtrace, with_gae, with_vtrace
 from core.losses.config import PPOConfig
 from core.losses.ppo import ENTROPY, ppo_loss
-from core.losses.update import ppo_update_
+from core.losses.update import Evaluate, ppo_update_
 
 __all__ = [
     "ENTROPY",
+    "Evaluate",
     "PPOConfig",
     "gae",
     "ppo_loss",
