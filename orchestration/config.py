@@ -13,9 +13,9 @@ from core.policies import PolicyConfig
 class RolloutConfig:
     """How experience is collected (seed 000/004 vocabulary: see ARCHITECTURE.md)."""
 
-    num_envs: int = 8
+    num_envs: int = 16
     """Envs stepped together by one actor (one batched forward pass per step serves all of them)."""
-    fragment_length: int = 128
+    fragment_length: int = 64
     """Steps per fragment; a fragment boundary is not an episode end (it is bootstrapped)."""
     num_workers: int = 1
     """Rollout workers (actors), each with ``num_envs`` envs."""
@@ -44,17 +44,17 @@ class TrainConfig:
     """Extra keyword arguments of the env constructor as ``(name, python literal)`` pairs."""
     seed: int = 0
     """Seed of every generator of the run (envs, sampling, minibatch order, initial weights)."""
-    iterations: int = 50
+    iterations: int = 100
     """Training iterations (each: ``train_batch_size`` env steps, then ``num_epochs`` of SGD, then sync)."""
     train_batch_size: int = 0
     """Env steps per iteration; 0 means one round of fragments (``num_envs * fragment_length * num_workers``)."""
-    lr: float = 3e-4
+    lr: float = 2.5e-3
     """Adam learning rate."""
-    anneal_lr: bool = False
+    anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over ``iterations`` (37 details, detail 4)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Experience collection."""
-    ppo: PPOConfig = field(default_factory=PPOConfig)
+    ppo: PPOConfig = field(default_factory=lambda: PPOConfig(minibatch_size=256))
     """Loss, estimator and update."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Networks built from the tree spec."""

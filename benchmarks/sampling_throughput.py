@@ -1,0 +1,135 @@
+"""End-to-end sampling throughput of an Actor against the ceiling measured in the same run.
+
+Ceiling: the raw environment stepped in a tight loop with one batched forward of the same 64x64 policy
+network per step (tensors only, Gumbel-max sampling, no recording). Ours: ``Actor.collect()`` (policy act,
+adapter, fragment assembly with episode bookkeeping). Target: ours / ceiling >= 0.8.
+
+    python benchmarks/sampling_throughput.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from core.policies import make_policies
+from core.specs import default_policy_mapping, groups
+from orchestration.actor import Actor
+from orchestration.envs import make_env
+
+
+def _mlp(n_in: int, n_out: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(n_in, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, n_out))
+
+
+def _gumbel(logits: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    u = torch.rand(logits.shape, generator=g).clamp_(1e-9, 1.0)
+    return (logits - torch.log(-torch.log(u))).argmax(-1)
+
+
+def ceiling_gym_vector(num_envs: int, steps: int) -> float:
+    """Raw gymnasium SyncVectorEnv + one batched MLP forward + sampling per step."""
+    import gymnasium as gym
+
+    env = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * num_envs)
+    actor, critic, g = _mlp(4, 2), _mlp(4, 1), torch.Generator().manual_seed(0)
+    obs, _ = env.reset(seed=0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps):
+            x = torch.from_numpy(obs)
+            a = _gumbel(actor(x), g)
+            critic(x)
+            obs, *_ = env.step(a.numpy())
+    elapsed = time.perf_counter() - start
+    env.close()
+    return steps * num_envs / elapsed
+
+
+def ceiling_builtin_cartpole(num_envs: int, steps: int) -> float:
+    """Built-in torch CartPole dynamics + one batched MLP forward per step, no protocol wrapping."""
+    from adapters.builtin.cartpole import cartpole_dynamics, initial_states, observations
+
+    g = torch.Generator().manual_seed(0)
+    actor, critic = _mlp(4, 2), _mlp(4, 1)
+    state = initial_states(num_envs, g, torch.float32, "cpu")
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps):
+            x = observations(state)
+            a = _gumbel(actor(x), g)
+            critic(x)
+            state, _ = cartpole_dynamics(state, a)
+    return steps * num_envs / (time.perf_counter() - start)
+
+
+def ceiling_mpe2(num_copies: int, steps: int) -> float:
+    """Raw mpe2 simple_spread parallel envs + one batched MLP forward over all agents per step."""
+    from mpe2 import simple_spread_v3
+
+    envs = [simple_spread_v3.parallel_env(max_cycles=25) for _ in range(num_copies)]
+    obs = [e.reset(seed=i)[0] for i, e in enumerate(envs)]
+    agents = envs[0].possible_agents
+    actor, critic, g = _mlp(18, 5), _mlp(18, 1), torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps):
+            x = torch.from_numpy(np.stack([np.stack([o[a] for a in agents]) for o in obs]))
+            acts = _gumbel(actor(x), g).numpy()
+            critic(x)
+            for i, e in enumerate(envs):
+                o, _, term, trunc, _ = e.step({a: int(acts[i, j]) for j, a in enumerate(agents)})
+                if all(term.values()) or all(trunc.values()):
+                    o, _ = e.reset()
+                obs[i] = o
+    return steps * num_copies / (time.perf_counter() - start)
+
+
+def ours(env_name: str, num_envs: int, steps: int) -> float:
+    """Actor.collect() of fragments (policy act + adapter + fragment assembly)."""
+    env = make_env(env_name, num_envs)
+    policies = make_policies(env.tree)
+    mapping = {g: default_policy_mapping(env.tree)[s.agent_names[0]] for g, s in groups(env.tree).items()}
+    actor = Actor(env, policies, mapping, fragment_length=steps, seed=0)
+    actor.collect()  # warm-up fragment: first-step layout capture, allocator
+    start = time.perf_counter()
+    actor.collect()
+    elapsed = time.perf_counter() - start
+    env.close() if hasattr(env, "close") else None
+    return steps * num_envs / elapsed
+
+
+CASES = {
+    "gymnasium_sync_vector_cartpole_64": ("CartPole-v1", 64, ceiling_gym_vector),
+    "builtin_torch_cartpole_1024": ("builtin:cartpole", 1024, ceiling_builtin_cartpole),
+    "mpe2_simple_spread_8_copies": ("mpe2:simple_spread_v3", 8, ceiling_mpe2),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a smoke run with few steps and one repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    steps, repeats = (16, 1) if args.quick else (256, args.repeats)
+    results = {}
+    for name, (env_name, n, ceiling_fn) in CASES.items():
+        c, o = [], []
+        for _ in range(repeats):  # interleaved, so slow phases of the machine hit both alike
+            c.append(ceiling_fn(n, steps))
+            o.append(ours(env_name, n, steps))
+        results[name] = {"env_steps_per_s": statistics.median(o), "ceiling_env_steps_per_s": statistics.median(c),
+                         "ratio": statistics.median(o) / statistics.median(c), "target": 0.8}
+    print(json.dumps({"benchmark": "sampling_throughput", "steps_per_fragment": steps, "repeats": repeats,
+                      "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The local backend end to end: learning by step budget and seed, resume, NaN guard, export."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from core.losses import PPOConfig
+from core.policies import deployable, deployment_inputs, export_policy
+from core.specs import rand
+from orchestration.checkpoint import load_checkpoint, save_checkpoint
+from orchestration.config import RolloutConfig, TrainConfig
+from orchestration.run_state import restore_trainer_, trainer_state
+from orchestration.trainer import build_trainer
+
+FAST = TrainConfig(env="CartPole-v1", seed=1, lr=1e-3, iterations=6,
+                   rollout=RolloutConfig(num_envs=8, fragment_length=64),
+                   ppo=PPOConfig(minibatch_size=128, num_epochs=4))
+
+
+def _run(config: TrainConfig, iterations: int) -> list[dict]:
+    trainer = build_trainer(config)
+    return [trainer.train() for _ in range(iterations)], trainer
+
+
+@pytest.mark.slow
+def test_cartpole_reaches_195_within_a_step_budget():
+    config = dataclasses.replace(FAST, iterations=60, lr=2.5e-3, anneal_lr=True,
+                                 rollout=RolloutConfig(num_envs=16, fragment_length=64),
+                                 ppo=PPOConfig(minibatch_size=256, num_epochs=4))
+    trainer = build_trainer(config)
+    best = 0.0
+    for _ in range(config.iterations):  # budget: 60 x 1024 = 61,440 env steps
+        m = trainer.train()
+        best = max(best, m["episode_return_mean_10"])
+        if best >= 195:
+            break
+    assert best >= 195, f"mean return of the last 10 episodes peaked at {best:.1f} after {trainer.env_steps} steps"
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    config = dataclasses.replace(FAST, env="builtin:cartpole")
+    straight, straight_trainer = _run(config, 4)
+    first, trainer = _run(config, 2)
+    weights, tensors, state = trainer_state(trainer)
+    save_checkpoint(tmp_path, trainer.iteration, weights=weights, tensors=tensors, state=state)
+    del trainer
+    resumed = build_trainer(config)  # a fresh trainer, as after a restart
+    restore_trainer_(resumed, *load_checkpoint(tmp_path))
+    assert load_checkpoint(tmp_path)[2]["resume_exact"]
+    second = [resumed.train() for _ in range(2)]
+    for a, b in zip(straight, first + second):
+        for key in ("loss_policy", "loss_value", "approx_kl", "episode_return_mean", "env_steps"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7, nan_ok=True), key
+    for pid, learner in straight_trainer.learners.items():
+        theirs = resumed.learners[pid].policy.state_dict()
+        for name, value in learner.policy.state_dict().items():
+            torch.testing.assert_close(value, theirs[name], msg=name)
+
+
+def test_a_nan_in_the_loss_leaves_weights_unchanged_and_is_reported():
+    trainer = build_trainer(FAST)
+    trainer.train()
+    learner = trainer.learners["agent"]
+    before = TensorDict.from_module(learner.policy).clone()
+    adam_before = {k: v.clone() for k, v in learner.optimizer.state[next(iter(learner.optimizer.state))].items()}
+    original = learner.policy.evaluate
+
+    def poisoned(batch, shared=None):
+        out = original(batch, shared)
+        out.set("log_prob", out.get("log_prob") * float("nan"))
+        return out
+
+    learner.policy.evaluate = poisoned
+    metrics = trainer.train()
+    assert metrics["skipped_steps"] == metrics["num_minibatches"] > 0
+    assert (TensorDict.from_module(learner.policy) == before).all()
+    after = learner.optimizer.state[next(iter(learner.optimizer.state))]
+    for k, v in adam_before.items():
+        torch.testing.assert_close(after[k], v)
+    assert learner.counters["skipped_steps"] == metrics["skipped_steps"]
+
+
+def test_exported_policy_acts_like_the_training_policy_in_deterministic_mode():
+    trainer = build_trainer(FAST)
+    trainer.train()
+    policy = trainer.learners["agent"].policy
+    obs = rand(trainer.tree, (7,), torch.Generator().manual_seed(3)).get("agent")
+    buffer = io.BytesIO()
+    torch.export.save(export_policy(policy, obs), buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer).module()
+    args, kwargs = deployment_inputs(policy, obs)
+    expected = policy.act(obs, deterministic=True).get("action")
+    torch.testing.assert_close(loaded(*args, **kwargs), expected)
+    torch.testing.assert_close(deployable(policy)(*args, **kwargs), expected)
