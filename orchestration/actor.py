@@ -6,7 +6,7 @@ Single-threaded; the Ray backend wraps the same class.
 
 Usage loop::
 
-    actor = Actor(env, policies, mapping, seed=0)
+    actor = Actor(env, policies, assign(env.tree), seed=0)
     fragment = actor.collect()          # [env, fragment_length], kept in the outbox
     actor.sync(learners)                # sends the outbox, then picks up the newest published weights
 """
@@ -23,6 +23,7 @@ from core.layout import ACTION, ACTION_MASK, DONE, LOG_PROB, MASK, NEXT, OBSERVA
     STATE_VALUE
 from core.policies import GroupPolicy
 from core.specs import groups
+from orchestration.assignment import GroupAssignment
 
 
 class WeightSource(Protocol):
@@ -44,7 +45,7 @@ class Actor:
     Args:
         env: a :class:`adapters.protocol.BatchedEnv`.
         policies: policy id -> module acting for the groups mapped to it (this actor's own copies).
-        mapping: group -> policy id (default: :func:`core.specs.default_policy_mapping`, one policy per group).
+        assignment: group -> :class:`orchestration.assignment.GroupAssignment` (:func:`assign` of the tree).
         fragment_length: steps per fragment.
         seed: seeds the env reset and the sampling generator.
         worker_id: goes into every fragment's metadata.
@@ -52,13 +53,13 @@ class Actor:
         record: keep fragments (training actors); evaluation actors only count episodes.
     """
 
-    def __init__(self, env, policies: Mapping[str, GroupPolicy], mapping: Mapping[str, str], *,
+    def __init__(self, env, policies: Mapping[str, GroupPolicy], assignment: Mapping[str, GroupAssignment], *,
                  fragment_length: int = 128, seed: int = 0, worker_id: int = 0, deterministic: bool = False,
                  record: bool = True) -> None:
-        missing = [g for g in groups(env.tree) if g not in mapping]
+        missing = [g for g in groups(env.tree) if g not in assignment]
         if missing:
-            raise KeyError(f"no policy mapped to groups {missing}")
-        self.env, self.policies, self.mapping = env, dict(policies), dict(mapping)
+            raise KeyError(f"no policy assigned to groups {missing}")
+        self.env, self.policies, self.assignment = env, dict(policies), dict(assignment)
         self.fragment_length = fragment_length
         self.deterministic, self.record = deterministic, record
         self.generator = torch.Generator().manual_seed(seed)
@@ -67,7 +68,7 @@ class Actor:
         self.outbox: list[TensorDictBase] = []
         self.env_steps = 0
         self._obs = env.reset(seed=seed)
-        self._rnn: dict[str, torch.Tensor | None] = {g: None for g in mapping}
+        self._rnn: dict[tuple[str, str], torch.Tensor | None] = {}
         self._episode_start = torch.ones(env.num_envs, dtype=torch.bool)
 
     # -- acting ------------------------------------------------------------------------------------------
@@ -75,22 +76,37 @@ class Actor:
         """One batched forward per group: the step entries to record and the actions to send."""
         shared = obs.get(SHARED, None)
         entries, actions = {}, {}
-        for group, pid in self.mapping.items():
+        for group, assigned in self.assignment.items():
             g_obs = obs.get(group)
-            out = self.policies[pid].act_step(g_obs, shared, self.generator, self.deterministic,
-                                              self._rnn[group], self._episode_start)
+            out = self._forward(group, assigned, g_obs, shared)
             entry = {OBSERVATION: _maybe_plain(g_obs.get(OBSERVATION)), MASK: g_obs.get(MASK),
                      ACTION: out[ACTION], LOG_PROB: out[LOG_PROB], STATE_VALUE: out[STATE_VALUE]}
             if ACTION_MASK in g_obs.keys():
                 entry[ACTION_MASK] = g_obs.get(ACTION_MASK)
             if RECURRENT_STATE in out:
                 entry[RECURRENT_STATE] = out[RECURRENT_STATE]
-                self._rnn[group] = out[NEXT][RECURRENT_STATE]
             entries[group] = entry
             actions[group] = TensorDict({ACTION: out[ACTION]}, batch_size=g_obs.batch_size)
         if shared is not None:
             entries[SHARED] = _maybe_plain(shared)
         return entries, TensorDict(actions, batch_size=obs.batch_size)
+
+    def _forward(self, group: str, assigned: GroupAssignment, g_obs, shared) -> dict:
+        """The policies' outputs for one group; a split group keeps each policy's outputs on its slots."""
+        outs = {}
+        for pid in assigned.policies:
+            out = self.policies[pid].act_step(g_obs, shared, self.generator, self.deterministic,
+                                              self._rnn.get((group, pid)), self._episode_start)
+            if RECURRENT_STATE in out:
+                self._rnn[(group, pid)] = out[NEXT][RECURRENT_STATE]
+            outs[pid] = out
+        if assigned.single is not None:
+            return outs[assigned.single]
+        merged = dict(outs[assigned.policies[0]])
+        for pid in assigned.policies[1:]:
+            slots = assigned.slots[pid]
+            merged = {k: _where_slots(slots, outs[pid][k], v) for k, v in merged.items() if k != NEXT}
+        return merged
 
     def step(self) -> TensorDictBase:
         """Acts once in every env; records the transition; returns the env's output (``"next"`` + next obs)."""
@@ -110,7 +126,7 @@ class Actor:
         """Runs ``fragment_length`` steps and returns the fragment ``[env, T]`` (also put in the outbox)."""
         for _ in range(self.fragment_length):
             self.step()
-        fragment = self.builder.build({g: self.versions[pid] for g, pid in self.mapping.items()})
+        fragment = self.builder.build({g: self.versions[a.main_policy] for g, a in self.assignment.items()})
         self.outbox.append(fragment)
         return fragment
 
@@ -121,7 +137,7 @@ class Actor:
         running = torch.zeros(self.env.num_envs)
         for _ in range(max_steps):
             nxt = self.step().get(NEXT)
-            for group in self.mapping:
+            for group in self.assignment:
                 reward = nxt.get((group, "reward"))
                 present = nxt.get((group, MASK), None)
                 if present is not None:
@@ -166,13 +182,20 @@ class Actor:
         """
         sent = len(self.outbox)
         for fragment in self.outbox:
-            for pid in set(self.mapping.values()):
+            for pid in self.policies:
                 learners[pid].receive(fragment)
         self.outbox.clear()
         for pid in self.policies:
             version, weights = learners[pid].published()
             self.set_weights(pid, version, weights)
         return sent
+
+
+def _where_slots(slots: torch.Tensor, new, old):
+    """``new`` on the agent slots marked in ``slots`` (``[A]``), ``old`` elsewhere; recurses into dicts."""
+    if isinstance(new, dict):
+        return {k: _where_slots(slots, new[k], old[k]) for k in new}
+    return torch.where(slots.reshape(1, -1, *([1] * (new.dim() - 2))), new, old)
 
 
 def _maybe_plain(value):

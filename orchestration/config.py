@@ -58,6 +58,11 @@ class TrainConfig:
     """Loss, estimator and update."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Networks built from the tree spec."""
+    policy_mapping: tuple[tuple[str, str], ...] = ()
+    """Overrides of the default agent -> policy mapping as ``(agent, policy id)`` pairs, e.g.
+    ``(("player_1", "random"),)``; the default (from the tree) is one shared policy per group."""
+    fixed_policies: tuple[str, ...] = ()
+    """Policy ids that do not learn (frozen); ``random`` is always a fixed uniform-random policy."""
     eval_every: int = 0
     """Evaluate every N iterations on separate envs with deterministic actors; 0 disables."""
     eval_episodes: int = 10

@@ -10,7 +10,7 @@ version number that increases by one per training step.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -33,7 +33,8 @@ class PPOLearner:
 
     Args:
         policy: the module to train (the learner's own copy; actors hold others).
-        groups: the groups whose data trains this policy (several: parameter sharing across groups).
+        groups: group -> bool ``[A]`` slots this policy acts for (None: all) — the data that trains it
+            (several groups: parameter sharing across groups; a slot mask: a group split between policies).
         ppo: loss, estimator and update settings.
         lr: Adam learning rate.
         batch_steps: env steps of data that make a training batch (``train_batch_size``).
@@ -42,11 +43,11 @@ class PPOLearner:
         max_staleness: with data from older versions (asynchronous mode), drop what lags by more than this.
     """
 
-    def __init__(self, policy: GroupPolicy, groups: Sequence[str], *, ppo: PPOConfig, lr: float, batch_steps: int,
+    def __init__(self, policy: GroupPolicy, groups: Mapping[str, torch.Tensor | None], *, ppo: PPOConfig, lr: float, batch_steps: int,
                  seed: int = 0, device: str | torch.device = "cpu", max_staleness: int | None = None) -> None:
         self.device = torch.device(device)
         self.policy = policy.to(self.device)
-        self.groups = list(groups)
+        self.groups = dict(groups)
         self.ppo, self.lr, self.batch_steps = ppo, lr, batch_steps
         self.max_staleness = max_staleness
         fused = self.device.type in ("cpu", "cuda")
@@ -84,6 +85,17 @@ class PPOLearner:
         g_next.set(STATE_VALUE, value)
         return batch
 
+    def _only_slots(self, batch: TensorDictBase, group: str) -> TensorDictBase:
+        """Narrows ``(group, "mask")`` to this policy's slots (other policies' agents are not trained on)."""
+        slots = self.groups[group]
+        if slots is None:
+            return batch
+        g = batch.get(group).copy()
+        g.set(MASK, g.get(MASK) & slots.to(g.device))
+        out = batch.copy()
+        out.set(group, g)
+        return out
+
     def train(self, progress: float = 0.0) -> dict[str, float]:
         """One PPO update on the pending data (call when :meth:`ready`); publishes a new version.
 
@@ -98,6 +110,7 @@ class PPOLearner:
                 batch, dropped = filter_stale(batch, group, self.version, self.max_staleness)
                 self.counters["fragments_stale"] += int(dropped)
             with torch.no_grad():
+                batch = self._only_slots(batch, group)
                 batch = self._with_values(batch, group)
                 batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)
             flat = flatten_transitions(batch)

@@ -147,6 +147,8 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
     policy["hidden_sizes"] = tuple(policy["hidden_sizes"])
     raw["policy"] = PolicyConfig(**policy)
     raw["env_kwargs"] = tuple(tuple(p) for p in raw["env_kwargs"])
+    raw["policy_mapping"] = tuple(tuple(p) for p in raw.get("policy_mapping", ()))
+    raw["fixed_policies"] = tuple(raw.get("fixed_policies", ()))
     return TrainConfig(**raw)
 
 

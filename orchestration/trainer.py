@@ -9,6 +9,7 @@ ones with the same methods. :func:`build_trainer` is the composition root of a l
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import deque
@@ -17,17 +18,35 @@ from typing import Mapping
 import torch
 
 from core.policies import GroupPolicy, make_policies
-from core.specs import default_policy_mapping, groups, to_json
+from core.specs import to_json
 from orchestration.actor import Actor
+from orchestration.assignment import assign, groups_of
 from orchestration.config import TrainConfig
 from orchestration.envs import make_env, parse_kwargs
 from orchestration.learner import FixedLearner, PPOLearner, resolve_device
 
 
 def _copy(policy: GroupPolicy) -> GroupPolicy:
-    import copy
-
     return copy.deepcopy(policy).cpu()
+
+
+def _policy_for(pid: str, assignment, policies: dict[str, GroupPolicy]) -> GroupPolicy:
+    """A fresh module for a policy id that is not a group name (from the first group it acts in)."""
+    group = next(g for g, a in assignment.items() if pid in a.policies)
+    policy = copy.deepcopy(policies[group])
+    for module in policy.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return policy
+
+
+def _uniform(policy: GroupPolicy) -> GroupPolicy:
+    """The random policy: zero action-parameter layer, so every legal action is equally likely."""
+    policy = copy.deepcopy(policy)
+    with torch.no_grad():
+        policy.actor_out.weight.zero_()
+        policy.actor_out.bias.zero_()
+    return policy
 
 
 class Trainer:
@@ -123,22 +142,24 @@ def build_trainer(config: TrainConfig) -> Trainer:
     rc = config.rollout
     envs = [make_env(config.env, rc.num_envs, check=rc.check, kwargs=kwargs) for _ in range(rc.num_workers)]
     tree = envs[0].tree
-    mapping = default_policy_mapping(tree)
-    group_to_policy = {g: mapping[spec.agent_names[0]] for g, spec in groups(tree).items()}
+    assignment = assign(tree, dict(config.policy_mapping))
     policies = make_policies(tree, config.policy)
     device = resolve_device(config.device)
     learners = {}
-    for pid in sorted(set(group_to_policy.values())):
-        mapped = [g for g, p in group_to_policy.items() if p == pid]
-        learners[pid] = PPOLearner(policies[pid], mapped, ppo=config.ppo, lr=config.lr,
-                                   batch_steps=config.steps_per_iteration, seed=config.seed, device=device)
-    actors = [Actor(env, {pid: _copy(p) for pid, p in policies.items()}, group_to_policy,
+    for pid in sorted({p for a in assignment.values() for p in a.policies}):
+        policy = policies.get(pid) or _policy_for(pid, assignment, policies)
+        if pid in config.fixed_policies or pid == "random":
+            learners[pid] = FixedLearner(_uniform(policy) if pid == "random" else policy)
+        else:
+            learners[pid] = PPOLearner(policy, groups_of(assignment, pid), ppo=config.ppo, lr=config.lr,
+                                       batch_steps=config.steps_per_iteration, seed=config.seed, device=device)
+    actors = [Actor(env, {pid: _copy(lrn.policy) for pid, lrn in learners.items()}, assignment,
                     fragment_length=rc.fragment_length, seed=config.seed + 1000 * i, worker_id=i)
               for i, env in enumerate(envs)]
     eval_actor = None
     if config.eval_every:
         eval_env = make_env(config.env, min(rc.num_envs, config.eval_episodes), check=rc.check, kwargs=kwargs)
-        eval_actor = Actor(eval_env, {pid: _copy(p) for pid, p in policies.items()}, group_to_policy,
+        eval_actor = Actor(eval_env, {pid: _copy(lrn.policy) for pid, lrn in learners.items()}, assignment,
                            seed=config.seed + 10**6, deterministic=True, record=False)
     return Trainer(config, actors, learners, eval_actor, tree)
 

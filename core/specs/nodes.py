@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Literal, Mapping, Union
 
 import torch
@@ -137,7 +136,8 @@ class DictNode:
     """Action tag: ``False`` means the parts of this action may execute separately (seed 002)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "children", MappingProxyType(dict(self.children)))
+        # A private plain-dict copy: picklable (Ray ships trees), and the caller's dict can't change it.
+        object.__setattr__(self, "children", dict(self.children))
 
     def __hash__(self) -> int:
         return hash((tuple(self.children.items()), self.atomic))
@@ -215,7 +215,7 @@ class DictPopulation:
     """Observation common to the population (e.g. ``state()`` of a PettingZoo env), stored once per env."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "members", MappingProxyType(dict(self.members)))
+        object.__setattr__(self, "members", dict(self.members))
         if not self.members:
             raise TreeError("", "a dict population needs at least one member")
         for name, member in self.members.items():

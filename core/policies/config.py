@@ -1,0 +1,77 @@
+"""The policy configuration record: network sizes, critic kind, recurrence and initialisation, once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Activation = Literal["tanh", "relu", "elu", "silu", "gelu"]
+ACTIVATIONS: tuple[str, ...] = ("tanh", "relu", "elu", "silu", "gelu")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyConfig:
+    """How a :class:`core.policies.GroupPolicy` is built (defaults follow CleanRL's ``ppo.py`` / MAPPO).
+
+    Initialisation follows "The 37 Implementation Details of PPO", detail 2
+    (https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/): orthogonal weights, zero
+    biases, gain ``sqrt(2)`` in hidden layers, ``actor_output_gain`` on the policy output layer and
+    ``critic_output_gain`` on the value output layer.
+    """
+
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    """Widths of the hidden layers of the actor trunk and (separately) of the critic trunk."""
+    activation: Activation = "tanh"
+    """Non-linearity after every hidden layer (tanh in CleanRL; relu is ~2.6x cheaper on CPU at batch 1024)."""
+    agent_id_input: bool = False
+    """Append the one-hot slot index of the agent to the actor (and critic) input; breaks agent symmetry."""
+    critic: Literal["local", "central"] = "local"
+    """"local" (IPPO): the critic reads the agent's own observation, eval-only leaves included. "central"
+    (MAPPO): it also reads every agent's observation in the group (absent agents zeroed) and the shared
+    observations of the group's population and its ancestors, eval-only leaves included."""
+    recurrent: bool = False
+    """Put a GRU cell between the actor trunk and the action heads; the caller carries its state."""
+    recurrent_size: int = 64
+    """Width ``H`` of the GRU state ``[*B, A, H]`` (used when ``recurrent``)."""
+    squash_bounded_actions: bool = True
+    """Bounded box actions use a tanh-squashed Gaussian scaled to the bounds; False: a plain Gaussian
+    (the env must clip, as CleanRL's continuous PPO does)."""
+    log_std_init: float = 0.0
+    """Initial value of the state-independent log standard deviation of Gaussian heads."""
+    hidden_gain: float = math.sqrt(2.0)
+    """Orthogonal-init gain of hidden layers (detail 2)."""
+    actor_output_gain: float = 0.01
+    """Orthogonal-init gain of the action-parameter layer: near-uniform initial policy (detail 2)."""
+    critic_output_gain: float = 1.0
+    """Orthogonal-init gain of the value output layer (detail 2)."""
+
+    def __post_init__(self) -> None:
+        sizes = self.hidden_sizes
+        _check(isinstance(sizes, tuple) and all(_is_int(h) and h >= 1 for h in sizes), "hidden_sizes",
+               "a tuple of ints >= 1", sizes)
+        _check(self.activation in ACTIVATIONS, "activation", f"one of {ACTIVATIONS}", self.activation)
+        _check(isinstance(self.agent_id_input, bool), "agent_id_input", "a bool", self.agent_id_input)
+        _check(self.critic in ("local", "central"), "critic", "'local' or 'central'", self.critic)
+        _check(isinstance(self.recurrent, bool), "recurrent", "a bool", self.recurrent)
+        _check(_is_int(self.recurrent_size) and self.recurrent_size >= 1, "recurrent_size", "an int >= 1",
+               self.recurrent_size)
+        _check(isinstance(self.squash_bounded_actions, bool), "squash_bounded_actions", "a bool",
+               self.squash_bounded_actions)
+        for name in ("log_std_init", "hidden_gain", "actor_output_gain", "critic_output_gain"):
+            _check(isinstance(getattr(self, name), (int, float)) and math.isfinite(getattr(self, name)), name,
+                   "a finite number", getattr(self, name))
+        for name in ("hidden_gain", "actor_output_gain", "critic_output_gain"):
+            _check(getattr(self, name) > 0, name, "> 0", getattr(self, name))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, name: str, expected: str, got: object) -> None:
+    if not ok:
+        raise ValueError(f"PolicyConfig.{name} must be {expected}, got {got!r}")
+
+
+__all__ = ["ACTIVATIONS", "Activation", "PolicyConfig"]

@@ -1,0 +1,286 @@
+"""One action distribution head per action leaf kind, on plain tensors with any leading batch dims ``[*B]``.
+
+A head turns the raw output of the actor (``params``, ``[*B, head.num_params]``) into actions. Every head
+has the same four methods; log-probabilities and entropies are ``[*B, 1]``; actions are ``[*B, *leaf.shape]``
+in the leaf's dtype (a discrete leaf's ``start`` offset included)::
+
+    action, log_prob = head.sample(params, generator, mask)   # random, from the passed generator only
+    head.log_prob(params, action, mask)   # differentiable in params
+    head.entropy(params, mask)            # differentiable in params
+    head.mode(params, mask)               # deterministic (argmax / mean)
+
+Sampling is hand-written (notes/tensordict-hot-paths.md pattern 8: Gumbel-max is ~4x cheaper than
+``torch.distributions.Categorical``); tests pin each head to its ``torch.distributions`` counterpart.
+
+Action masks (categorical and multi-categorical heads): illegal logits are replaced by the most negative
+finite float, so an illegal action has probability exactly 0, is never sampled and adds nothing to the
+entropy, while a row with *no* legal action (a padded, absent agent) stays finite (uniform) instead of NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core.specs import Leaf, leaf_bounds
+
+_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+_TANH_EDGE = 1e-6  # squashed actions are read back inside (-1 + e, 1 - e) so atanh stays finite
+
+
+def gumbel_argmax(logits: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Samples ``argmax(logits - log(-log U))``, ``U ~ Uniform(0, 1)``: a draw of ``Categorical(logits)``.
+
+    Args:
+        logits: ``[*B, n]`` unnormalised log-probabilities.
+        generator: source of ``U`` (on the device of ``logits``).
+
+    Returns:
+        int64 indices ``[*B]``.
+    """
+    u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+    noise = u.clamp_(min=torch.finfo(logits.dtype).tiny).log_().neg_().log_()  # log(-log U), U > 0
+    return (logits - noise).argmax(-1)
+
+
+def _masked(logits: Tensor, mask: Tensor | None) -> Tensor:
+    if mask is None:
+        return logits
+    if mask.shape != logits.shape or mask.dtype != torch.bool:
+        raise ValueError(f"action mask {tuple(mask.shape)} {mask.dtype} must be bool {tuple(logits.shape)}")
+    return logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+
+
+def _categorical_entropy(logits: Tensor) -> Tensor:
+    logp = logits.log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class Head(nn.Module):
+    """Base of the action heads: ``num_params`` actor outputs in, actions of one leaf out."""
+
+    num_params: int
+    """Size of the last dim of ``params``."""
+
+    def __init__(self, leaf: Leaf) -> None:
+        super().__init__()
+        self.leaf = leaf
+
+    def _no_mask(self, mask: Tensor | None) -> None:
+        if mask is not None:
+            raise ValueError(f"a {self.leaf.kind} action leaf takes no action mask")
+
+
+class CategoricalHead(Head):
+    """``Discrete(n, start)``: logits ``[*B, n]``; optional bool mask ``[*B, n]`` (True = legal)."""
+
+    def __init__(self, leaf: Leaf) -> None:
+        super().__init__(leaf)
+        self.num_params = leaf.n
+
+    def sample(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None):
+        logits = _masked(params, mask)
+        index = gumbel_argmax(logits, generator)
+        log_prob = logits.log_softmax(-1).gather(-1, index.unsqueeze(-1))
+        return self._action(index), log_prob
+
+    def _action(self, index: Tensor) -> Tensor:
+        return (index + self.leaf.start if self.leaf.start else index).to(self.leaf.dtype)
+
+    def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
+        index = (action.long() - self.leaf.start).unsqueeze(-1)
+        return _masked(params, mask).log_softmax(-1).gather(-1, index)
+
+    def entropy(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        return _categorical_entropy(_masked(params, mask)).unsqueeze(-1)
+
+    def mode(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        return self._action(_masked(params, mask).argmax(-1))
+
+
+class MultiCategoricalHead(Head):
+    """``MultiDiscrete(nvec)``: independent categoricals; logits and mask ``[*B, sum(nvec)]``, concatenated.
+
+    Components of different sizes are padded to ``max(nvec)`` with impossible logits, so all ``K``
+    components are sampled in one Gumbel-max over ``[*B, K, max(nvec)]``.
+    """
+
+    def __init__(self, leaf: Leaf) -> None:
+        super().__init__(leaf)
+        nvec, width = leaf.nvec, max(leaf.nvec)
+        self.num_params, self.k, self.width = sum(nvec), len(nvec), width
+        self.uniform = len(set(nvec)) == 1
+        index = [i * width + j for i, n in enumerate(nvec) for j in range(n)]
+        self.register_buffer("index", torch.tensor(index, dtype=torch.long), persistent=False)
+
+    def _pad(self, x: Tensor, fill) -> Tensor:
+        if not self.uniform:
+            out = x.new_full((*x.shape[:-1], self.k * self.width), fill)
+            x = out.index_copy(-1, self.index, x)
+        return x.unflatten(-1, (self.k, self.width))
+
+    def _logits(self, params: Tensor, mask: Tensor | None) -> Tensor:
+        logits = self._pad(params, torch.finfo(params.dtype).min)
+        if mask is not None:
+            if mask.shape != params.shape or mask.dtype != torch.bool:
+                raise ValueError(f"action mask {tuple(mask.shape)} must be bool {tuple(params.shape)}")
+            logits = _masked(logits, self._pad(mask, False))
+        return logits
+
+    def sample(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None):
+        logits = self._logits(params, mask)
+        index = gumbel_argmax(logits, generator)
+        log_prob = logits.log_softmax(-1).gather(-1, index.unsqueeze(-1)).sum(-2)
+        return index.to(self.leaf.dtype), log_prob
+
+    def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
+        logp = self._logits(params, mask).log_softmax(-1)
+        return logp.gather(-1, action.long().unsqueeze(-1)).sum(-2)
+
+    def entropy(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        return _categorical_entropy(self._logits(params, mask)).sum(-1, keepdim=True)
+
+    def mode(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        return self._logits(params, mask).argmax(-1).to(self.leaf.dtype)
+
+
+class BernoulliHead(Head):
+    """``MultiBinary(n)``: independent Bernoulli bits, logits ``[*B, n]``."""
+
+    def __init__(self, leaf: Leaf) -> None:
+        super().__init__(leaf)
+        self.num_params = leaf.n
+
+    def sample(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None):
+        self._no_mask(mask)
+        u = torch.rand(params.shape, generator=generator, dtype=params.dtype, device=params.device)
+        bits = u < torch.sigmoid(params)
+        return bits.to(self.leaf.dtype), self.log_prob(params, bits)
+
+    def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
+        self._no_mask(mask)
+        target = action.to(params.dtype)
+        return -F.binary_cross_entropy_with_logits(params, target, reduction="none").sum(-1, keepdim=True)
+
+    def entropy(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        self._no_mask(mask)
+        p = torch.sigmoid(params)
+        return F.binary_cross_entropy_with_logits(params, p, reduction="none").sum(-1, keepdim=True)
+
+    def mode(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        self._no_mask(mask)
+        return (params > 0).to(self.leaf.dtype)
+
+
+class GaussianHead(Head):
+    """Float box: diagonal Gaussian, means ``[*B, D]`` (``D = prod(shape)``), state-independent ``log_std``.
+
+    The parameter ``log_std`` ``[D]`` lives in the head (CleanRL's ``actor_logstd``), so ``params`` holds
+    only the means.
+    """
+
+    def __init__(self, leaf: Leaf, log_std_init: float = 0.0) -> None:
+        super().__init__(leaf)
+        if not leaf.dtype.is_floating_point:
+            raise ValueError(f"a box action leaf needs a float dtype for a Gaussian head, got {leaf.dtype}")
+        self.num_params = math.prod(leaf.shape)
+        self.log_std = nn.Parameter(torch.full((self.num_params,), float(log_std_init)))
+
+    def _flat(self, x: Tensor) -> Tensor:
+        nd = len(self.leaf.shape)
+        return x.flatten(-nd) if nd else x.unsqueeze(-1)
+
+    def _unflat(self, x: Tensor) -> Tensor:
+        nd = len(self.leaf.shape)
+        return x.unflatten(-1, self.leaf.shape) if nd else x.squeeze(-1)
+
+    def _normal_log_prob(self, mean: Tensor, u: Tensor) -> Tensor:
+        z = (u - mean) * torch.exp(-self.log_std)
+        return (-0.5 * z.square() - self.log_std - _HALF_LOG_2PI).sum(-1, keepdim=True)
+
+    def _draw(self, params: Tensor, generator: torch.Generator | None) -> Tensor:
+        eps = torch.randn(params.shape, generator=generator, dtype=params.dtype, device=params.device)
+        return params + self.log_std.exp() * eps
+
+    def sample(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None):
+        self._no_mask(mask)
+        u = self._draw(params, generator)
+        return self._unflat(u).to(self.leaf.dtype), self._normal_log_prob(params, u)
+
+    def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
+        self._no_mask(mask)
+        return self._normal_log_prob(params, self._flat(action).to(params.dtype))
+
+    def entropy(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        self._no_mask(mask)
+        h = (self.log_std + 0.5 + _HALF_LOG_2PI).sum()
+        return h.expand(*params.shape[:-1], 1)
+
+    def mode(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        self._no_mask(mask)
+        return self._unflat(params).to(self.leaf.dtype)
+
+
+class TanhGaussianHead(GaussianHead):
+    """Bounded float box: ``a = loc + scale * tanh(u)``, ``u ~ N(mean, exp(log_std))``, inside ``[low, high]``.
+
+    ``log_prob`` is the change-of-variables density ``log N(u) - sum log(scale * (1 - tanh(u)^2))``, with
+    ``u = atanh`` of the action clamped to ``(-1 + 1e-6, 1 - 1e-6)``; ``sample`` computes its log-probability
+    through the same path, so ``log_prob(params, sampled_action)`` reproduces it exactly.
+    ``entropy`` is the entropy of the pre-squash Gaussian ``u``: the squashed entropy has no closed form
+    (``H(a) = H(u) + E[log|da/du|] <= H(u) + sum log(scale)``); it serves as the regulariser of the bonus.
+    """
+
+    def __init__(self, leaf: Leaf, log_std_init: float = 0.0) -> None:
+        super().__init__(leaf, log_std_init)
+        low, high = leaf_bounds(leaf)
+        if not bool(torch.isfinite(low).all() and torch.isfinite(high).all()):
+            raise ValueError("a tanh-Gaussian head needs finite bounds on every element")
+        self.register_buffer("loc", ((high + low) / 2).flatten().float(), persistent=False)
+        self.register_buffer("scale", ((high - low) / 2).flatten().float(), persistent=False)
+
+    def sample(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None):
+        self._no_mask(mask)
+        action = self._unflat(self.loc + self.scale * torch.tanh(self._draw(params, generator)))
+        action = action.to(self.leaf.dtype)
+        return action, self.log_prob(params, action)
+
+    def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
+        self._no_mask(mask)
+        y = ((self._flat(action).to(params.dtype) - self.loc) / self.scale).clamp(-1 + _TANH_EDGE, 1 - _TANH_EDGE)
+        log_det = (torch.log(self.scale) + torch.log1p(-y.square())).sum(-1, keepdim=True)
+        return self._normal_log_prob(params, torch.atanh(y)) - log_det
+
+    def mode(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
+        self._no_mask(mask)
+        return self._unflat(self.loc + self.scale * torch.tanh(params)).to(self.leaf.dtype)
+
+
+def make_head(leaf: Leaf, *, log_std_init: float = 0.0, squash_bounded: bool = True) -> Head:
+    """The head of one action leaf.
+
+    Box leaves with finite bounds on every element get a :class:`TanhGaussianHead` when ``squash_bounded``,
+    any other float box a :class:`GaussianHead` (unbounded sampling; the env clips).
+
+    Raises:
+        ValueError: an integer box action (no head for it).
+    """
+    if leaf.kind == "discrete":
+        return CategoricalHead(leaf)
+    if leaf.kind == "multi_discrete":
+        return MultiCategoricalHead(leaf)
+    if leaf.kind == "binary":
+        return BernoulliHead(leaf)
+    low, high = leaf_bounds(leaf)
+    if squash_bounded and bool(torch.isfinite(low).all() and torch.isfinite(high).all()):
+        return TanhGaussianHead(leaf, log_std_init)
+    return GaussianHead(leaf, log_std_init)
+
+
+__all__ = [
+    "BernoulliHead", "CategoricalHead", "GaussianHead", "Head", "MultiCategoricalHead", "TanhGaussianHead",
+    "gumbel_argmax", "make_head",
+]

@@ -1,0 +1,132 @@
+"""Building blocks of a group policy: orthogonally initialised MLPs and the observation encoder.
+
+The encoder turns an agent's observation tree into one float vector per agent: every leaf is flattened in
+:func:`core.specs.iter_leaves` order (box: cast to float; discrete: one-hot of ``n``; multi_discrete:
+one-hot per component, concatenated; binary: cast to float) and the pieces are concatenated. Eval-only
+leaves are skipped unless the encoder is built for a critic. One-hots are written as ``x == arange`` so the
+same code runs under ``torch.export`` (``F.one_hot`` checks its input values, a data-dependent guard).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from core.specs import Leaf, Node, iter_leaves
+
+Path = tuple[str, ...]
+
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "silu": nn.SiLU, "gelu": nn.GELU}
+
+
+def init_linear_(layer: nn.Linear, gain: float) -> nn.Linear:
+    """Orthogonal weights with ``gain``, zero bias (37 details, detail 2). Mutates and returns ``layer``."""
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def mlp(in_features: int, hidden_sizes: Sequence[int], activation: str, gain: float) -> nn.Sequential:
+    """``Linear -> activation`` per hidden size (an empty ``Sequential``, the identity, for no hidden layer)."""
+    layers: list[nn.Module] = []
+    for width in hidden_sizes:
+        layers += [init_linear_(nn.Linear(in_features, width), gain), _ACTIVATIONS[activation]()]
+        in_features = width
+    return nn.Sequential(*layers)
+
+
+def read_path(container, path: Path):
+    """``container[path[0]][path[1]]...``: works on TensorDicts and nested plain dicts alike."""
+    for key in path:
+        container = container[key]
+    return container
+
+
+def _leaf_width(leaf: Leaf) -> int:
+    if leaf.kind == "discrete":
+        return leaf.n
+    if leaf.kind == "multi_discrete":
+        return sum(leaf.nvec)
+    return math.prod(leaf.shape)
+
+
+class ObservationEncoder(nn.Module):
+    """Flattens the leaves of one observation node into ``[*B, out_features]`` floats (module docstring).
+
+    Attributes:
+        paths: key path of every encoded leaf, in input order (``()`` for a bare-leaf node).
+        leaves: the encoded leaves, same order.
+        out_features: width of the encoding.
+    """
+
+    def __init__(self, node: Node, *, include_eval_only: bool) -> None:
+        super().__init__()
+        kept = [(p, leaf) for p, leaf in iter_leaves(node) if include_eval_only or not leaf.eval_only]
+        self.paths: list[Path] = [p for p, _ in kept]
+        self.leaves: list[Leaf] = [leaf for _, leaf in kept]
+        self.out_features = sum(_leaf_width(leaf) for leaf in self.leaves)
+        for i, leaf in enumerate(self.leaves):
+            if leaf.kind == "discrete":
+                self.register_buffer(f"_arange{i}", torch.arange(leaf.n) + leaf.start, persistent=False)
+            elif leaf.kind == "multi_discrete":
+                offsets = torch.tensor([0, *leaf.nvec[:-1]]).cumsum(0)
+                self.register_buffer(f"_offsets{i}", offsets, persistent=False)
+                self.register_buffer(f"_arange{i}", torch.arange(sum(leaf.nvec)), persistent=False)
+
+    def read(self, observation) -> list[Tensor]:
+        """The encoded leaves of ``observation`` (a tensor for a bare leaf, else a TensorDict or nested dict).
+
+        Raises:
+            ValueError: a leaf whose trailing dims differ from its spec shape.
+        """
+        out = []
+        for path, leaf in zip(self.paths, self.leaves):
+            x = read_path(observation, path)
+            nd = len(leaf.shape)
+            if x.dim() < nd or (nd and tuple(x.shape[-nd:]) != leaf.shape):
+                raise ValueError(f"observation leaf {'/'.join(path) or '<leaf>'}: shape {tuple(x.shape)} does "
+                                 f"not end with {leaf.shape}")
+            out.append(x)
+        return out
+
+    def forward(self, leaves: Sequence[Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
+        """Encodes the tensors of :meth:`read` (same order), each ``[*B, *leaf.shape]``, into ``[*B, F]``."""
+        parts = []
+        for i, (x, leaf) in enumerate(zip(leaves, self.leaves)):
+            if leaf.kind == "discrete":
+                parts.append((x.unsqueeze(-1) == getattr(self, f"_arange{i}")).to(dtype))
+            elif leaf.kind == "multi_discrete":
+                index = (x.long() + getattr(self, f"_offsets{i}")).unsqueeze(-1)   # [*B, K, 1]
+                parts.append((index == getattr(self, f"_arange{i}")).any(-2).to(dtype))
+            elif leaf.shape:
+                parts.append(x.flatten(-len(leaf.shape)).to(dtype))
+            else:
+                parts.append(x.unsqueeze(-1).to(dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
+class SharedEncoder(nn.Module):
+    """Encodes the shared observations a group's central critic reads: ``[*B, out_features]``.
+
+    ``shared`` maps key paths under ``"shared"`` to nodes (:func:`core.specs.shared_observations`); the
+    encoder keeps the nodes on ``population_path`` (the root's and every ancestor population's), in that
+    order, eval-only leaves included.
+    """
+
+    def __init__(self, shared: Mapping[Path, Node], population_path: str) -> None:
+        super().__init__()
+        parts = tuple(population_path.split("/")) if population_path else ()
+        self.paths: list[Path] = [p for p in shared if p == parts[: len(p)]]
+        self.encoders = nn.ModuleList(ObservationEncoder(shared[p], include_eval_only=True) for p in self.paths)
+        self.out_features = sum(e.out_features for e in self.encoders)
+
+    def forward(self, shared) -> Tensor:
+        """``shared``: the ``td["shared"]`` entry of a step (a TensorDict, nested dict or tensor)."""
+        parts = [enc(enc.read(read_path(shared, p))) for p, enc in zip(self.paths, self.encoders)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
+__all__ = ["ObservationEncoder", "SharedEncoder", "init_linear_", "mlp", "read_path"]

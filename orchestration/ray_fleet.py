@@ -1,0 +1,487 @@
+"""The rollout fleet on Ray (seed 004): rollout workers, their sender threads, and the manager over them.
+
+A :class:`RolloutWorker` (plain class, made remote once: :data:`RemoteRolloutWorker`) wraps the local
+:class:`orchestration.actor.Actor`. Its sampling loop builds fragments and puts them in a bounded queue; a
+sender thread ``ray.put``s each one in wire form (numpy views, :mod:`orchestration.wire`) and hands the
+ref to every learner it feeds, keeping at most ``max_in_flight`` unacknowledged pushes per learner. A slow
+learner therefore fills the queue and blocks the sampling loop (back-pressure); no RPC happens inside
+the sampling loop. At each fragment boundary the worker loads the newest weights it was told about (one
+object ref per version, published once by the learner); every fragment records the version that acted.
+
+:class:`RayFleet` (driver side) creates, supervises and re-creates workers. Synchronous mode: every
+worker collects its share of ``train_batch_size`` with the current weights (seed 000's loop); lost data
+is re-collected. Asynchronous mode: workers stream until stopped and receive new weights refs as they are
+published. A dead worker is re-created under a new incarnation (new ``worker_id`` and seed stream) and
+re-synced; what it had not delivered is counted lost by the learners' ledgers.
+
+Worker identity: ``worker_id = (incarnation << 16) | slot`` (incarnation 0: the local backend's ids),
+seed ``config.seed + 1000 * slot (+ 10**7 * incarnation)`` (incarnation 0: the local backend's seeds),
+so a synchronous Ray run reproduces the local run's fragments and weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping
+
+import ray
+import torch
+
+from core.layout import FRAGMENT_ID, POLICY_VERSION
+from core.policies import make_policies
+from core.specs import default_policy_mapping, groups
+from orchestration.actor import Actor
+from orchestration.config import TrainConfig
+from orchestration.envs import make_env, parse_kwargs
+from orchestration.ray_stats import PipelineMonitor, episode_arrays
+from orchestration.wire import from_wire, to_wire
+
+#: policy id -> (version, [ref of its wire-form weights]); the ref is nested so Ray passes it unresolved.
+Weights = Mapping[str, tuple[int, list]]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RayConfig:
+    """How the Ray backend places and runs the fleet and the learners (no Ray import needed to build one)."""
+
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: collect ``train_batch_size`` with the current weights, train, broadcast (seed 000).
+    ``async``: workers stream; each learner trains whenever a batch is ready (seed 004)."""
+    max_staleness: int = 1
+    """Fragments whose policy version lags the learner's by more than this are dropped and counted."""
+    reuse_limit: int = 1
+    """Times a fragment may be trained on (async mode tops up a batch with reusable data)."""
+    queue_size: int = 2
+    """Fragments buffered between a worker's sampling loop and its sender thread."""
+    max_in_flight: int = 2
+    """Pushes per learner a sender thread may have unacknowledged before it waits."""
+    num_cpus: float | None = None
+    """CPUs of a local Ray instance this backend starts (None: ``os.cpu_count()``)."""
+    worker_num_cpus: float = 1.0
+    """Ray CPUs reserved per rollout worker (fractions allowed)."""
+    learner_num_cpus: float = 1.0
+    """Ray CPUs reserved per learner."""
+    learner_num_gpus: float | Literal["auto"] = "auto"
+    """GPUs per learner; ``auto``: share the cluster's GPUs among learners when it has any, else 0."""
+    worker_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
+    """Ray scheduling strategy of rollout workers (``SPREAD``: across nodes)."""
+    max_worker_restarts: int = 100
+    """Re-creations of dead rollout workers allowed over the run before it fails."""
+    resolve_timeout_s: float = 30.0
+    """A learner gives up fetching a pushed fragment after this long (counted lost)."""
+    worker_threads: int = 1
+    """torch threads per rollout worker."""
+    learner_threads: int = 1
+    """torch threads per learner."""
+    poll_interval_s: float = 0.002
+    """Async mode: pause between readiness polls of the learners."""
+    iteration_timeout_s: float = 600.0
+    """Async mode: fail when no learner could train for this long."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"RayConfig.mode must be 'sync' or 'async', got {self.mode!r}")
+        for name in ("max_staleness", "max_worker_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("reuse_limit", "queue_size", "max_in_flight", "worker_threads", "learner_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.worker_num_cpus < 0 or self.learner_num_cpus < 0 or (self.num_cpus is not None and self.num_cpus <= 0):
+            raise ValueError("RayConfig CPU counts must be >= 0 (num_cpus > 0)")
+
+
+def group_policies(tree) -> dict[str, str]:
+    """Group -> policy id of the default mapping (as :func:`orchestration.trainer.build_trainer` derives it)."""
+    mapping = default_policy_mapping(tree)
+    return {g: mapping[spec.agent_names[0]] for g, spec in groups(tree).items()}
+
+
+def worker_id_of(slot: int, incarnation: int) -> int:
+    """``(incarnation << 16) | slot``: incarnation 0 keeps the local backend's worker ids."""
+    if not (0 <= slot < 2**16 and 0 <= incarnation < 2**15):
+        raise ValueError(f"slot {slot} or incarnation {incarnation} out of range")
+    return (incarnation << 16) | slot
+
+
+def worker_seed(seed: int, slot: int, incarnation: int) -> int:
+    """Seed of a worker's env and sampling generator; a re-created worker gets a fresh stream."""
+    return seed + 1000 * slot + 10**7 * incarnation
+
+
+class TimedEnv:
+    """Delegates to a batched env and adds the time spent in ``step`` to a monitor's ``env_step`` stage."""
+
+    def __init__(self, env, monitor: PipelineMonitor) -> None:
+        self._env, self._monitor, self.elapsed = env, monitor, 0.0
+
+    def step(self, actions):
+        start = time.perf_counter()
+        out = self._env.step(actions)
+        self.elapsed += time.perf_counter() - start
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
+
+
+class RolloutWorker:
+    """One rollout process: a local :class:`Actor`, a bounded fragment queue and a sender thread.
+
+    Args:
+        config: the run (env, rollout sizes, policy architecture, seed).
+        ray_config: queue and in-flight bounds, threads.
+        slot: the worker's position in the fleet; ``incarnation``: how many times the slot was re-created.
+        learners: policy id -> learner actor handle (every fragment goes to every learner of the mapping).
+        stats: the :class:`orchestration.ray_stats.EpisodeStatistics` actor, or None.
+        weights: the weights to start from (:data:`Weights`).
+    """
+
+    def __init__(self, config: TrainConfig, ray_config: RayConfig, slot: int, incarnation: int,
+                 learners: Mapping[str, Any], stats, weights: Weights) -> None:
+        torch.set_num_threads(ray_config.worker_threads)
+        self.ray_config, self.slot, self.incarnation = ray_config, slot, incarnation
+        self.worker_id = worker_id_of(slot, incarnation)
+        self.monitor = PipelineMonitor()
+        rc = config.rollout
+        self.env = TimedEnv(make_env(config.env, rc.num_envs, check=rc.check, kwargs=parse_kwargs(config.env_kwargs)),
+                            self.monitor)
+        tree = self.env.tree
+        self.actor = Actor(self.env, make_policies(tree, config.policy), group_policies(tree),
+                           fragment_length=rc.fragment_length, seed=worker_seed(config.seed, slot, incarnation),
+                           worker_id=self.worker_id)
+        self.learners, self.stats = dict(learners), stats
+        self.queue: queue.Queue = queue.Queue(maxsize=ray_config.queue_size)
+        self.produced = self.sent = 0
+        self._latest: dict[str, tuple[int, list]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._delay = 0.0
+        self.set_latest(weights)
+        self._load(force=True)
+        self._sender = threading.Thread(target=self._send_loop, name="fragment-sender", daemon=True)
+        self._sender.start()
+
+    # -- weights -----------------------------------------------------------------------------------------
+    def set_latest(self, weights: Weights) -> None:
+        """Records newer weights refs; the sampling loop loads them at its next fragment boundary."""
+        with self._lock:
+            for pid, (version, refs) in weights.items():
+                if pid not in self._latest or version != self._latest[pid][0]:
+                    self._latest[pid] = (int(version), list(refs))
+
+    def _load(self, force: bool = False) -> None:
+        with self._lock:
+            latest = dict(self._latest)
+        for pid, (version, refs) in latest.items():
+            if force or version != self.actor.versions[pid]:
+                weights = from_wire(ray.get(refs[0]))
+                self.actor.versions[pid] = version - 1  # set_weights skips a version it already has
+                self.actor.set_weights(pid, version, weights)
+
+    # -- sampling loop (one thread) ----------------------------------------------------------------------
+    def _produce(self) -> None:
+        """One fragment: newest weights, ``fragment_length`` steps, assembly, then into the queue."""
+        self._check_sender()
+        self._load()
+        actor, monitor = self.actor, self.monitor
+        start, env_before = time.perf_counter(), self.env.elapsed
+        with torch.no_grad():
+            for _ in range(actor.fragment_length):
+                actor.step()
+        if self._delay:
+            time.sleep(self._delay)  # a slow environment (test hook)
+        stepped = time.perf_counter()
+        fragment = actor.builder.build({g: actor.versions[pid] for g, pid in actor.mapping.items()})
+        episodes = episode_arrays(actor.builder.pop_completed_episodes())
+        built = time.perf_counter()
+        env_time = self.env.elapsed - env_before + self._delay
+        monitor.add("env_step", env_time)
+        monitor.add("inference", stepped - start - env_time)
+        monitor.add("assembly", built - stepped)
+        meta = {"fragment_id": int(fragment.get(FRAGMENT_ID)[0, 0]), "worker_id": self.worker_id, "slot": self.slot,
+                "incarnation": self.incarnation, "sequence": actor.builder.sequence - 1,
+                POLICY_VERSION: {g: actor.versions[pid] for g, pid in actor.mapping.items()},
+                "env_steps": fragment.batch_size.numel()}
+        self.produced += 1
+        self._put((fragment, meta, episodes))
+        monitor.add("enqueue_wait", time.perf_counter() - built)
+        monitor.fragment_built(meta["env_steps"], self.queue.qsize())
+
+    def _put(self, item) -> None:
+        while True:
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                self._check_sender()
+
+    def _check_sender(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"worker {self.worker_id}: the sender thread failed") from self._error
+
+    def _flush(self) -> None:
+        """Blocks until every queued fragment was delivered and acknowledged."""
+        done = threading.Event()
+        self._put(done)
+        while not done.wait(0.1):
+            self._check_sender()
+        self._check_sender()
+
+    def collect(self, num_fragments: int, weights: Weights) -> dict[str, Any]:
+        """Synchronous mode: ``num_fragments`` fragments with ``weights``, delivered before returning."""
+        self.set_latest(weights)
+        for _ in range(num_fragments):
+            self._produce()
+        self._flush()
+        return self.report()
+
+    def run(self, weights: Weights) -> dict[str, Any]:
+        """Asynchronous mode: streams fragments until :meth:`stop`; delivers what it built, then returns."""
+        self.set_latest(weights)
+        while not self._stop.is_set():
+            self._produce()
+        self._flush()
+        return self.report()
+
+    def stop(self) -> None:
+        """Ends :meth:`run` after the current fragment."""
+        self._stop.set()
+
+    # -- sender thread -----------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        inflight: deque = deque()
+        side: list = []  # episode-statistics calls, awaited only on flush
+        limit = self.ray_config.max_in_flight * max(len(self.learners), 1)
+        while True:
+            item = self.queue.get()
+            try:
+                if isinstance(item, threading.Event):
+                    ray.get(list(inflight) + side)
+                    inflight.clear()
+                    side = []
+                    item.set()
+                    continue
+                fragment, meta, episodes = item
+                start = time.perf_counter()
+                ref = ray.put(to_wire(fragment, meta))
+                put = time.perf_counter()
+                inflight.extend(learner.push.remote(meta, [ref]) for learner in self.learners.values())
+                if episodes and self.stats is not None:
+                    side.append(self.stats.add.remote(self.worker_id, episodes))
+                while len(inflight) > limit:
+                    ray.get(inflight.popleft())
+                if len(side) > 8:
+                    side = ray.wait(side, num_returns=len(side), timeout=0)[1]
+                self.sent += 1
+                self.monitor.add("serialize_put", put - start)
+                self.monitor.add("send_wait", time.perf_counter() - put)
+                self.monitor.fragment_sent()
+            except BaseException as err:  # surfaced to the sampling loop by _check_sender
+                self._error = err
+                if isinstance(item, threading.Event):
+                    item.set()
+
+    # -- reports and test hooks --------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """Fragments produced and sent by this incarnation, and the pipeline monitor's window (then reset)."""
+        return {"worker_id": self.worker_id, "slot": self.slot, "incarnation": self.incarnation,
+                "produced": self.produced, "sent": self.sent, "monitor": self.monitor.snapshot(reset=True)}
+
+    def info(self) -> dict[str, Any]:
+        """Where this worker runs: worker id, node id, process id."""
+        import os
+
+        return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def set_fragment_delay(self, seconds: float) -> None:
+        """Sleeps ``seconds`` in every fragment, like a slow environment (tests of staleness)."""
+        self._delay = float(seconds)
+
+
+#: The rollout worker actor: threaded, so control calls (weights refs, monitor, stop) run beside sampling.
+RemoteRolloutWorker = ray.remote(max_concurrency=4)(RolloutWorker)
+
+
+@dataclass
+class _Slot:
+    slot: int
+    incarnation: int
+    handle: Any
+    run_ref: Any = None
+
+    @property
+    def worker_id(self) -> int:
+        return worker_id_of(self.slot, self.incarnation)
+
+
+class RayFleet:
+    """Creates, drives and re-creates the rollout workers (driver side; holds no data).
+
+    Args:
+        config: the run; ``config.rollout.num_workers`` workers.
+        ray_config: placement, modes and bounds.
+        learners: policy id -> learner handle, handed to every worker.
+        stats: the episode statistics actor.
+        weights: the weights the workers start from.
+    """
+
+    def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], stats,
+                 weights: Weights) -> None:
+        self.config, self.ray_config = config, ray_config
+        self.learners, self.stats = dict(learners), stats
+        self.fragment_steps = config.rollout.num_envs * config.rollout.fragment_length
+        self.restarts = 0
+        self.reported: dict[int, int] = {}
+        """worker id -> fragments that incarnation reported producing (last report)."""
+        self.dead: set[int] = set()
+        """Worker ids of incarnations that died."""
+        self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
+        ray.get([s.handle.info.remote() for s in self.slots])  # construction errors surface here
+
+    def _spawn(self, slot: int, incarnation: int, weights: Weights) -> _Slot:
+        options: dict[str, Any] = {"num_cpus": self.ray_config.worker_num_cpus, "max_restarts": 0}
+        if self.ray_config.worker_strategy == "SPREAD":
+            options["scheduling_strategy"] = "SPREAD"
+        handle = RemoteRolloutWorker.options(**options).remote(self.config, self.ray_config, slot, incarnation,
+                                                                self.learners, self.stats, weights)
+        return _Slot(slot, incarnation, handle)
+
+    def restart(self, index: int, weights: Weights, cause: BaseException | None = None) -> None:
+        """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``."""
+        old = self.slots[index]
+        self.dead.add(old.worker_id)
+        try:
+            ray.kill(old.handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+        if self.restarts >= self.ray_config.max_worker_restarts:
+            raise RuntimeError(f"rollout worker restarts exhausted ({self.restarts})") from cause
+        self.restarts += 1
+        self.slots[index] = self._spawn(old.slot, old.incarnation + 1, weights)
+
+    def _record(self, report: Mapping[str, Any]) -> None:
+        wid = report["worker_id"]
+        self.reported[wid] = max(self.reported.get(wid, 0), report["produced"])
+
+    # -- synchronous mode --------------------------------------------------------------------------------
+    def collect(self, target_steps: int, weights: Weights, new_steps: Callable[[], int]) -> list[dict]:
+        """Has the workers deliver at least ``target_steps`` env steps acting with ``weights``.
+
+        Every worker first collects the same number of fragments (rounds of one fragment per worker, as
+        the local trainer does); if workers died, ``new_steps()`` (fresh steps the learners hold) tells
+        what is still missing, and the live workers collect that.
+
+        Returns:
+            The workers' reports (fragments produced, pipeline monitor windows).
+        """
+        n = len(self.slots)
+        rounds = math.ceil(target_steps / (self.fragment_steps * n))
+        requests = dict.fromkeys(range(n), rounds)
+        reports: list[dict] = []
+        for _ in range(self.ray_config.max_worker_restarts + 2):
+            pending = {self.slots[i].handle.collect.remote(k, weights): i for i, k in requests.items() if k}
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                index = pending.pop(done[0])
+                try:
+                    report = ray.get(done[0])
+                except ray.exceptions.RayError as err:
+                    self.restart(index, weights, err)
+                    continue
+                self._record(report)
+                reports.append(report)
+            missing = target_steps - new_steps()
+            if missing <= 0:
+                return reports
+            share = math.ceil(math.ceil(missing / self.fragment_steps) / n)
+            requests = dict.fromkeys(range(n), share)
+        raise RuntimeError("could not collect a training batch")
+
+    # -- asynchronous mode -------------------------------------------------------------------------------
+    def start(self, weights: Weights) -> None:
+        """Starts every worker streaming."""
+        for slot in self.slots:
+            slot.run_ref = slot.handle.run.remote(weights)
+
+    def broadcast(self, weights: Weights) -> None:
+        """Tells every worker about new weights refs (fire-and-forget: a dead worker is found by :meth:`check`)."""
+        for slot in self.slots:
+            slot.handle.set_latest.remote(weights)
+
+    def check(self, weights: Weights) -> int:
+        """Re-creates (and restarts streaming on) every worker whose ``run`` ended; returns how many."""
+        running = {s.run_ref: i for i, s in enumerate(self.slots) if s.run_ref is not None}
+        if not running:
+            return 0
+        done, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
+        for ref in done:
+            index = running[ref]
+            try:
+                self._record(ray.get(ref))
+                cause = None
+            except ray.exceptions.RayError as err:
+                cause = err
+            self.restart(index, weights, cause)
+            self.slots[index].run_ref = self.slots[index].handle.run.remote(weights)
+        return len(done)
+
+    def monitors(self, timeout: float = 2.0) -> list[dict]:
+        """Reports of the live workers (served beside sampling; a dead or slow worker is skipped)."""
+        refs = [s.handle.report.remote() for s in self.slots]
+        out = []
+        for ref in refs:
+            try:
+                report = ray.get(ref, timeout=timeout)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+            self._record(report)
+            out.append(report)
+        return out
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ends streaming; waits until each worker delivered what it built (its final report)."""
+        for slot in self.slots:
+            if slot.run_ref is not None:
+                slot.handle.stop.remote()
+        for slot in self.slots:
+            if slot.run_ref is None:
+                continue
+            try:
+                self._record(ray.get(slot.run_ref, timeout=timeout))
+            except (ray.exceptions.RayError, TimeoutError):
+                self.dead.add(slot.worker_id)
+            slot.run_ref = None
+
+    def alive(self, timeout: float = 5.0) -> int:
+        """How many workers answer a call within ``timeout``."""
+        count = 0
+        for ref in [s.handle.info.remote() for s in self.slots]:
+            try:
+                ray.get(ref, timeout=timeout)
+                count += 1
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
+        return count
+
+    def handles(self) -> list:
+        """The current worker handles, by slot."""
+        return [s.handle for s in self.slots]
+
+    def shutdown(self) -> None:
+        """Kills every worker."""
+        for slot in self.slots:
+            try:
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:
+                pass
+
+
+__all__ = ["RayConfig", "RayFleet", "RemoteRolloutWorker", "RolloutWorker", "TimedEnv", "Weights", "group_policies",
+           "worker_id_of", "worker_seed"]

@@ -1,0 +1,256 @@
+"""Learners as Ray actors: a local :class:`PPOLearner` behind an idempotent, staleness-aware inbox.
+
+:class:`LearnerServer` is a plain class, made remote once (:data:`RemoteLearner`). Rollout workers' sender
+threads call :meth:`LearnerServer.push` with a fragment's metadata and a *nested* object ref (so Ray does
+not resolve it before the call); the server fetches and copies it, which makes the fragment the learner's
+own (it survives the sender's death), and acknowledges. Every fragment id ends in exactly one ledger state:
+
+- ``accepted``: in the training pool or trained (each fragment is trained at most ``reuse_limit`` times);
+- ``stale``: dropped, never trained, because its policy version lagged the learner's by more than
+  ``max_staleness`` (checked on arrival and again before every training step);
+- ``lost``: announced but its data could not be fetched (the owning worker died first).
+
+A second delivery of a known fragment id (a retried call) is counted as a duplicate and ignored. Weights are
+published once per version: one ``to_wire`` + ``ray.put`` by the learner, and every worker ``get``s the
+same ref. The server is single-threaded on purpose: pushes wait while it trains, which is the
+back-pressure that stops a fast fleet from flooding a slow learner.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import ray
+import torch
+from tensordict import TensorDict
+
+from core.layout import POLICY_VERSION
+from core.policies import make_policies
+from core.specs import from_json
+from orchestration.checkpoint import flatten_optimizer, restore_optimizer
+from orchestration.config import TrainConfig
+from orchestration.learner import PPOLearner, resolve_device
+from orchestration.wire import from_wire, to_wire
+
+ACCEPTED, STALE, LOST = "accepted", "stale", "lost"
+
+
+@dataclass
+class _Entry:
+    """A fragment in the training pool."""
+
+    fragment: TensorDict
+    meta: dict
+    steps: int
+    uses: int = 0
+
+
+@dataclass
+class _WorkerLedger:
+    """What one worker incarnation's fragments became at this learner."""
+
+    max_seq: int = -1
+    counts: dict[str, int] = field(default_factory=lambda: {ACCEPTED: 0, STALE: 0, LOST: 0})
+
+
+class LearnerServer:
+    """Trains one policy with PPO on fragments pushed by rollout workers.
+
+    Args:
+        policy_id: the policy this learner trains.
+        groups: the groups whose data trains it.
+        config: the run (PPO settings, lr, batch size, seed, device, policy architecture).
+        tree_json: the env's tree (``core.specs.to_json``), to build the policy module.
+        initial_weights: the policy's starting weights as a :func:`to_wire` message (the driver seeds them
+            exactly as the local backend does, so both backends start from the same parameters).
+        max_staleness: drop data whose version lags the learner's by more than this.
+        reuse_limit: train on a fragment at most this many times (1: each fragment once).
+        resolve_timeout_s: give up fetching a pushed fragment after this long (counted lost).
+        num_threads: torch threads of this process.
+    """
+
+    def __init__(self, policy_id: str, groups: Sequence[str], config: TrainConfig, tree_json: Mapping,
+                 initial_weights: Mapping, *, max_staleness: int, reuse_limit: int = 1,
+                 resolve_timeout_s: float = 30.0, num_threads: int = 1) -> None:
+        torch.set_num_threads(num_threads)
+        policy = make_policies(from_json(tree_json), config.policy)[policy_id]
+        with torch.no_grad():
+            TensorDict.from_module(policy).update_(from_wire(initial_weights))
+        self.policy_id, self.groups = policy_id, list(groups)
+        self.learner = PPOLearner(policy, groups, ppo=config.ppo, lr=config.lr,
+                                  batch_steps=config.steps_per_iteration, seed=config.seed,
+                                  device=resolve_device(config.device))
+        self.max_staleness, self.reuse_limit, self.resolve_timeout_s = max_staleness, reuse_limit, resolve_timeout_s
+        self.pool: dict[int, _Entry] = {}
+        self.ledger: dict[int, str] = {}
+        self.workers: dict[int, _WorkerLedger] = {}
+        self.trained: dict[int, int] = {}
+        self.counters = {"duplicates": 0, "serializations": 0, "max_trained_lag": 0, "train_steps": 0}
+        self._last: list[_Entry] = []
+        self._publish()
+
+    # -- data in -----------------------------------------------------------------------------------------
+    def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> int:
+        """Takes one fragment (``meta`` + ``[ref]`` of its wire message); returns the learner's version."""
+        fid = int(meta["fragment_id"])
+        if fid in self.ledger:
+            self.counters["duplicates"] += 1
+            return self.learner.version
+        ledger = self.workers.setdefault(int(meta["worker_id"]), _WorkerLedger())
+        ledger.max_seq = max(ledger.max_seq, int(meta["sequence"]))
+        try:
+            fragment = from_wire(ray.get(refs[0], timeout=self.resolve_timeout_s), copy=True)
+        except (ray.exceptions.RayError, TimeoutError):  # owner died (OwnerDiedError), object lost, timeout
+            self._set(fid, meta, LOST)
+            return self.learner.version
+        if self._lag(meta) > self.max_staleness:
+            self._set(fid, meta, STALE)
+        else:
+            self._set(fid, meta, ACCEPTED)
+            self.pool[fid] = _Entry(fragment, dict(meta), fragment.batch_size.numel())
+        return self.learner.version
+
+    def _set(self, fid: int, meta: Mapping, state: str) -> None:
+        counts = self.workers.setdefault(int(meta["worker_id"]), _WorkerLedger()).counts
+        if fid in self.ledger:
+            counts[self.ledger[fid]] -= 1
+        self.ledger[fid] = state
+        counts[state] += 1
+
+    def _lag(self, meta: Mapping) -> int:
+        """Versions by which the fragment's policy (for this learner's groups) trails the learner."""
+        return self.learner.version - min(int(meta[POLICY_VERSION][g]) for g in self.groups)
+
+    def _drop_stale(self) -> None:
+        for fid in [f for f, e in self.pool.items() if self._lag(e.meta) > self.max_staleness]:
+            entry = self.pool.pop(fid)
+            if entry.uses == 0:  # trained data stays "accepted"; only never-trained data is stale
+                self._set(fid, entry.meta, STALE)
+
+    def new_steps(self) -> int:
+        """Env steps of fresh fragments not trained on yet."""
+        self._drop_stale()
+        return sum(e.steps for e in self.pool.values() if e.uses == 0)
+
+    def ready(self) -> bool:
+        """Whether a training batch is available (some new data, and a full batch counting reusable data)."""
+        new = self.new_steps()
+        return new > 0 and sum(e.steps for e in self.pool.values()) >= self.learner.batch_steps
+
+    # -- training ----------------------------------------------------------------------------------------
+    def _select(self, take_all: bool) -> list[_Entry]:
+        fresh = [e for e in self.pool.values() if e.uses == 0]
+        if take_all:  # synchronous mode: everything, in the local backend's order (worker, then sequence)
+            return sorted(fresh, key=lambda e: (e.meta["worker_id"], e.meta["sequence"]))
+        chosen, steps = [], 0
+        reused = sorted((e for e in self.pool.values() if e.uses > 0), key=lambda e: -e.meta["sequence"])
+        for entry in fresh + reused:  # new data first (arrival order), then the most recent reusable data
+            if steps >= self.learner.batch_steps:
+                break
+            chosen.append(entry)
+            steps += entry.steps
+        return chosen
+
+    def train(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False) -> dict | None:
+        """One PPO update if :meth:`ready` (else None); publishes the new version.
+
+        Args:
+            progress: fraction of the run done.
+            lr: set this learning rate first (annealing), or None.
+            take_all: train on every fresh fragment (synchronous mode) instead of one batch.
+
+        Returns:
+            ``{"metrics", "version", "weights": [ref], "fragment_ids", "time_learn"}`` or None.
+        """
+        if not self.ready():
+            return None
+        start = time.perf_counter()
+        chosen = self._select(take_all)
+        if lr is not None:
+            self.learner.set_lr(lr)
+        for entry in chosen:
+            self.learner.receive(entry.fragment)
+            self.counters["max_trained_lag"] = max(self.counters["max_trained_lag"], self._lag(entry.meta))
+        metrics = self.learner.train(progress)
+        fids = [int(e.meta["fragment_id"]) for e in chosen]
+        for fid, entry in zip(fids, chosen):
+            entry.uses += 1
+            self.trained[fid] = self.trained.get(fid, 0) + 1
+            if entry.uses >= self.reuse_limit:
+                del self.pool[fid]
+        self._last = chosen
+        self.counters["train_steps"] += 1
+        self._publish()
+        return {"metrics": metrics, "version": self.learner.version, "weights": [self._weights],
+                "fragment_ids": fids, "time_learn": time.perf_counter() - start}
+
+    # -- weights out -------------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        version, weights = self.learner.published()
+        self._weights = ray.put(to_wire(weights, {"version": version, "policy_id": self.policy_id}))
+        self.counters["serializations"] += 1
+
+    def published(self) -> tuple[int, list[ray.ObjectRef]]:
+        """``(version, [ref])`` of the newest weights (the ref nested so callers pass it on unresolved)."""
+        return self.learner.version, [self._weights]
+
+    # -- introspection, checkpoints ----------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """Ledger totals, per-worker ledgers, counters and the PPO learner's counters."""
+        totals = {s: sum(w.counts[s] for w in self.workers.values()) for s in (ACCEPTED, STALE, LOST)}
+        return {"totals": totals, "pending_fragments": sum(1 for e in self.pool.values() if e.uses == 0),
+                "workers": {wid: {"max_seq": w.max_seq, **w.counts} for wid, w in self.workers.items()},
+                "counters": dict(self.counters), "learner": dict(self.learner.counters),
+                "version": self.learner.version, "max_uses": max(self.trained.values(), default=0),
+                "trained_fragments": len(self.trained)}
+
+    def trained_counts(self) -> dict[int, int]:
+        """Fragment id -> times trained on."""
+        return dict(self.trained)
+
+    def last_batch(self) -> list[dict]:
+        """The fragments of the last training step, as wire messages (tests and debugging)."""
+        return [to_wire(e.fragment, e.meta) for e in self._last]
+
+    def state(self) -> dict[str, Any]:
+        """Everything a checkpoint needs of this learner, as numpy arrays and JSON-able values."""
+        opt_tensors, opt_meta = flatten_optimizer("optimizer", self.learner.optimizer)
+        return {"weights": {k: v.detach().cpu().numpy() for k, v in self.learner.policy.state_dict().items()},
+                "optimizer": ({k: v.cpu().numpy() for k, v in opt_tensors.items()}, opt_meta),
+                "generator": self.learner.generator.get_state().numpy(), "version": self.learner.version,
+                "counters": dict(self.learner.counters)}
+
+    def load_state(self, state: Mapping[str, Any]) -> int:
+        """Inverse of :meth:`state`; republishes the weights. Returns the version."""
+        self.learner.policy.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state["weights"].items()})
+        tensors, meta = state["optimizer"]
+        restore_optimizer("optimizer", self.learner.optimizer,
+                          {k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, meta)
+        self.learner.generator.set_state(torch.from_numpy(np.array(state["generator"])))
+        self.learner.version = int(state["version"])
+        self.learner.counters.update(state["counters"])
+        self.learner._published = self.learner._snapshot()
+        self._publish()
+        return self.learner.version
+
+    def ping(self) -> str:
+        """Liveness probe; returns the node id."""
+        return ray.get_runtime_context().get_node_id()
+
+
+#: The learner actor class, made remote once; resources are set per instance with ``.options``.
+RemoteLearner = ray.remote(LearnerServer)
+
+
+def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int) -> dict[str, float]:
+    """Ray resources of one learner: ``num_gpus="auto"`` shares the cluster's GPUs when it has any."""
+    if num_gpus == "auto":
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        num_gpus = min(1.0, gpus / num_learners) if gpus else 0.0
+    return {"num_cpus": num_cpus, "num_gpus": float(num_gpus)}
+
+
+__all__ = ["ACCEPTED", "LOST", "STALE", "LearnerServer", "RemoteLearner", "learner_options"]
