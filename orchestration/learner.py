@@ -17,7 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import concat_fragments, filter_stale, flatten_transitions
 from core.layout import MASK, NEXT, OBSERVATION, SHARED, STATE_VALUE
-from core.losses import PPOConfig, ppo_update_, with_gae
+from core.losses import PPOConfig, credit_absent_steps, ppo_update_, with_gae
 from core.policies import GroupPolicy
 
 
@@ -110,6 +110,7 @@ class PPOLearner:
                 batch, dropped = filter_stale(batch, group, self.version, self.max_staleness)
                 self.counters["fragments_stale"] += int(dropped)
             with torch.no_grad():
+                batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step
                 batch = self._only_slots(batch, group)
                 batch = self._with_values(batch, group)
                 batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)

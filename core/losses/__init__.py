@@ -9,6 +9,7 @@ __all__ = [
     "ENTROPY",
     "Evaluate",
     "PPOConfig",
+    "credit_absent_steps",
     "gae",
     "ppo_loss",
     "ppo_update_",
