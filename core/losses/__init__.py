@@ -3,6 +3,7 @@
 from core.losses.advantages import gae, vtrace, with_gae, with_vtrace
 from core.losses.config import PPOConfig
 from core.losses.ppo import ENTROPY, ppo_loss
+from core.losses.turns import credit_absent_steps
 from core.losses.update import Evaluate, ppo_update_
 
 __all__ = [
