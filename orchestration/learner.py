@@ -54,7 +54,7 @@ class PPOLearner:
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=lr, eps=1e-5, fused=fused)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
-        self.counters = {"fragments_received": 0, "fragments_stale": 0, "skipped_steps": 0, "env_steps_trained": 0}
+        self.counters = {"fragments_received": 0, "env_steps_stale": 0, "skipped_steps": 0, "env_steps_trained": 0}
         self._pending: list[TensorDictBase] = []
         self._pending_steps = 0
         self._published = self._snapshot()
@@ -108,7 +108,7 @@ class PPOLearner:
         for group in self.groups:
             if self.max_staleness is not None:
                 batch, dropped = filter_stale(batch, group, self.version, self.max_staleness)
-                self.counters["fragments_stale"] += int(dropped)
+                self.counters["env_steps_stale"] += int(dropped)
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step
                 batch = self._only_slots(batch, group)

@@ -11,6 +11,7 @@ from core.buffers.episodes import (
     completed_episodes,
     empty_carry,
     episode_stats,
+    scan_episodes,
     summarize_episodes,
 )
 from core.buffers.fragments import FragmentBuilder, bootstrap_step
@@ -32,5 +33,6 @@ __all__ = [
     "flatten_transitions",
     "is_fresh",
     "minibatches",
+    "scan_episodes",
     "summarize_episodes",
 ]

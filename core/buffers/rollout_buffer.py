@@ -1,0 +1,195 @@
+"""Seed 001's ``MultiAgentRolloutBuffer`` API as a thin facade over fragments (one env, one group).
+
+Each episode is one ``[1, T]`` fragment built by :class:`FragmentBuilder` (group ``"agents"`` with
+``n_agents`` agents); statistics come from :func:`episode_stats`, per-agent views from
+:func:`agent_trajectory`, batches from :func:`flatten_transitions` / :func:`minibatches`. No separate
+logic lives here. Where seed 001 holds ``List[List[Tensor]]`` (outer: agents, inner: steps), the facade
+returns a list over agents of ``[T, ...]`` tensors, which index the same way (``states[agent][t]``).
+
+Mapping of seed names to the layout: ``states`` -> ``(g, "observation")``, ``actions`` -> ``(g, "action")``,
+``log_probs`` -> ``(g, "log_prob")``, ``state_values`` -> ``(g, "state_value")``, ``rewards`` ->
+``("next", g, "reward")``, ``next_states`` -> ``("next", g, "observation")``, ``next_state_values`` ->
+``("next", g, "state_value")``, ``dones`` -> ``("next", g, "terminated")``, ``extras[k]`` -> ``(g, "extras", k)``.
+An episode ends only at :meth:`end_episode`; agents not done by then are marked truncated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from core.buffers.batching import flatten_transitions, minibatches
+from core.buffers.episodes import agent_trajectory, episode_stats
+from core.buffers.fragments import FragmentBuilder
+from core.layout import (
+    ACTION, DONE, LOG_PROB, NEXT, OBSERVATION, REWARD, STATE_VALUE, TERMINATED, TRUNCATED,
+)
+
+GROUP = "agents"
+EXTRAS = "extras"
+
+
+def _per_agent(value: Any, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Tensor ``[n, ...]`` from a tensor, a sequence, or a dict keyed by agent (0..n-1 or in order)."""
+    if isinstance(value, Mapping):
+        value = [value[i] for i in range(n)] if all(i in value for i in range(n)) else list(value.values())
+    if not isinstance(value, torch.Tensor):
+        value = torch.stack([torch.as_tensor(v) for v in value])
+    if dtype is not None:
+        value = value.to(dtype)
+    if value.shape[0] != n:
+        raise ValueError(f"expected values for {n} agents, got shape {tuple(value.shape)}")
+    return value
+
+
+class MultiAgentRolloutBuffer:
+    """Episodes of ``n_agents`` agents, stored as fragments (stateful, like seed 001's buffer)."""
+
+    def __init__(self, n_agents: int | None = None):
+        self.n_agents: int | None = None
+        self.episodes: list[dict[str, Any]] = []
+        self.n_episodes = 0
+        self.total_steps = 0
+        self._builder: FragmentBuilder | None = None
+        if n_agents is not None:
+            self.reset(n_agents)
+
+    def reset(self, n_agents: int) -> None:
+        """Forgets every episode and starts over with ``n_agents`` agents."""
+        if n_agents < 1:
+            raise ValueError(f"n_agents must be >= 1, got {n_agents}")
+        self.n_agents = n_agents
+        self.episodes, self.n_episodes, self.total_steps = [], 0, 0
+        self._builder = FragmentBuilder(1, group_sizes={GROUP: n_agents}, track_episodes=False)
+
+    def reset_current_episode(self) -> None:
+        """Discards the transitions of the episode in progress."""
+        self._require().clear_()
+
+    def add_transition(
+        self,
+        states: torch.Tensor,
+        actions: torch.Tensor,
+        log_probs: torch.Tensor,
+        rewards: torch.Tensor | Mapping | Sequence,
+        next_states: torch.Tensor,
+        dones: torch.Tensor | Mapping | Sequence,
+        state_values: torch.Tensor | None = None,
+        next_state_values: torch.Tensor | None = None,
+        extras: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Adds one step of all agents: ``states``/``next_states`` ``[n, *obs]``, ``actions`` ``[n, *act]``,
+        ``log_probs``/``rewards``/``dones``/values ``[n]`` or ``[n, 1]`` (rewards/dones may be dicts keyed by
+        agent), ``extras[k]`` ``[n, ...]``. Values are stored only when both are given (as in seed 001)."""
+        n = self._require_agents()
+
+        def col(x, dtype=None):  # [n] or [n, 1] -> [1, n, 1]
+            return _per_agent(x, n, dtype).reshape(1, n, 1)
+
+        done = col(dones, torch.bool)
+        group = {OBSERVATION: _per_agent(states, n).unsqueeze(0), ACTION: _per_agent(actions, n).unsqueeze(0),
+                 LOG_PROB: col(log_probs)}
+        nxt = {OBSERVATION: _per_agent(next_states, n).unsqueeze(0), REWARD: col(rewards, torch.float32),
+               TERMINATED: done, TRUNCATED: torch.zeros_like(done), DONE: done}
+        if state_values is not None and next_state_values is not None:
+            group[STATE_VALUE], nxt[STATE_VALUE] = col(state_values), col(next_state_values)
+        if extras:
+            group[EXTRAS] = {k: _per_agent(v, n).unsqueeze(0) for k, v in extras.items()}
+        flag = torch.zeros(1, 1, dtype=torch.bool)  # the env episode ends only at end_episode()
+        self._builder.add_step_({GROUP: group, NEXT: {GROUP: nxt, DONE: flag, TERMINATED: flag, TRUNCATED: flag}})
+
+    def end_episode(self) -> dict[str, Any]:
+        """Closes the current episode, computes its statistics, appends it to ``episodes`` and returns it."""
+        builder = self._require()
+        fragment = builder.build(0, end_episodes=torch.ones(1, dtype=torch.bool))
+        nxt = fragment.get(NEXT)
+        all_terminated = nxt.get((GROUP, TERMINATED))[:, -1].all(1)  # [1, 1]: every agent ended for good
+        nxt.get(TERMINATED)[:, -1] = all_terminated
+        nxt.get(TRUNCATED)[:, -1] = ~all_terminated
+        stats = episode_stats(fragment, GROUP)
+        record = stats.get("episodes")[0]
+        episode = self._seed_view(fragment)
+        episode.update(
+            episode_length=record.get("agent_length").tolist(),
+            episode_reward=record.get("agent_return").squeeze(-1).tolist(),
+            average_episode_length=float(record.get("agent_length").double().mean()),
+            average_episode_reward=float(record.get("agent_return").mean()),
+            fragment=fragment,
+        )
+        self.episodes.append(episode)
+        self.n_episodes += 1
+        self.total_steps += int(record.get("agent_length").sum())
+        return episode
+
+    @property
+    def current_episode(self) -> dict[str, Any]:
+        """Seed 001's view of the episode in progress (per-agent ``[t, ...]`` tensors and running sums)."""
+        if len(self._require()) == 0:
+            return self._seed_view(None)
+        fragment = self._builder.peek()
+        episode = self._seed_view(fragment)
+        rewards = fragment.get((NEXT, GROUP, REWARD))[0].squeeze(-1)  # [t, n]
+        episode.update(episode_length=[fragment.batch_size[1]] * self.n_agents,
+                       episode_reward=rewards.sum(0).tolist())
+        return episode
+
+    @property
+    def extras(self) -> dict[str, list[torch.Tensor]]:
+        """Extras of the episode in progress: ``{name: [per-agent [t, ...] tensor]}``."""
+        return self.current_episode[EXTRAS]
+
+    @property
+    def average_episode_length(self) -> float:
+        """Mean over completed episodes of their per-agent average length (NaN when none)."""
+        return _mean([ep["average_episode_length"] for ep in self.episodes])
+
+    @property
+    def average_episode_reward(self) -> float:
+        """Mean over completed episodes of their per-agent average return (NaN when none)."""
+        return _mean([ep["average_episode_reward"] for ep in self.episodes])
+
+    def transitions(self) -> TensorDict:
+        """Every transition of the completed episodes, ``[N]`` (group ``[N, n_agents]``)."""
+        if not self.episodes:
+            raise ValueError("no completed episodes")
+        return torch.cat([flatten_transitions(ep["fragment"]) for ep in self.episodes], 0)
+
+    def get_minibatches(self, minibatch_size: int, generator: torch.Generator) -> list[TensorDict]:
+        """Shuffled near-equal minibatches of :meth:`transitions` (agents of a step stay together)."""
+        return minibatches(self.transitions(), minibatch_size, generator)
+
+    def _seed_view(self, fragment: TensorDict | None) -> dict[str, Any]:
+        n = self._require_agents()
+        keys = {"states": OBSERVATION, "actions": ACTION, "log_probs": LOG_PROB, "state_values": STATE_VALUE,
+                "rewards": (NEXT, REWARD), "next_states": (NEXT, OBSERVATION),
+                "next_state_values": (NEXT, STATE_VALUE), "dones": (NEXT, TERMINATED)}
+        view: dict[str, Any] = {name: [] for name in keys}
+        view[EXTRAS] = {}
+        if fragment is None:
+            return view
+        for agent in range(n):
+            traj = agent_trajectory(fragment, GROUP, 0, agent, present_only=False)
+            for name, key in keys.items():
+                value = traj.get(key, None)
+                if value is not None:
+                    squeeze = name in ("log_probs", "rewards", "dones") and value.shape[-1:] == (1,)
+                    view[name].append(value.squeeze(-1) if squeeze else value)
+            for k, v in traj.get(EXTRAS, TensorDict()).items():
+                view[EXTRAS].setdefault(k, []).append(v)
+        return view
+
+    def _require(self) -> FragmentBuilder:
+        if self._builder is None:
+            raise RuntimeError("call reset(n_agents) first")
+        return self._builder
+
+    def _require_agents(self) -> int:
+        self._require()
+        return self.n_agents
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

@@ -1,0 +1,142 @@
+"""The key layout of per-step plain dicts: captured once, then used to collect leaves and nest stacks.
+
+Used by ``FragmentBuilder``: the first step fixes the key tree, leaf shapes and group agent counts; later
+steps are only walked (no per-step shape checks, no TensorDict), and a stacked fragment is wrapped once
+with explicit group batch sizes (notes/tensordict-hot-paths.md, patterns 1-3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from tensordict import TensorDict
+
+from core.layout import NEXT, RESERVED_ROOT_KEYS
+
+
+class _Node:
+    """One nested dict of the step layout: its key path and children (a ``_Node`` or a leaf's list)."""
+
+    __slots__ = ("path", "children")
+
+    def __init__(self, path: tuple[str, ...]):
+        self.path = path
+        self.children: list[tuple[str, _Node | list]] = []
+
+
+def _is_group_key(path: tuple[str, ...]) -> bool:
+    """Group sub-dicts sit at the root or directly under ``"next"``, under a non-reserved name."""
+    if len(path) == 1:
+        return path[0] not in RESERVED_ROOT_KEYS
+    return len(path) == 2 and path[0] == NEXT and path[1] not in RESERVED_ROOT_KEYS
+
+
+def _raise_key_mismatch(node, spec: _Node):
+    expected = [k for k, _ in spec.children]
+    missing = [spec.path + (k,) for k in expected if k not in node]
+    extra = [spec.path + (k,) for k in node if k not in expected]
+    raise KeyError(f"step keys differ from the first step: missing {missing}, unexpected {extra}")
+
+
+def _collect(node: dict, spec: _Node) -> None:
+    if len(node) != len(spec.children):
+        _raise_key_mismatch(node, spec)
+    for key, child in spec.children:
+        try:
+            value = node[key]
+        except KeyError:
+            _raise_key_mismatch(node, spec)
+        if child.__class__ is list:
+            child.append(value)
+        elif isinstance(value, dict):
+            _collect(value, child)
+        else:
+            raise TypeError(f"step key {spec.path + (key,)} should be a dict, got {type(value).__name__}")
+
+
+class StepLayout:
+    """Key tree of a step dict, with one list per leaf that accumulates that leaf over steps.
+
+    Args:
+        step: the first step: nested ``dict`` of tensors, root/``"shared"`` leaves ``[E, ...]``, group
+            leaves (sub-dicts at the root or under ``"next"`` with a non-reserved name) ``[E, A, ...]``.
+        num_envs: ``E``.
+        group_sizes: declared agent counts; others are read from the group's first leaf (``shape[1]``).
+
+    Raises:
+        TypeError / ValueError naming the key of a non-tensor leaf or a leaf of the wrong shape.
+    """
+
+    def __init__(self, step: Mapping, num_envs: int, group_sizes: Mapping[str, int] | None = None):
+        self.num_envs = num_envs
+        self.group_sizes: dict[str, int] = dict(group_sizes or {})
+        self.leaves: list[tuple[tuple[str, ...], list]] = []
+        self.root = _Node(())
+        self._capture(step, self.root, None)
+
+    def collect_(self, step: dict, num_steps: int) -> None:
+        """Appends ``step``'s leaves to the lists; on a key mismatch raises ``KeyError`` naming the key
+        and leaves every list at ``num_steps`` entries (no half-added step)."""
+        try:
+            _collect(step, self.root)
+        except Exception:
+            for _, values in self.leaves:
+                del values[num_steps:]
+            raise
+
+    def clear_(self) -> None:
+        """Empties every leaf list."""
+        for _, values in self.leaves:
+            values.clear()
+
+    def stack(self) -> dict[tuple[str, ...], torch.Tensor]:
+        """One ``torch.stack(dim=1)`` per leaf: ``[E, T, ...]``; a shape change names its key."""
+        stacked = {}
+        for path, values in self.leaves:
+            try:
+                stacked[path] = torch.stack(values, dim=1)
+            except (RuntimeError, TypeError) as err:
+                shapes = sorted({tuple(getattr(v, "shape", ())) for v in values})
+                raise ValueError(f"cannot stack step key {path}: shapes seen {shapes} ({err})") from None
+        return stacked
+
+    def wrap(self, stacked: dict[tuple[str, ...], torch.Tensor], t: int) -> TensorDict:
+        """Nests stacked leaves into one ``[E, T]`` TensorDict, groups built with explicit ``[E, T, A]``."""
+        tree: dict = {}
+        for path, value in stacked.items():
+            node = tree
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = value
+        e = self.num_envs
+        for parent in (tree, tree.get(NEXT, {})):
+            for key, value in parent.items():
+                if isinstance(value, dict) and key in self.group_sizes:
+                    parent[key] = TensorDict(value, batch_size=[e, t, self.group_sizes[key]])
+        return TensorDict(tree, batch_size=[e, t])
+
+    def _capture(self, node: Mapping, spec: _Node, group: str | None) -> None:
+        for key, value in node.items():
+            path = spec.path + (key,)
+            if isinstance(value, dict):
+                child = _Node(path)
+                spec.children.append((key, child))
+                self._capture(value, child, key if group is None and _is_group_key(path) else group)
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"step key {path} holds {type(value).__name__}, expected a tensor")
+            lead = (self.num_envs,) if group is None else (self.num_envs, self._size(group, value, path))
+            if tuple(value.shape[: len(lead)]) != lead:
+                dims = ", ".join(map(str, lead))
+                raise ValueError(f"step key {path} has shape {tuple(value.shape)}, expected [{dims}, ...]")
+            values: list = []
+            spec.children.append((key, values))
+            self.leaves.append((path, values))
+
+    def _size(self, group: str, value: torch.Tensor, path: tuple[str, ...]) -> int:
+        if group not in self.group_sizes:
+            if value.dim() < 2:
+                raise ValueError(f"step key {path} of group {group!r} needs shape [E, A, ...], got {tuple(value.shape)}")
+            self.group_sizes[group] = value.shape[1]
+        return self.group_sizes[group]

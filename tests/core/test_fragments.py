@@ -1,0 +1,184 @@
+"""Fragment assembly: stacking, metadata, bootstrap consistency and episode ids across random episode ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+
+from core.buffers import FragmentBuilder, bootstrap_step
+from core.layout import (
+    DONE, ENV_ID, EPISODE_ID, FRAGMENT_ID, MASK, NEXT, OBSERVATION, POLICY_VERSION, REWARD, TERMINATED,
+    TRUNCATED, WORKER_ID, make_fragment_id,
+)
+from tests.strategies import GROUP, StepStream, step_streams
+
+
+def run_stream(stream: StepStream, worker_id: int = 7) -> tuple[FragmentBuilder, list]:
+    builder = FragmentBuilder(stream.num_envs, worker_id=worker_id)
+    fragments = []
+    for k in range(stream.num_fragments):
+        for step in stream.steps[k * stream.fragment_length:(k + 1) * stream.fragment_length]:
+            builder.add_step_(step)
+        fragments.append(builder.build({GROUP: 100 + k}))
+    return builder, fragments
+
+
+@given(stream=step_streams())
+def test_fragments_stack_the_steps_with_group_batch_sizes(stream):
+    _, fragments = run_stream(stream)
+    e, a, t = stream.num_envs, stream.num_agents, stream.fragment_length
+    for k, frag in enumerate(fragments):
+        assert tuple(frag.batch_size) == (e, t)
+        assert tuple(frag[GROUP].batch_size) == (e, t, a) == tuple(frag[NEXT, GROUP].batch_size)
+        for j in range(t):
+            step = stream.steps[k * t + j]
+            assert torch.equal(frag[GROUP, OBSERVATION][:, j], step[GROUP][OBSERVATION])
+            assert torch.equal(frag[NEXT, GROUP, REWARD][:, j], step[NEXT][GROUP][REWARD])
+            assert torch.equal(frag[NEXT, DONE][:, j], step[NEXT][DONE])
+        # metadata: constant along time (except episode ids), traceable to worker, fragment, env, policy
+        assert torch.equal(frag[POLICY_VERSION, GROUP], torch.full((e, t), 100 + k))
+        assert torch.equal(frag[WORKER_ID], torch.full((e, t), 7))
+        assert torch.equal(frag[FRAGMENT_ID], torch.full((e, t), make_fragment_id(7, k)))
+        assert torch.equal(frag[ENV_ID], torch.arange(e).unsqueeze(1).expand(e, t))
+        # the recurrent state rides along at every step; the fragment's initial state is step 0's
+        assert torch.equal(frag[GROUP, "recurrent_state"][:, 0], stream.steps[k * t][GROUP]["recurrent_state"])
+
+
+@given(stream=step_streams())
+def test_next_observation_and_bootstrap_are_consistent_across_fragments(stream):
+    _, fragments = run_stream(stream)
+    whole = torch.cat(fragments, dim=1)  # [E, N]: consecutive fragments of each env, joined along time
+    obs, nxt = whole[GROUP, OBSERVATION][..., 0, 0], whole[NEXT, GROUP, OBSERVATION][..., 0, 0]  # [E, N]
+    done = whole[NEXT, DONE].squeeze(-1)
+    for env in range(stream.num_envs):
+        for t in range(nxt.shape[1]):
+            assert nxt[env, t] == stream.final[env][t]
+            if t + 1 < nxt.shape[1]:
+                # next obs is the following obs unless the episode ended (then the env reset to a fresh id)
+                assert (nxt[env, t] == obs[env, t + 1]) == (not done[env, t])
+    for k in range(len(fragments) - 1):
+        boot = bootstrap_step(fragments[k])
+        assert tuple(boot[GROUP].batch_size) == (stream.num_envs, stream.num_agents)
+        cont = ~fragments[k][NEXT, DONE][:, -1, 0]
+        first = fragments[k + 1][GROUP, OBSERVATION][:, 0]
+        # continuing episodes bootstrap from the next fragment's first observation; ended ones do not
+        same = (boot[GROUP, OBSERVATION] == first).all(-1).all(-1)  # [E]
+        assert torch.equal(same, cont)
+
+
+@given(stream=step_streams())
+def test_boundary_sets_no_flag_and_episode_ids_change_exactly_at_dones(stream):
+    _, fragments = run_stream(stream)
+    whole = torch.cat(fragments, dim=1)
+    e = stream.num_envs
+    # flags are exactly the env's: a fragment boundary is not an episode end
+    assert whole[NEXT, DONE].squeeze(-1).tolist() == stream.done
+    assert whole[NEXT, TRUNCATED].squeeze(-1).tolist() == stream.truncated
+    ids = whole[EPISODE_ID]
+    assert torch.equal(ids[:, 0], torch.arange(e))
+    step = ids[:, 1:] - ids[:, :-1]
+    assert torch.equal(step, e * whole[NEXT, DONE].squeeze(-1)[:, :-1].long())
+    # unique per worker: an id never appears in two envs
+    for env in range(e):
+        assert torch.all(ids[env] % e == env)
+
+
+def make_step(e=2, a=3, value=0.0, **extra):
+    step = {GROUP: {OBSERVATION: torch.full((e, a, 4), value), MASK: torch.ones(e, a, dtype=torch.bool)},
+            NEXT: {GROUP: {REWARD: torch.ones(e, a, 1)}, DONE: torch.zeros(e, 1, dtype=torch.bool),
+                   TRUNCATED: torch.zeros(e, 1, dtype=torch.bool)}}
+    step[GROUP].update(extra)
+    return step
+
+
+def test_a_step_with_different_keys_is_refused_and_not_half_added():
+    builder = FragmentBuilder(2)
+    builder.add_step_(make_step())
+    with pytest.raises(KeyError, match="recurrent_state"):
+        builder.add_step_(make_step(recurrent_state=torch.zeros(2, 3, 1)))
+    bad = make_step()
+    del bad[NEXT][GROUP][REWARD]
+    with pytest.raises(KeyError, match="reward"):
+        builder.add_step_(bad)
+    builder.add_step_(make_step(value=1.0))
+    frag = builder.build(0)
+    assert frag.batch_size == (2, 2) and frag[GROUP, OBSERVATION][:, 1].eq(1.0).all()
+
+
+def test_shape_errors_name_the_key():
+    with pytest.raises(ValueError, match="observation"):
+        FragmentBuilder(3).add_step_(make_step(e=2))
+    with pytest.raises(ValueError, match=r"observation.*expected \[2, 4"):
+        FragmentBuilder(2, group_sizes={GROUP: 4}).add_step_(make_step())
+    builder = FragmentBuilder(2)
+    builder.add_step_(make_step())
+    step = make_step()
+    step[GROUP][OBSERVATION] = torch.zeros(2, 3, 5)
+    builder.add_step_(step)
+    with pytest.raises(ValueError, match="observation"):
+        builder.build(0)
+    with pytest.raises(KeyError, match="done"):
+        FragmentBuilder(2).add_step_({GROUP: {OBSERVATION: torch.zeros(2, 3)}, NEXT: {}})
+    with pytest.raises(KeyError, match="episode_id"):
+        FragmentBuilder(2).add_step_({**make_step(), EPISODE_ID: torch.zeros(2)})
+
+
+def test_peek_and_clear_leave_sequence_and_episode_ids_alone():
+    builder = FragmentBuilder(2, worker_id=1)
+    builder.add_step_(make_step())
+    assert builder.peek().batch_size == (2, 1) and len(builder) == 1
+    builder.clear_()
+    assert len(builder) == 0
+    builder.add_step_(make_step(value=2.0))
+    frag = builder.build(1)
+    assert frag[FRAGMENT_ID][0, 0] == make_fragment_id(1, 0) and frag[GROUP, OBSERVATION].eq(2.0).all()
+    assert builder.sequence == 1
+
+
+def test_end_episodes_truncates_only_the_named_envs_that_are_not_done():
+    builder = FragmentBuilder(3)
+    for done_last in (False, True):
+        step = make_step(e=3)
+        step[NEXT][DONE] = torch.tensor([[False], [done_last], [False]])
+        step[NEXT][GROUP][DONE] = step[NEXT][DONE].unsqueeze(1).expand(3, 3, 1).clone()
+        step[NEXT][GROUP][TRUNCATED] = torch.zeros(3, 3, 1, dtype=torch.bool)
+        builder.add_step_(step)
+    frag = builder.build(0, end_episodes=torch.tensor([True, True, False]))
+    assert frag[NEXT, DONE][:, -1, 0].tolist() == [True, True, False]
+    assert frag[NEXT, TRUNCATED][:, -1, 0].tolist() == [True, False, False]  # env 1 had really ended
+    assert frag[NEXT, GROUP, TRUNCATED][:, -1, :, 0].tolist() == [[True] * 3, [False] * 3, [False] * 3]
+    assert frag[NEXT, DONE][:, 0, 0].tolist() == [False] * 3  # earlier steps untouched
+    assert len(builder) == 0 and builder.tracker.episode_count.tolist() == [1, 1, 0]
+
+
+def test_policy_version_per_group_must_cover_every_group():
+    builder = FragmentBuilder(2)
+    builder.add_step_(make_step())
+    with pytest.raises(KeyError, match=GROUP):
+        builder.build({"other": 1})
+    assert builder.build({GROUP: 4})[POLICY_VERSION, GROUP].eq(4).all()
+
+
+@pytest.mark.slow  # the torchrl import alone takes 4-8 s on the shared CPU machine
+@given(stream=step_streams(max_fragments=3))
+def test_gae_bootstraps_at_a_fragment_boundary_without_a_flag(stream):
+    # TD(0) advantages per fragment equal those of the unbroken stream: the last step of a fragment
+    # bootstraps from the critic at ("next", obs) unless terminated, with no flag set at the boundary
+    from torchrl.objectives.value.functional import generalized_advantage_estimate
+
+    def td0(rollout):
+        value = rollout[GROUP, OBSERVATION][..., :1] * 0.01  # a fixed "critic" of the observation id
+        next_value = rollout[NEXT, GROUP, OBSERVATION][..., :1] * 0.01
+        nxt = rollout[NEXT, GROUP]
+        adv, _ = generalized_advantage_estimate(0.9, 0.0, value, next_value, nxt[REWARD], nxt[DONE],
+                                                nxt[TERMINATED], time_dim=1)
+        return adv
+
+    _, fragments = run_stream(stream)
+    joined = torch.cat([td0(f) for f in fragments], dim=1)
+    torch.testing.assert_close(joined, td0(torch.cat(fragments, dim=1)))
+    last = fragments[0]
+    expected = last[NEXT, GROUP, REWARD][:, -1] + 0.9 * bootstrap_step(last)[GROUP, OBSERVATION][..., :1] * 0.01 * (
+        ~last[NEXT, GROUP, TERMINATED][:, -1]) - last[GROUP, OBSERVATION][:, -1, :, :1] * 0.01
+    torch.testing.assert_close(td0(last)[:, -1], expected)
