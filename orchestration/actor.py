@@ -13,7 +13,7 @@ Usage loop::
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from typing import Collection, Mapping, Protocol
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -49,19 +49,22 @@ class Actor:
         fragment_length: steps per fragment.
         seed: seeds the env reset and the sampling generator.
         worker_id: goes into every fragment's metadata.
-        deterministic: act with the policies' modes (evaluation actors).
+        deterministic: act with the policies' modes (evaluation actors): True for all policies, or the ids of
+            those that should (a random opponent keeps sampling while the evaluated policy acts greedily).
         record: keep fragments (training actors); evaluation actors only count episodes.
     """
 
     def __init__(self, env, policies: Mapping[str, GroupPolicy], assignment: Mapping[str, GroupAssignment], *,
-                 fragment_length: int = 128, seed: int = 0, worker_id: int = 0, deterministic: bool = False,
+                 fragment_length: int = 128, seed: int = 0, worker_id: int = 0,
+                 deterministic: bool | Collection[str] = False,
                  record: bool = True) -> None:
         missing = [g for g in groups(env.tree) if g not in assignment]
         if missing:
             raise KeyError(f"no policy assigned to groups {missing}")
         self.env, self.policies, self.assignment = env, dict(policies), dict(assignment)
         self.fragment_length = fragment_length
-        self.deterministic, self.record = deterministic, record
+        self.deterministic = set(self.policies) if deterministic is True else set(deterministic or ())
+        self.record = record
         self.generator = torch.Generator().manual_seed(seed)
         self.builder = FragmentBuilder(env.num_envs, worker_id=worker_id)
         self.versions = {pid: 0 for pid in self.policies}
@@ -95,7 +98,7 @@ class Actor:
         """The policies' outputs for one group; a split group keeps each policy's outputs on its slots."""
         outs = {}
         for pid in assigned.policies:
-            out = self.policies[pid].act_step(g_obs, shared, self.generator, self.deterministic,
+            out = self.policies[pid].act_step(g_obs, shared, self.generator, pid in self.deterministic,
                                               self._rnn.get((group, pid)), self._episode_start)
             if RECURRENT_STATE in out:
                 self._rnn[(group, pid)] = out[NEXT][RECURRENT_STATE]
@@ -131,38 +134,50 @@ class Actor:
         return fragment
 
     @torch.no_grad()
-    def run_episodes(self, num_episodes: int, max_steps: int = 100_000) -> list[float]:
-        """Plays until ``num_episodes`` episodes ended (evaluation); returns their team returns."""
-        returns: list[float] = []
-        running = torch.zeros(self.env.num_envs)
+    def run_episodes(self, num_episodes: int, max_steps: int = 100_000) -> dict[str, list[float]]:
+        """Plays until ``num_episodes`` episodes ended (evaluation).
+
+        Returns:
+            ``"return"`` (all agents summed) and ``"return/<policy>"`` per finished episode.
+        """
+        pids = list(self.policies)
+        running = torch.zeros(len(pids), self.env.num_envs, dtype=torch.float64)
+        finished: list[torch.Tensor] = []
         for _ in range(max_steps):
             nxt = self.step().get(NEXT)
-            for group in self.assignment:
-                reward = nxt.get((group, "reward"))
-                present = nxt.get((group, MASK), None)
-                if present is not None:
-                    reward = reward * present.unsqueeze(-1)
-                running += reward.sum((-2, -1))
+            for group, assigned in self.assignment.items():
+                reward = torch.nan_to_num(nxt.get((group, "reward")).squeeze(-1).double())  # [E, A]
+                for pid, slots in assigned.slots.items():
+                    running[pids.index(pid)] += (reward * slots).sum(-1)
             done = nxt.get(DONE).reshape(-1)
             if done.any():
-                returns.extend(running[done].tolist())
-                running[done] = 0.0
-                if len(returns) >= num_episodes:
-                    return returns[:num_episodes]
-        return returns
+                finished.append(running[:, done].clone())
+                running[:, done] = 0.0
+                if sum(f.shape[1] for f in finished) >= num_episodes:
+                    break
+        per_episode = torch.cat(finished, 1)[:, :num_episodes] if finished else torch.zeros(len(pids), 0)
+        out = {f"return/{pid}": per_episode[i].tolist() for i, pid in enumerate(pids)}
+        out["return"] = per_episode.sum(0).tolist()
+        return out
 
     # -- data out, weights in ----------------------------------------------------------------------------
     def completed_episodes(self) -> dict[str, torch.Tensor]:
         """Episodes that ended since the last call, ``[K]`` each, in env-then-time order.
 
-        ``"return"``: team return summed over every group (the usual score of a single-agent or cooperative
-        env); ``"return/<group>"``: the group's team return; ``"length"``: env steps.
+        ``"return"``: the sum of every agent's return (the usual score of a single-agent or cooperative
+        env); ``"return/<policy>"``: the summed return of the agents that policy acts for; ``"length"``.
         """
         records = self.builder.pop_completed_episodes()
         if not records:
             return {}
-        out = {f"return/{g}": r.get("team_return").reshape(-1) for g, r in records.items()}
-        out["return"] = torch.stack(list(out.values())).sum(0)
+        per_policy: dict[str, torch.Tensor] = {}
+        for group, r in records.items():
+            agent_return = r.get("agent_return").squeeze(-1)  # [K, A]
+            for pid, slots in self.assignment[group].slots.items():
+                part = (agent_return * slots).sum(-1)
+                per_policy[pid] = per_policy[pid] + part if pid in per_policy else part
+        out = {f"return/{pid}": v for pid, v in per_policy.items()}
+        out["return"] = torch.stack(list(per_policy.values())).sum(0)
         out["length"] = next(iter(records.values())).get("length").reshape(-1)
         return out
 

@@ -134,9 +134,9 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         learner.policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
         learner._published = learner._snapshot()
         learner.version = state["learners"][pid]["version"]
-    mean = trainer.evaluate(episodes)
-    print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, "eval_return_mean": mean}))
-    return mean
+    results = trainer.evaluate(episodes)
+    print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results}))
+    return results["eval_return_mean"]
 
 
 def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+from functools import partial
 from typing import Any, Iterable
 
 
@@ -42,9 +43,13 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
     if name.startswith(("mpe2:", "pettingzoo:")):
         family, module_name = name.split(":", 1)
         module = importlib.import_module(f"{family}.{module_name}")
-        from adapters.pettingzoo_env import make_pettingzoo
+        from adapters.pettingzoo_env import PettingZooAECEnv, PettingZooParallelEnv
 
-        return make_pettingzoo(module, num_envs, check=check, **kwargs)
+        adapter_kwargs = {k: kwargs.pop(k) for k in ("payoff", "action_mask", "state") if k in kwargs}
+        if hasattr(module, "parallel_env") and not kwargs.pop("aec", False):
+            return PettingZooParallelEnv(partial(module.parallel_env, **kwargs), num_envs, check=check,
+                                         **adapter_kwargs)
+        return PettingZooAECEnv(partial(module.env, **kwargs), num_envs, check=check, **adapter_kwargs)
     from adapters.gymnasium_env import make_gymnasium
 
     return make_gymnasium(name, num_envs, check=check, **kwargs)

@@ -27,79 +27,25 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import ray
 import torch
 
 from core.layout import FRAGMENT_ID, POLICY_VERSION
-from core.policies import make_policies
-from core.specs import default_policy_mapping, groups
 from orchestration.actor import Actor
+from orchestration.assignment import assign
 from orchestration.config import TrainConfig
 from orchestration.envs import make_env, parse_kwargs
+from orchestration.ray_learner import policy_module
 from orchestration.ray_stats import PipelineMonitor, episode_arrays
 from orchestration.wire import from_wire, to_wire
 
+if TYPE_CHECKING:
+    from orchestration.ray_backend import RayConfig
+
 #: policy id -> (version, [ref of its wire-form weights]); the ref is nested so Ray passes it unresolved.
 Weights = Mapping[str, tuple[int, list]]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RayConfig:
-    """How the Ray backend places and runs the fleet and the learners (no Ray import needed to build one)."""
-
-    mode: Literal["sync", "async"] = "sync"
-    """``sync``: collect ``train_batch_size`` with the current weights, train, broadcast (seed 000).
-    ``async``: workers stream; each learner trains whenever a batch is ready (seed 004)."""
-    max_staleness: int = 1
-    """Fragments whose policy version lags the learner's by more than this are dropped and counted."""
-    reuse_limit: int = 1
-    """Times a fragment may be trained on (async mode tops up a batch with reusable data)."""
-    queue_size: int = 2
-    """Fragments buffered between a worker's sampling loop and its sender thread."""
-    max_in_flight: int = 2
-    """Pushes per learner a sender thread may have unacknowledged before it waits."""
-    num_cpus: float | None = None
-    """CPUs of a local Ray instance this backend starts (None: ``os.cpu_count()``)."""
-    worker_num_cpus: float = 1.0
-    """Ray CPUs reserved per rollout worker (fractions allowed)."""
-    learner_num_cpus: float = 1.0
-    """Ray CPUs reserved per learner."""
-    learner_num_gpus: float | Literal["auto"] = "auto"
-    """GPUs per learner; ``auto``: share the cluster's GPUs among learners when it has any, else 0."""
-    worker_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
-    """Ray scheduling strategy of rollout workers (``SPREAD``: across nodes)."""
-    max_worker_restarts: int = 100
-    """Re-creations of dead rollout workers allowed over the run before it fails."""
-    resolve_timeout_s: float = 30.0
-    """A learner gives up fetching a pushed fragment after this long (counted lost)."""
-    worker_threads: int = 1
-    """torch threads per rollout worker."""
-    learner_threads: int = 1
-    """torch threads per learner."""
-    poll_interval_s: float = 0.002
-    """Async mode: pause between readiness polls of the learners."""
-    iteration_timeout_s: float = 600.0
-    """Async mode: fail when no learner could train for this long."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"RayConfig.mode must be 'sync' or 'async', got {self.mode!r}")
-        for name in ("max_staleness", "max_worker_restarts"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("reuse_limit", "queue_size", "max_in_flight", "worker_threads", "learner_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.worker_num_cpus < 0 or self.learner_num_cpus < 0 or (self.num_cpus is not None and self.num_cpus <= 0):
-            raise ValueError("RayConfig CPU counts must be >= 0 (num_cpus > 0)")
-
-
-def group_policies(tree) -> dict[str, str]:
-    """Group -> policy id of the default mapping (as :func:`orchestration.trainer.build_trainer` derives it)."""
-    mapping = default_policy_mapping(tree)
-    return {g: mapping[spec.agent_names[0]] for g, spec in groups(tree).items()}
 
 
 def worker_id_of(slot: int, incarnation: int) -> int:
@@ -152,9 +98,10 @@ class RolloutWorker:
         self.env = TimedEnv(make_env(config.env, rc.num_envs, check=rc.check, kwargs=parse_kwargs(config.env_kwargs)),
                             self.monitor)
         tree = self.env.tree
-        self.actor = Actor(self.env, make_policies(tree, config.policy), group_policies(tree),
-                           fragment_length=rc.fragment_length, seed=worker_seed(config.seed, slot, incarnation),
-                           worker_id=self.worker_id)
+        assignment = assign(tree, dict(config.policy_mapping))
+        self.actor = Actor(self.env, {pid: policy_module(tree, config, assignment, pid) for pid in weights},
+                           assignment, fragment_length=rc.fragment_length,
+                           seed=worker_seed(config.seed, slot, incarnation), worker_id=self.worker_id)
         self.learners, self.stats = dict(learners), stats
         self.queue: queue.Queue = queue.Queue(maxsize=ray_config.queue_size)
         self.produced = self.sent = 0
@@ -198,7 +145,7 @@ class RolloutWorker:
         if self._delay:
             time.sleep(self._delay)  # a slow environment (test hook)
         stepped = time.perf_counter()
-        fragment = actor.builder.build({g: actor.versions[pid] for g, pid in actor.mapping.items()})
+        fragment = actor.builder.build({g: actor.versions[a.main_policy] for g, a in actor.assignment.items()})
         episodes = episode_arrays(actor.builder.pop_completed_episodes())
         built = time.perf_counter()
         env_time = self.env.elapsed - env_before + self._delay
@@ -207,7 +154,8 @@ class RolloutWorker:
         monitor.add("assembly", built - stepped)
         meta = {"fragment_id": int(fragment.get(FRAGMENT_ID)[0, 0]), "worker_id": self.worker_id, "slot": self.slot,
                 "incarnation": self.incarnation, "sequence": actor.builder.sequence - 1,
-                POLICY_VERSION: {g: actor.versions[pid] for g, pid in actor.mapping.items()},
+                POLICY_VERSION: {g: actor.versions[a.main_policy] for g, a in actor.assignment.items()},
+                "policy_versions": dict(actor.versions),
                 "env_steps": fragment.batch_size.numel()}
         self.produced += 1
         self._put((fragment, meta, episodes))
@@ -483,5 +431,4 @@ class RayFleet:
                 pass
 
 
-__all__ = ["RayConfig", "RayFleet", "RemoteRolloutWorker", "RolloutWorker", "TimedEnv", "Weights", "group_policies",
-           "worker_id_of", "worker_seed"]
+__all__ = ["RayFleet", "RemoteRolloutWorker", "RolloutWorker", "TimedEnv", "Weights", "worker_id_of", "worker_seed"]

@@ -18,6 +18,7 @@ back-pressure that stops a fast fleet from flooding a slow learner.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -27,9 +28,9 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from core.layout import POLICY_VERSION
-from core.policies import make_policies
-from core.specs import from_json
+from core.policies import GroupPolicy, make_policies
+from core.specs import Tree, from_json
+from orchestration.assignment import GroupAssignment, assign, groups_of
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.config import TrainConfig
 from orchestration.learner import PPOLearner, resolve_device
@@ -60,9 +61,8 @@ class LearnerServer:
     """Trains one policy with PPO on fragments pushed by rollout workers.
 
     Args:
-        policy_id: the policy this learner trains.
-        groups: the groups whose data trains it.
-        config: the run (PPO settings, lr, batch size, seed, device, policy architecture).
+        policy_id: the policy this learner trains (its groups and slots come from ``config.policy_mapping``).
+        config: the run (PPO settings, lr, batch size, seed, device, policy architecture and mapping).
         tree_json: the env's tree (``core.specs.to_json``), to build the policy module.
         initial_weights: the policy's starting weights as a :func:`to_wire` message (the driver seeds them
             exactly as the local backend does, so both backends start from the same parameters).
@@ -72,15 +72,17 @@ class LearnerServer:
         num_threads: torch threads of this process.
     """
 
-    def __init__(self, policy_id: str, groups: Sequence[str], config: TrainConfig, tree_json: Mapping,
-                 initial_weights: Mapping, *, max_staleness: int, reuse_limit: int = 1,
-                 resolve_timeout_s: float = 30.0, num_threads: int = 1) -> None:
+    def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping, *,
+                 max_staleness: int, reuse_limit: int = 1, resolve_timeout_s: float = 30.0,
+                 num_threads: int = 1) -> None:
         torch.set_num_threads(num_threads)
-        policy = make_policies(from_json(tree_json), config.policy)[policy_id]
+        tree = from_json(tree_json)
+        assignment = assign(tree, dict(config.policy_mapping))
+        policy = policy_module(tree, config, assignment, policy_id)
         with torch.no_grad():
             TensorDict.from_module(policy).update_(from_wire(initial_weights))
-        self.policy_id, self.groups = policy_id, list(groups)
-        self.learner = PPOLearner(policy, groups, ppo=config.ppo, lr=config.lr,
+        self.policy_id = policy_id
+        self.learner = PPOLearner(policy, groups_of(assignment, policy_id), ppo=config.ppo, lr=config.lr,
                                   batch_steps=config.steps_per_iteration, seed=config.seed,
                                   device=resolve_device(config.device))
         self.max_staleness, self.reuse_limit, self.resolve_timeout_s = max_staleness, reuse_limit, resolve_timeout_s
@@ -121,8 +123,8 @@ class LearnerServer:
         counts[state] += 1
 
     def _lag(self, meta: Mapping) -> int:
-        """Versions by which the fragment's policy (for this learner's groups) trails the learner."""
-        return self.learner.version - min(int(meta[POLICY_VERSION][g]) for g in self.groups)
+        """Versions by which the fragment's copy of this policy trailed the learner's (exact per policy)."""
+        return self.learner.version - int(meta["policy_versions"][self.policy_id])
 
     def _drop_stale(self) -> None:
         for fid in [f for f, e in self.pool.items() if self._lag(e.meta) > self.max_staleness]:
@@ -216,41 +218,72 @@ class LearnerServer:
         return [to_wire(e.fragment, e.meta) for e in self._last]
 
     def state(self) -> dict[str, Any]:
-        """Everything a checkpoint needs of this learner, as numpy arrays and JSON-able values."""
-        opt_tensors, opt_meta = flatten_optimizer("optimizer", self.learner.optimizer)
-        return {"weights": {k: v.detach().cpu().numpy() for k, v in self.learner.policy.state_dict().items()},
-                "optimizer": ({k: v.cpu().numpy() for k, v in opt_tensors.items()}, opt_meta),
-                "generator": self.learner.generator.get_state().numpy(), "version": self.learner.version,
-                "counters": dict(self.learner.counters)}
+        """Everything a checkpoint needs of this learner (:func:`learner_state`)."""
+        return learner_state(self.learner)
 
     def load_state(self, state: Mapping[str, Any]) -> int:
         """Inverse of :meth:`state`; republishes the weights. Returns the version."""
-        self.learner.policy.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state["weights"].items()})
-        tensors, meta = state["optimizer"]
-        restore_optimizer("optimizer", self.learner.optimizer,
-                          {k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, meta)
-        self.learner.generator.set_state(torch.from_numpy(np.array(state["generator"])))
-        self.learner.version = int(state["version"])
-        self.learner.counters.update(state["counters"])
-        self.learner._published = self.learner._snapshot()
+        load_learner_state_(self.learner, state)
         self._publish()
         return self.learner.version
+
+    def pause(self, seconds: float) -> None:
+        """Blocks the learner for ``seconds`` (tests: a slow learner, pushes pile up behind it)."""
+        time.sleep(seconds)
 
     def ping(self) -> str:
         """Liveness probe; returns the node id."""
         return ray.get_runtime_context().get_node_id()
 
 
+def policy_module(tree: Tree, config: TrainConfig, assignment: Mapping[str, GroupAssignment],
+                  policy_id: str) -> GroupPolicy:
+    """A module with the architecture of ``policy_id`` (a group's policy, or a copy of the first group's
+    it acts in); its initial values do not matter: the caller loads weights into it."""
+    policies = make_policies(tree, config.policy)
+    if policy_id in policies:
+        return policies[policy_id]
+    return copy.deepcopy(policies[next(g for g, a in assignment.items() if policy_id in a.policies)])
+
+
+def learner_state(learner: PPOLearner) -> dict[str, Any]:
+    """A PPO learner's weights, optimizer, generator, version and counters as numpy arrays and JSON values."""
+    opt_tensors, opt_meta = flatten_optimizer("optimizer", learner.optimizer)
+    return {"weights": {k: v.detach().cpu().numpy() for k, v in learner.policy.state_dict().items()},
+            "optimizer": ({k: v.detach().cpu().numpy() for k, v in opt_tensors.items()}, opt_meta),
+            "generator": learner.generator.get_state().numpy(), "version": learner.version,
+            "counters": dict(learner.counters)}
+
+
+def load_learner_state_(learner: PPOLearner, state: Mapping[str, Any]) -> None:
+    """Loads a :func:`learner_state` into ``learner`` (mutates it) and re-snapshots its published weights."""
+    def tensor(array) -> torch.Tensor:
+        return torch.from_numpy(np.array(array))  # np.array: a writable copy of a possibly read-only view
+
+    learner.policy.load_state_dict({k: tensor(v) for k, v in state["weights"].items()})
+    tensors, meta = state["optimizer"]
+    restore_optimizer("optimizer", learner.optimizer, {k: tensor(v) for k, v in tensors.items()}, meta)
+    learner.generator.set_state(tensor(state["generator"]))
+    learner.version = int(state["version"])
+    learner.counters.update(state["counters"])
+    learner._published = learner._snapshot()
+
+
 #: The learner actor class, made remote once; resources are set per instance with ``.options``.
 RemoteLearner = ray.remote(LearnerServer)
 
 
-def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int) -> dict[str, float]:
+def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int,
+                    resources: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Ray resources of one learner: ``num_gpus="auto"`` shares the cluster's GPUs when it has any."""
     if num_gpus == "auto":
         gpus = ray.cluster_resources().get("GPU", 0.0)
         num_gpus = min(1.0, gpus / num_learners) if gpus else 0.0
-    return {"num_cpus": num_cpus, "num_gpus": float(num_gpus)}
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": float(num_gpus)}
+    if resources:
+        options["resources"] = dict(resources)
+    return options
 
 
-__all__ = ["ACCEPTED", "LOST", "STALE", "LearnerServer", "RemoteLearner", "learner_options"]
+__all__ = ["ACCEPTED", "LOST", "STALE", "LearnerServer", "RemoteLearner", "learner_options", "learner_state",
+           "load_learner_state_", "policy_module"]

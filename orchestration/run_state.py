@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import deque
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     weights, tensors = {}, {}
     state: dict[str, Any] = {"config": config_to_dict(trainer.config), "tree": to_json(trainer.tree),
                              "iteration": trainer.iteration, "env_steps": trainer.env_steps,
-                             "returns": list(trainer.returns), "lengths": list(trainer.lengths),
+                             "history": {k: list(v) for k, v in trainer.history.items()},
                              "learners": {}, "actors": [], "resume_exact": True}
     for pid, learner in trainer.learners.items():
         for name, value in learner.policy.state_dict().items():
@@ -96,8 +97,8 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
                      state: dict[str, Any]) -> None:
     """Loads a checkpoint's state into a freshly built trainer of the same config (mutates it)."""
     trainer.iteration, trainer.env_steps = state["iteration"], state["env_steps"]
-    trainer.returns.extend(state["returns"])
-    trainer.lengths.extend(state["lengths"])
+    for key, values in state["history"].items():
+        trainer.history.setdefault(key, deque(maxlen=100)).extend(values)
     for pid, learner in trainer.learners.items():
         entry = state["learners"][pid]
         own = {k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")}

@@ -65,8 +65,8 @@ class Trainer:
         self.tree = tree
         self.iteration = 0
         self.env_steps = 0
-        self.returns: deque[float] = deque(maxlen=100)
-        self.lengths: deque[float] = deque(maxlen=100)
+        self.history: dict[str, deque[float]] = {}
+        """Last 100 finished episodes: ``"return"``, ``"length"``, ``"return/<policy>"``."""
 
     def _collect(self) -> float:
         """Collects one iteration's fragments; returns the seconds spent."""
@@ -81,19 +81,22 @@ class Trainer:
         return time.perf_counter() - start
 
     def _episodes(self) -> dict[str, float]:
-        out: dict[str, float] = {}
         finished = 0
         for actor in self.actors:
-            eps = actor.completed_episodes()
-            if eps:
-                self.returns.extend(eps["return"].tolist())
-                self.lengths.extend(eps["length"].double().tolist())
-                finished += len(eps["return"])
-        last10 = list(self.returns)[-10:]
-        out["episodes"] = finished
-        out["episode_return_mean"] = sum(self.returns) / len(self.returns) if self.returns else math.nan
+            for key, values in actor.completed_episodes().items():
+                self.history.setdefault(key, deque(maxlen=100)).extend(values.double().tolist())
+                finished += len(values) if key == "length" else 0
+        out: dict[str, float] = {"episodes": finished}
+        policies = [k for k in self.history if k.startswith("return/")]
+        for key, window in self.history.items():
+            if key.startswith("return/") and len(policies) < 2:
+                continue
+            name = {"return": "episode_return_mean", "length": "episode_length_mean"}.get(
+                key, key.replace("return/", "episode_return_mean/"))
+            out[name] = sum(window) / len(window) if window else math.nan
+        last10 = list(self.history.get("return", []))[-10:]
         out["episode_return_mean_10"] = sum(last10) / len(last10) if last10 else math.nan
-        out["episode_length_mean"] = sum(self.lengths) / len(self.lengths) if self.lengths else math.nan
+        out.setdefault("episode_return_mean", math.nan)
         return out
 
     def train(self) -> dict[str, float]:
@@ -121,18 +124,24 @@ class Trainer:
         metrics.update(iteration=self.iteration, env_steps=self.env_steps, time_collect=t_collect,
                        time_learn=t_learn, env_steps_per_s=self.config.steps_per_iteration / max(t_collect, 1e-9))
         if self.eval_actor is not None and cfg.eval_every and self.iteration % cfg.eval_every == 0:
-            metrics["eval_return_mean"] = self.evaluate()
+            metrics.update(self.evaluate())
         return metrics
 
-    def evaluate(self, episodes: int | None = None) -> float:
-        """Mean return of deterministic actors with the newest weights over ``episodes`` episodes."""
+    def evaluate(self, episodes: int | None = None) -> dict[str, float]:
+        """Mean returns of deterministic actors with the newest weights over ``episodes`` episodes:
+        ``eval_return_mean`` (all agents) and, with several policies, ``eval_return_mean/<policy>``."""
         actor = self.eval_actor
         if actor is None:
             raise ValueError("this trainer has no evaluation actor")
         for pid, learner in self.learners.items():
             actor.set_weights(pid, *learner.published())
-        returns = actor.run_episodes(episodes or self.config.eval_episodes)
-        return sum(returns) / max(len(returns), 1)
+        results = actor.run_episodes(episodes or self.config.eval_episodes)
+        out = {}
+        for key, values in results.items():
+            if key.startswith("return/") and len(self.learners) < 2:
+                continue
+            out[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
+        return out
 
 
 def build_trainer(config: TrainConfig) -> Trainer:
@@ -160,7 +169,8 @@ def build_trainer(config: TrainConfig) -> Trainer:
     if config.eval_every:
         eval_env = make_env(config.env, min(rc.num_envs, config.eval_episodes), check=rc.check, kwargs=kwargs)
         eval_actor = Actor(eval_env, {pid: _copy(lrn.policy) for pid, lrn in learners.items()}, assignment,
-                           seed=config.seed + 10**6, deterministic=True, record=False)
+                           seed=config.seed + 10**6, record=False,
+                           deterministic=[p for p, lrn in learners.items() if isinstance(lrn, PPOLearner)])
     return Trainer(config, actors, learners, eval_actor, tree)
 
 

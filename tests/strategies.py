@@ -121,8 +121,8 @@ def episodes_by_hand(stream: StepStream) -> dict[int, dict]:
         for t in range(len(stream.done[env])):
             length += 1
             for agent in range(stream.num_agents):
+                ret[agent] += stream.reward[env][t][agent]  # rewards count while waiting, too
                 if stream.mask[env][t][agent]:
-                    ret[agent] += stream.reward[env][t][agent]
                     alen[agent] += 1
             if stream.done[env][t]:
                 out[env + stream.num_envs * k] = {"env": env, "length": length, "agent_return": list(ret),

@@ -4,10 +4,11 @@ An episode of an env ends after a step whose env-level ``("next", "done")`` is s
 an earlier fragment: their running sums enter as a *carry* (``[E]`` TensorDict, see :func:`advance_carry`),
 so statistics of a stream of fragments equal those of the unbroken stream.
 
-Definitions (group ``g`` with ``A`` agents; only steps where ``(g, "mask")`` is True count for an agent):
+Definitions (group ``g`` with ``A`` agents; lengths count the steps where ``(g, "mask")`` is True, returns
+count every reward the env gave the agent, also while it waited for its turn):
 
 - ``length``: env steps of the episode; ``agent_length`` ``[A]``: steps the agent was present;
-- ``agent_return`` ``[A, 1]``: sum of the agent's ``("next", g, "reward")`` over its present steps;
+- ``agent_return`` ``[A, 1]``: sum of the agent's ``("next", g, "reward")`` over the episode;
 - ``team_return`` ``[1]``: sum of ``agent_return`` over agents (RLlib's ``episode_reward``);
 - ``mean_return``: mean of ``agent_return`` over agents and episodes (seed 001's average episode reward).
 
@@ -91,7 +92,9 @@ def _scan_group(rollout: TensorDict, group: str, carry: TensorDict) -> tuple[Ten
         return closed, still_open
 
     # float64 running sums, so a short episode after a large return in the same fragment stays exact
-    returns = split(torch.where(present, reward.squeeze(-1), 0).double().cumsum(1),
+    # Rewards count whether or not the agent acts at that step: a turn-based game pays the waiting loser
+    # after the winner's move. Adapters pad the rewards of agents that are not in the env with 0.
+    returns = split(torch.nan_to_num(reward.squeeze(-1).double(), nan=0.0).cumsum(1),
                     carry.get((group, RETURN)).squeeze(-1).double())
     agent_length = split(present.int().cumsum(1, dtype=torch.int32), carry.get((group, LENGTH)))
     t_before = torch.zeros_like(t_idx)

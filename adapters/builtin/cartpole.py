@@ -1,0 +1,204 @@
+"""A batched CartPole in torch with gymnasium CartPole-v1's dynamics, behind the batched-env protocol.
+
+Same constants, Euler integration, termination (``|x| > 2.4`` or ``|theta| > 12°``), reward (1 per step,
+including the terminating one), time limit (500 steps -> truncated, set even when the last step also
+terminates, like gymnasium's ``TimeLimit``) and initial state (uniform in ``[-0.05, 0.05)``). One agent,
+group ``"agent"`` (what :func:`core.specs.groups` names a bare :class:`AgentNode`), capacity 1.
+
+Finished envs are reset inside :meth:`CartPole.step`; the final observation stays under ``"next"``.
+Randomness comes from one ``torch.Generator`` for the whole batch: ``reset(seed)`` seeds the batch, not
+env ``i`` with ``seed + i`` (a per-env stream would need a per-env loop).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED
+from core.specs import AgentNode, Leaf, Tree, groups
+
+from ._tensordicts import assemble_step, reset_output
+
+GRAVITY = 9.8
+MASSCART = 1.0
+MASSPOLE = 0.1
+TOTAL_MASS = MASSPOLE + MASSCART
+LENGTH = 0.5  # half the pole's length
+POLEMASS_LENGTH = MASSPOLE * LENGTH
+FORCE_MAG = 10.0
+TAU = 0.02
+THETA_THRESHOLD = 12 * 2 * math.pi / 360
+X_THRESHOLD = 2.4
+
+# gymnasium's observation bounds are float32: twice the thresholds, unbounded velocities.
+_HIGH = tuple(torch.tensor([X_THRESHOLD * 2, math.inf, THETA_THRESHOLD * 2, math.inf]).tolist())
+CARTPOLE_TREE: Tree = AgentNode(observation=Leaf.box((4,), low=tuple(-h for h in _HIGH), high=_HIGH),
+                                action=Leaf.discrete(2))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CartPoleConfig:
+    """Settings of :class:`CartPole`."""
+
+    num_envs: int = 1024
+    """Number of envs stepped together."""
+    max_steps: int = 500
+    """Episode length after which an episode is truncated (CartPole-v1: 500)."""
+    dtype: torch.dtype = torch.float32
+    """Dtype of the physical state; ``torch.float64`` follows gymnasium's float64 arithmetic (observations
+    are float32 either way)."""
+    device: str = "cpu"
+    """Device of the state and of every output tensor."""
+
+    def __post_init__(self) -> None:
+        if self.num_envs < 1 or self.max_steps < 1:
+            raise ValueError(f"num_envs ({self.num_envs}) and max_steps ({self.max_steps}) must be >= 1")
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"dtype must be floating point, got {self.dtype}")
+
+
+def cartpole_dynamics(state: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Euler step of CartPole for a batch (gymnasium's equations, with fused multiply-adds).
+
+    The state is stored component-major, ``[4, env]``: every op then runs on contiguous rows (on this CPU an
+    ``[env, 4]`` layout makes ``torch.stack(..., dim=1)`` cost 370 µs at 16384 envs against 22 µs).
+
+    Args:
+        state: ``[4, env]`` rows x, x_dot, theta, theta_dot.
+        action: ``[env]`` integer; 1 pushes right, anything else left (gymnasium asserts {0, 1}).
+
+    Returns:
+        ``(next_state [4, env], terminated [env] bool)``; ``state`` is not modified.
+    """
+    _, thresholds, push_right, push_left = _constants(state.dtype, state.device)
+    x, x_dot, theta, theta_dot = state.unbind(0)
+    force = torch.where(action == 1, push_right, push_left)
+    cos, sin = theta.cos(), theta.sin()
+    temp = torch.addcmul(force, theta_dot.square(), sin, value=POLEMASS_LENGTH).div_(TOTAL_MASS)
+    theta_acc = torch.addcmul(sin.mul(GRAVITY), cos, temp, value=-1.0).div_(
+        cos.square().mul_(-LENGTH * MASSPOLE / TOTAL_MASS).add_(LENGTH * 4.0 / 3.0))
+    x_acc = torch.addcmul(temp, theta_acc, cos, value=-POLEMASS_LENGTH / TOTAL_MASS)
+    nxt = torch.add(state, torch.stack((x_dot, x_acc, theta_dot, theta_acc)), alpha=TAU)
+    terminated = (nxt[0::2].abs() > thresholds).any(0)
+    return nxt, terminated
+
+
+def initial_states(n: int, generator: torch.Generator, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[4, n]`` states uniform in ``[-0.05, 0.05)`` (gymnasium's ``uniform(low, high)`` = low + u * width)."""
+    return torch.rand(4, n, generator=generator, dtype=dtype, device=device).mul_(0.1).sub_(0.05)
+
+
+def observations(state: torch.Tensor) -> torch.Tensor:
+    """``[env, 1, 4]`` float32 observations (a fresh tensor) of a ``[4, env]`` state.
+
+    The transpose goes through a matmul with the identity: exact for finite values (each output is one
+    product by 1 plus products by 0), and 5x cheaper than ``.t().contiguous()`` here (58 vs 280 µs at 16384).
+    """
+    obs = torch.mm(state.t(), _constants(state.dtype, state.device)[0])
+    return (obs if obs.dtype == torch.float32 else obs.to(torch.float32)).unsqueeze(1)
+
+
+@functools.lru_cache(maxsize=8)
+def _constants(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per-dtype constants, made once: identity, ``[[x], [theta]]`` thresholds, the two forces."""
+    return (torch.eye(4, dtype=dtype, device=device),
+            torch.tensor([[X_THRESHOLD], [THETA_THRESHOLD]], dtype=dtype, device=device),
+            torch.tensor(FORCE_MAG, dtype=dtype, device=device), torch.tensor(-FORCE_MAG, dtype=dtype, device=device))
+
+
+class CartPole:
+    """``num_envs`` CartPoles stepped together (a :class:`adapters.protocol.BatchedEnv`).
+
+    Public state, for tests and tools: ``state`` ``[env, 4]`` (``config.dtype``; a view of the ``[4, env]``
+    storage; assign a new tensor to change it) and ``steps`` ``[env]`` int64 (steps taken in the episode).
+    """
+
+    def __init__(self, config: CartPoleConfig | None = None) -> None:
+        self.config = config if config is not None else CartPoleConfig()
+        n, self._device = self.config.num_envs, torch.device(self.config.device)
+        self._group = next(iter(groups(CARTPOLE_TREE)))
+        self._env_batch, self._group_batch = torch.Size([n]), torch.Size([n, 1])
+        self._generator = torch.Generator(device=self._device)
+        self._seeded = False
+        self._state = torch.zeros(4, n, dtype=self.config.dtype, device=self._device)
+        self.steps = torch.zeros(n, dtype=torch.int64, device=self._device)
+
+    @property
+    def tree(self) -> Tree:
+        return CARTPOLE_TREE
+
+    @property
+    def num_envs(self) -> int:
+        return self.config.num_envs
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    @property
+    def state(self) -> torch.Tensor:
+        """``[env, 4]`` physical state (x, x_dot, theta, theta_dot)."""
+        return self._state.t()
+
+    @state.setter
+    def state(self, value: torch.Tensor) -> None:
+        self._state = value.to(self._state).t().contiguous()
+
+    def reset(self, seed: int | None = None) -> TensorDict:
+        """Resets every env; ``seed`` seeds the batch's generator (None: continue its stream)."""
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        elif not self._seeded:
+            self._generator.seed()
+        self._seeded = True
+        self._state = initial_states(self.num_envs, self._generator, self.config.dtype, self._device)
+        self.steps = torch.zeros_like(self.steps)
+        return reset_output(self._group, self._root(), self._env_batch, self._group_batch)
+
+    def step(self, actions: TensorDict) -> TensorDict:
+        """Applies ``(agent, action)`` ``[env, 1]`` and resets the envs whose episode ended (module doc)."""
+        n = self.num_envs
+        nxt, terminated = cartpole_dynamics(self._state, actions.get((self._group, ACTION)).reshape(n))
+        self.steps = self.steps + 1
+        truncated = self.steps >= self.config.max_steps
+        done = terminated | truncated
+        final_obs = observations(nxt)
+        # Partial reset by index: fresh states for the finished envs only cost 35 µs at 1024 envs and 84 µs
+        # at 16384, against 100 µs and 750 µs for a full draw plus torch.where (scratch run, 1 thread).
+        ended = done.nonzero().squeeze(1)
+        if ended.numel():
+            nxt.index_copy_(1, ended, initial_states(ended.numel(), self._generator, self.config.dtype, self._device))
+            self.steps.index_fill_(0, ended, 0)
+        self._state = nxt
+        flags = (terminated.unsqueeze(1), truncated.unsqueeze(1), done.unsqueeze(1))
+        nxt_group = {OBSERVATION: final_obs, REWARD: torch.ones(n, 1, 1, device=self._device),
+                     TERMINATED: flags[0].unsqueeze(2), TRUNCATED: flags[1].unsqueeze(2), DONE: flags[2].unsqueeze(2),
+                     MASK: torch.ones(n, 1, dtype=torch.bool, device=self._device)}
+        return assemble_step(self._group, self._root(), nxt_group, flags, self._env_batch, self._group_batch)
+
+    def _root(self) -> dict:
+        n = self.num_envs
+        return {OBSERVATION: observations(self._state), MASK: torch.ones(n, 1, dtype=torch.bool, device=self._device),
+                ACTION_MASK: torch.ones(n, 1, 2, dtype=torch.bool, device=self._device)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything that decides the future of the batch (checkpoints resume it exactly)."""
+        return {"state": self._state.clone(), "steps": self.steps.clone(), "rng": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restores :meth:`state_dict` output."""
+        self._state = state["state"].to(self._state).clone()
+        self.steps = state["steps"].to(self.steps).clone()
+        self._generator.set_state(state["rng"])
+        self._seeded = True
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+__all__ = ["CARTPOLE_TREE", "CartPole", "CartPoleConfig", "cartpole_dynamics", "initial_states", "observations"]

@@ -1,0 +1,270 @@
+"""Slow or crash-prone batched envs in subprocesses, behind the same protocol, with restarts.
+
+:class:`EnvWorkerPool` runs one factory-built :class:`~adapters.protocol.BatchedEnv` in each of K processes and
+presents them as one batch (``num_envs`` = the sum, worker ``k``'s envs at ``offsets[k]:offsets[k] + n_k``).
+Observations and actions travel through preallocated shared-memory tensors (``share_memory_()``, one per
+leaf, laid out from the tree); a pipe per worker carries only commands and small replies.
+
+Faults: a worker that dies, raises, or does not answer within ``step_timeout_s`` is killed and restarted
+(same factory, a new seed). Its in-flight episodes end as truncated in the step that noticed: ``next`` holds
+the last observation it returned (reward 0, ``truncated`` True for the agents present), the root holds the
+first observation of the restarted env. ``counters`` counts ``env_restarts``, ``episodes_lost`` (one per env
+of the worker), ``step_timeouts``, ``worker_crashes`` (process died) and ``worker_errors`` (the env raised),
+plus the workers' own counters summed over every incarnation.
+
+Seeding: ``reset(seed)`` resets worker ``k`` with ``seed + offsets[k]`` (its envs' indices in the pool);
+a restarted worker gets a seed derived from ``(seed, k, incarnation)`` so it never replays an episode.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from core.layout import ACTION, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
+from core.specs import Tree, from_json, groups, zeros
+
+from .env_process import step_template, worker_main
+from .protocol import BatchedEnv
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnvWorkerConfig:
+    """Settings of :class:`EnvWorkerPool`."""
+
+    step_timeout_s: float = 30.0
+    """Longest wait for a worker's step or reset before it counts as hung and is restarted."""
+    start_timeout_s: float = 120.0
+    """Longest wait for a new worker to import, build its env and answer."""
+    max_restarts: int = 100
+    """Restarts allowed over the pool's life; one more raises ``RuntimeError``."""
+    start_method: str = "forkserver"
+    """Multiprocessing start method: ``"forkserver"`` (fast restarts) or ``"spawn"``."""
+    torch_threads: int = 1
+    """``torch.set_num_threads`` in each worker."""
+
+    def __post_init__(self) -> None:
+        if self.step_timeout_s <= 0 or self.start_timeout_s <= 0 or self.max_restarts < 0 or self.torch_threads < 1:
+            raise ValueError("timeouts must be > 0, max_restarts >= 0 and torch_threads >= 1")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}")
+
+
+_OWN_COUNTERS = ("env_restarts", "episodes_lost", "step_timeouts", "worker_crashes", "worker_errors")
+
+
+class _Worker:
+    def __init__(self, index: int, factory, ctx, threads: int) -> None:
+        self.index, self.factory, self.incarnation = index, factory, 0
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(child, factory, threads), daemon=True,
+                                name=f"shoal-env-worker-{index}")
+        self.proc.start()
+        child.close()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+def _collect(workers: list[_Worker], timeout: float) -> dict[int, object]:
+    """Waits for one reply per worker; returns ``{index: reply}`` with ``"timeout"``/``"dead"`` for failures."""
+    deadline, replies = time.monotonic() + timeout, {}
+    pending = {w.conn: w for w in workers}
+    while pending:
+        ready = wait([*pending, *(w.proc.sentinel for w in pending.values())], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for conn, w in list(pending.items()):
+            if conn in ready or w.proc.sentinel in ready:
+                try:
+                    replies[w.index] = conn.recv() if conn.poll() else ("dead", None)
+                except (EOFError, OSError):
+                    replies[w.index] = ("dead", None)
+                del pending[conn]
+    for w in pending.values():
+        replies[w.index] = ("timeout", None)
+    return replies
+
+
+class EnvWorkerPool:
+    """K subprocess workers, each running ``factories[k]()``, as one :class:`BatchedEnv` (module doc)."""
+
+    def __init__(self, factories: Sequence[Callable[[], BatchedEnv]], config: EnvWorkerConfig | None = None) -> None:
+        self.config = config if config is not None else EnvWorkerConfig()
+        if not factories:
+            raise ValueError("need at least one factory")
+        self._ctx = mp.get_context(self.config.start_method)
+        if self.config.start_method == "forkserver":
+            self._ctx.set_forkserver_preload(["torch", "tensordict", "core.specs"])
+        self._own = dict.fromkeys(_OWN_COUNTERS, 0)
+        self._worker_counters: list[dict] = [{} for _ in factories]
+        self._past_counters: dict[str, int] = {}
+        self._seed, self._last, self._closed = None, None, False
+        self._workers = [_Worker(i, f, self._ctx, self.config.torch_threads) for i, f in enumerate(factories)]
+        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
+        try:
+            trees, sizes = zip(*[self._handshake(w) for w in self._workers])
+            if len(set(trees)) != 1:
+                raise ValueError("the workers' envs have different trees; a pool needs one tree")
+        except BaseException:
+            self.close()
+            raise
+        sizes = list(sizes)
+        self._tree, self._tree_json, self._sizes = from_json(trees[0]), trees[0], sizes
+        self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        total = sum(sizes)
+        self._out = step_template(self._tree, total).share_memory_()
+        self._act = zeros(self._tree, [total]).select(*[(g, ACTION) for g in groups(self._tree)]).share_memory_()
+        self._act_leaves = list(self._act.items(True, True))
+        for w in self._workers:
+            self._send_buffers(w)
+
+    @property
+    def tree(self) -> Tree:
+        return self._tree
+
+    @property
+    def num_envs(self) -> int:
+        return sum(self._sizes)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        out = dict(self._own)
+        for c in (self._past_counters, *self._worker_counters):
+            for k, v in c.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current workers (for monitoring and fault-injection tests)."""
+        return [w.proc.pid for w in self._workers]
+
+    def reset(self, seed: int | None = None) -> TensorDict:
+        """Resets every worker (worker ``k`` with ``seed + offsets[k]``) and returns the first step to act on."""
+        self._seed = seed
+        for w in self._workers:
+            w.conn.send(("reset", None if seed is None else seed + self.offsets[w.index]))
+        for i, reply in _collect(self._workers, self.config.step_timeout_s).items():
+            if not self._accept(i, reply):
+                self._restart(i)
+        self._last = self._out.exclude(NEXT).clone()
+        return self._last.clone()
+
+    def step(self, actions: TensorDict) -> TensorDict:
+        """Steps every worker; a failed worker's envs end truncated and restart (module doc)."""
+        if self._last is None:
+            raise RuntimeError("call reset() before step()")
+        for key, buf in self._act_leaves:
+            buf.copy_(actions.get(key))
+        for w in self._workers:
+            w.conn.send(("step", None))
+        failed = [i for i, reply in _collect(self._workers, self.config.step_timeout_s).items()
+                  if not self._accept(i, reply)]
+        for i in failed:
+            self._restart(i)
+            self._own["episodes_lost"] += self._sizes[i]
+        out = self._out.clone()
+        for i in failed:
+            self._truncate(out, slice(self.offsets[i], self.offsets[i] + self._sizes[i]))
+        self._last = out.exclude(NEXT)
+        return out
+
+    def close(self) -> None:
+        """Stops every worker; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            try:
+                w.conn.send(("close", None))
+            except (OSError, ValueError):
+                pass
+        for w in self._workers:
+            w.proc.join(2)
+            w.kill()
+        self._finalizer.detach()
+
+    # -- faults ----------------------------------------------------------------------------------------------
+    def _accept(self, i: int, reply) -> bool:
+        kind, payload = reply
+        if kind == "ok":
+            self._worker_counters[i] = payload
+            return True
+        self._own[{"timeout": "step_timeouts", "dead": "worker_crashes"}.get(kind, "worker_errors")] += 1
+        return False
+
+    def _handshake(self, w: _Worker) -> tuple[str, int]:
+        kind, *payload = _collect([w], self.config.start_timeout_s)[w.index]
+        if kind != "ready":
+            w.kill()
+            raise RuntimeError(f"env worker {w.index} failed to start ({kind}): {payload[0] if payload else ''}")
+        return payload[0], payload[1]
+
+    def _send_buffers(self, w: _Worker) -> None:
+        sl = slice(self.offsets[w.index], self.offsets[w.index] + self._sizes[w.index])
+        w.conn.send((self._act[sl], self._out[sl]))
+
+    def _restart(self, i: int) -> None:
+        """Replaces worker ``i`` by a fresh process and resets it (its root slice of the buffer is written)."""
+        old = self._workers[i]
+        old.kill()
+        for k, v in self._worker_counters[i].items():
+            self._past_counters[k] = self._past_counters.get(k, 0) + v
+        self._worker_counters[i] = {}
+        while True:
+            if self._own["env_restarts"] >= self.config.max_restarts:
+                raise RuntimeError(f"env worker {i} failed and the pool used all {self.config.max_restarts} restarts")
+            self._own["env_restarts"] += 1
+            w = _Worker(i, old.factory, self._ctx, self.config.torch_threads)
+            w.incarnation = old.incarnation + 1
+            self._workers[i], old = w, w
+            try:
+                tree_json, n = self._handshake(w)
+            except RuntimeError:
+                continue
+            if tree_json != self._tree_json or n != self._sizes[i]:
+                raise RuntimeError(f"restarted env worker {i} has a different tree or number of envs")
+            self._send_buffers(w)
+            seed = None if self._seed is None else int(
+                np.random.SeedSequence([self._seed, i, w.incarnation]).generate_state(1, np.uint32)[0])
+            w.conn.send(("reset", seed))
+            if self._accept(i, _collect([w], self.config.step_timeout_s)[i]):
+                return
+            w.kill()
+
+    def _truncate(self, out: TensorDict, sl: slice) -> None:
+        """Ends the episodes of envs ``sl`` as truncated, the last returned observation as the final one."""
+        last, nxt = self._last[sl], out.get(NEXT)
+        for g in groups(self._tree):
+            present = last.get((g, MASK))
+            group = nxt.get(g)
+            group[sl] = TensorDict({OBSERVATION: last.get((g, OBSERVATION)), REWARD: torch.zeros(*present.shape, 1),
+                                    TERMINATED: torch.zeros(*present.shape, 1, dtype=torch.bool),
+                                    TRUNCATED: present.unsqueeze(-1), DONE: present.unsqueeze(-1), MASK: present},
+                                   batch_size=present.shape)
+        if SHARED in last.keys():
+            nxt.get(SHARED)[sl] = last.get(SHARED)
+        nxt.get(TERMINATED)[sl] = False
+        nxt.get(TRUNCATED)[sl] = True
+        nxt.get(DONE)[sl] = True
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        if w.proc.is_alive():
+            w.proc.kill()
+
+
+__all__ = ["EnvWorkerConfig", "EnvWorkerPool", "step_template"]

@@ -1,0 +1,166 @@
+"""EnvWorkerPool: same results as in-process stepping; a killed, hung or failing worker is restarted."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from adapters.builtin import CartPole, CartPoleConfig, Spread, SpreadConfig
+from adapters.env_worker import EnvWorkerConfig, EnvWorkerPool, step_template
+from adapters.protocol import BatchedEnv
+from core.layout import ACTION, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
+from core.specs import validate
+
+
+class FaultyCartPole(CartPole):
+    """CartPole that hangs (``"hang"``) or raises (``"raise"``) in ``step`` once ``flag`` exists (it deletes the
+    file first, so the restarted worker behaves)."""
+
+    def __init__(self, flag: str, num_envs: int = 4) -> None:
+        super().__init__(CartPoleConfig(num_envs=num_envs))
+        self._flag = flag
+
+    def step(self, actions):
+        if os.path.exists(self._flag):
+            with open(self._flag) as f:
+                mode = f.read()
+            os.remove(self._flag)
+            if mode == "hang":
+                time.sleep(60)
+            raise RuntimeError("injected env failure")
+        return super().step(actions)
+
+
+def _cartpole_actions(n: int, generator) -> TensorDict:
+    action = torch.randint(0, 2, (n, 1), generator=generator)
+    return TensorDict({"agent": TensorDict({ACTION: action}, batch_size=[n, 1])}, batch_size=[n])
+
+
+@pytest.fixture
+def pool_factory():
+    pools = []
+
+    def make(factories, **config):
+        pool = EnvWorkerPool(factories, EnvWorkerConfig(**config))
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def test_step_template_has_the_keys_of_a_step():
+    for env in (CartPole(CartPoleConfig(num_envs=3)), Spread(SpreadConfig(num_envs=3))):
+        env.reset(seed=0)
+        group = "agent" if isinstance(env, CartPole) else "agents"
+        shape = env.reset(seed=0).get((group, MASK)).shape
+        out = env.step(TensorDict({group: TensorDict({ACTION: torch.zeros(shape, dtype=torch.int64)},
+                                                     batch_size=shape)}, batch_size=[3]))
+        template = step_template(env.tree, 3)
+        assert set(template.keys(True, True)) == set(out.keys(True, True))
+        for key in template.keys(True, True):
+            assert template.get(key).shape == out.get(key).shape and template.get(key).dtype == out.get(key).dtype
+
+
+def test_pool_equals_in_process_stepping(pool_factory):
+    config = SpreadConfig(num_envs=3, join_prob=0.1)
+    pool = pool_factory([functools.partial(Spread, config)] * 2)
+    assert isinstance(pool, BatchedEnv) and pool.num_envs == 6 and pool.offsets == [0, 3]
+    refs = [Spread(config) for _ in range(2)]
+    td = pool.reset(seed=5)
+    assert (td == torch.cat([r.reset(seed=5 + 3 * k) for k, r in enumerate(refs)])).all()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        action = torch.randint(0, 5, (6, 4), generator=generator)
+        actions = TensorDict({"agents": TensorDict({ACTION: action}, batch_size=[6, 4])}, batch_size=[6])
+        out = pool.step(actions)
+        expected = torch.cat([r.step(actions[3 * k:3 * k + 3]) for k, r in enumerate(refs)])
+        assert (out == expected).all()
+    validate(out, pool.tree)
+    assert not out.get(SHARED).is_shared()  # the caller owns what it gets; the buffers stay the pool's
+    assert pool.counters == {"env_restarts": 0, "episodes_lost": 0, "step_timeouts": 0, "worker_crashes": 0,
+                             "worker_errors": 0}
+
+
+def test_pool_of_gymnasium_adapters_equals_in_process_stepping(pool_factory):
+    make_gymnasium = getattr(pytest.importorskip("adapters.gymnasium_env"), "make_gymnasium", None)
+    if make_gymnasium is None:
+        pytest.skip("adapters.gymnasium_env.make_gymnasium is not there")
+    pool = pool_factory([functools.partial(make_gymnasium, "CartPole-v1", 2)] * 2)
+    refs = [make_gymnasium("CartPole-v1", 2) for _ in range(2)]
+    assert (pool.reset(seed=0) == torch.cat([r.reset(seed=2 * k) for k, r in enumerate(refs)])).all()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):  # several episode ends at random actions
+        actions = _cartpole_actions(4, generator)
+        expected = torch.cat([r.step(actions[2 * k:2 * k + 2]) for k, r in enumerate(refs)])
+        assert (pool.step(actions) == expected).all()
+    assert "invalid_output_truncations" in pool.counters  # the workers' own counters come through
+
+
+def test_killed_worker_ends_its_episodes_truncated_and_restarts(pool_factory):
+    factory = functools.partial(CartPole, CartPoleConfig(num_envs=4))
+    pool = pool_factory([factory, factory])
+    ref = CartPole(CartPoleConfig(num_envs=4))  # stands in for worker 1, which must be unaffected
+    generator = torch.Generator().manual_seed(0)
+    pool.reset(seed=0)
+    ref.reset(seed=4)
+    for _ in range(5):
+        actions = _cartpole_actions(8, generator)
+        last = pool.step(actions).exclude(NEXT)
+        ref.step(actions[4:])
+    old_pid = pool.worker_pids[0]
+    os.kill(old_pid, signal.SIGKILL)
+    actions = _cartpole_actions(8, generator)
+    out = pool.step(actions)
+    assert (out[4:] == ref.step(actions[4:])).all()
+    nxt = out.get((NEXT, "agent"))
+    assert out.get((NEXT, TRUNCATED))[:4].all() and not out.get((NEXT, TERMINATED))[:4].any()
+    assert out.get((NEXT, DONE))[:4].all() and nxt.get(TRUNCATED)[:4].all() and not nxt.get(TERMINATED)[:4].any()
+    assert torch.equal(nxt.get(OBSERVATION)[:4], last.get(("agent", OBSERVATION))[:4])  # last known obs is final
+    assert not nxt.get(REWARD)[:4].any() and nxt.get(MASK)[:4].all()
+    assert out.get(("agent", OBSERVATION))[:4].abs().max() <= 0.05  # the restarted envs begin fresh episodes
+    counters = pool.counters
+    assert counters["env_restarts"] == 1 and counters["episodes_lost"] == 4 and counters["worker_crashes"] == 1
+    assert pool.worker_pids[0] != old_pid
+    for _ in range(3):  # the batch goes on
+        validate(pool.step(_cartpole_actions(8, generator)), pool.tree)
+
+
+@pytest.mark.parametrize("mode, counter", [("hang", "step_timeouts"), ("raise", "worker_errors")])
+def test_hung_or_failing_worker_is_restarted(pool_factory, tmp_path, mode, counter):
+    flags = [str(tmp_path / f"fault{k}") for k in range(2)]
+    pool = pool_factory([functools.partial(FaultyCartPole, flag) for flag in flags], step_timeout_s=1.0)
+    generator = torch.Generator().manual_seed(0)
+    pool.reset(seed=0)
+    pool.step(_cartpole_actions(8, generator))
+    with open(flags[1], "w") as f:
+        f.write(mode)
+    start = time.monotonic()
+    out = pool.step(_cartpole_actions(8, generator))
+    elapsed = time.monotonic() - start
+    assert (elapsed >= 1.0) == (mode == "hang") and elapsed < 20
+    failed = out.get((NEXT, TRUNCATED)).squeeze(1)
+    assert failed.tolist() == [False] * 4 + [True] * 4  # exactly the faulty worker's envs
+    assert pool.counters[counter] == 1 and pool.counters["env_restarts"] == 1 and pool.counters["episodes_lost"] == 4
+    validate(pool.step(_cartpole_actions(8, generator)), pool.tree)
+
+
+def test_a_worker_that_cannot_start_raises(pool_factory):
+    with pytest.raises(RuntimeError, match="failed to start"):
+        pool_factory([functools.partial(CartPole, "not a config")])
+
+
+def test_close_is_idempotent_and_stops_the_processes(pool_factory):
+    pool = pool_factory([functools.partial(CartPole, CartPoleConfig(num_envs=2))])
+    pool.reset(seed=0)
+    procs = [w.proc for w in pool._workers]
+    pool.close()
+    pool.close()
+    assert not any(p.is_alive() for p in procs)
