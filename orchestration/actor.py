@@ -19,8 +19,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import FragmentBuilder
-from core.layout import ACTION, ACTION_MASK, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SHARED, \
-    STATE_VALUE
+from adapters.assembly import make_td
+from core.layout import ACTION, ACTION_MASK, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SHARED
 from core.policies import GroupPolicy
 from core.specs import groups
 from orchestration.assignment import GroupAssignment
@@ -83,23 +83,27 @@ class Actor:
             g_obs = obs.get(group)
             out = self._forward(group, assigned, g_obs, shared)
             entry = {OBSERVATION: _maybe_plain(g_obs.get(OBSERVATION)), MASK: g_obs.get(MASK),
-                     ACTION: out[ACTION], LOG_PROB: out[LOG_PROB], STATE_VALUE: out[STATE_VALUE]}
+                     ACTION: out[ACTION], LOG_PROB: out[LOG_PROB]}
             if ACTION_MASK in g_obs.keys():
                 entry[ACTION_MASK] = g_obs.get(ACTION_MASK)
             if RECURRENT_STATE in out:
                 entry[RECURRENT_STATE] = out[RECURRENT_STATE]
             entries[group] = entry
-            actions[group] = TensorDict({ACTION: out[ACTION]}, batch_size=g_obs.batch_size)
+            action = out[ACTION]
+            if isinstance(action, dict):
+                action = make_td(action, g_obs.batch_size)
+            actions[group] = make_td({ACTION: action}, g_obs.batch_size)
         if shared is not None:
             entries[SHARED] = _maybe_plain(shared)
-        return entries, TensorDict(actions, batch_size=obs.batch_size)
+        return entries, make_td(actions, obs.batch_size)
 
     def _forward(self, group: str, assigned: GroupAssignment, g_obs, shared) -> dict:
         """The policies' outputs for one group; a split group keeps each policy's outputs on its slots."""
         outs = {}
         for pid in assigned.policies:
+            # No critic here: the learner evaluates state values for the whole batch in one call.
             out = self.policies[pid].act_step(g_obs, shared, self.generator, pid in self.deterministic,
-                                              self._rnn.get((group, pid)), self._episode_start)
+                                              self._rnn.get((group, pid)), self._episode_start, with_value=False)
             if RECURRENT_STATE in out:
                 self._rnn[(group, pid)] = out[NEXT][RECURRENT_STATE]
             outs[pid] = out
@@ -120,7 +124,7 @@ class Actor:
             entries[NEXT] = _plain(nxt)
             self.builder.add_step_(entries)
         self._episode_start = nxt.get(DONE).reshape(-1)
-        self._obs = out.exclude(NEXT)
+        self._obs = out  # the next step to act on; "next" rides along unread (cheaper than exclude)
         self.env_steps += self.env.num_envs
         return out
 

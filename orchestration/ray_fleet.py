@@ -1,27 +1,23 @@
 """The rollout fleet on Ray (seed 004): rollout workers, their sender threads, and the manager over them.
 
-A :class:`RolloutWorker` (plain class, made remote once: :data:`RemoteRolloutWorker`) wraps the local
-:class:`orchestration.actor.Actor`. Its sampling loop builds fragments and puts them in a bounded queue; a
-sender thread ``ray.put``s each one in wire form (numpy views, :mod:`orchestration.wire`) and hands the
-ref to every learner it feeds, keeping at most ``max_in_flight`` unacknowledged pushes per learner. A slow
-learner therefore fills the queue and blocks the sampling loop (back-pressure); no RPC happens inside
-the sampling loop. At each fragment boundary the worker loads the newest weights it was told about (one
-object ref per version, published once by the learner); every fragment records the version that acted.
+A :class:`RolloutWorker` (plain class, made remote once) wraps the local :class:`orchestration.actor.Actor`.
+Its sampling loop puts fragments in a bounded queue; a sender thread ``ray.put``s each in wire form
+(:mod:`orchestration.wire`) and pushes the ref to every learner, with at most ``max_in_flight``
+unacknowledged pushes per learner: a slow learner fills the queue and blocks sampling (back-pressure),
+and no RPC happens inside the sampling loop. At each fragment boundary the worker loads the newest weights
+it was told about (one ref per version, put once by the learner); each fragment records its versions.
 
-:class:`RayFleet` (driver side) creates, supervises and re-creates workers. Synchronous mode: every
-worker collects its share of ``train_batch_size`` with the current weights (seed 000's loop); lost data
-is re-collected. Asynchronous mode: workers stream until stopped and receive new weights refs as they are
-published. A dead worker is re-created under a new incarnation (new ``worker_id`` and seed stream) and
-re-synced; what it had not delivered is counted lost by the learners' ledgers.
-
-Worker identity: ``worker_id = (incarnation << 16) | slot`` (incarnation 0: the local backend's ids),
-seed ``config.seed + 1000 * slot (+ 10**7 * incarnation)`` (incarnation 0: the local backend's seeds),
-so a synchronous Ray run reproduces the local run's fragments and weights bit for bit.
+:class:`RayFleet` (driver side) creates, supervises and re-creates workers. Synchronous mode: each worker
+collects its share of ``train_batch_size`` with the current weights (seed 000); what dead workers lost is
+re-collected. Asynchronous mode: workers stream until stopped and get new weights refs as published. A dead
+worker is re-created as a new incarnation (new ``worker_id``, new seed stream) and re-synced. Incarnation 0
+has the local backend's worker ids and seeds: a synchronous Ray run reproduces a local run bit for bit.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -38,7 +34,7 @@ from orchestration.assignment import assign
 from orchestration.config import TrainConfig
 from orchestration.envs import make_env, parse_kwargs
 from orchestration.ray_learner import policy_module
-from orchestration.ray_stats import PipelineMonitor, episode_arrays
+from orchestration.ray_stats import PipelineMonitor, TimedEnv, episode_arrays
 from orchestration.wire import from_wire, to_wire
 
 if TYPE_CHECKING:
@@ -60,32 +56,12 @@ def worker_seed(seed: int, slot: int, incarnation: int) -> int:
     return seed + 1000 * slot + 10**7 * incarnation
 
 
-class TimedEnv:
-    """Delegates to a batched env and adds the time spent in ``step`` to a monitor's ``env_step`` stage."""
-
-    def __init__(self, env, monitor: PipelineMonitor) -> None:
-        self._env, self._monitor, self.elapsed = env, monitor, 0.0
-
-    def step(self, actions):
-        start = time.perf_counter()
-        out = self._env.step(actions)
-        self.elapsed += time.perf_counter() - start
-        return out
-
-    def __getattr__(self, name: str):
-        return getattr(self._env, name)
-
-
 class RolloutWorker:
     """One rollout process: a local :class:`Actor`, a bounded fragment queue and a sender thread.
 
-    Args:
-        config: the run (env, rollout sizes, policy architecture, seed).
-        ray_config: queue and in-flight bounds, threads.
-        slot: the worker's position in the fleet; ``incarnation``: how many times the slot was re-created.
-        learners: policy id -> learner actor handle (every fragment goes to every learner of the mapping).
-        stats: the :class:`orchestration.ray_stats.EpisodeStatistics` actor, or None.
-        weights: the weights to start from (:data:`Weights`).
+    Builds its envs and policies from ``config`` and starts from ``weights``; ``slot`` is its place in the
+    fleet and ``incarnation`` how often the slot was re-created. Every fragment goes to every learner in
+    ``learners`` (policy id -> handle); completed episodes go to ``stats`` (or nowhere when None).
     """
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, slot: int, incarnation: int,
@@ -95,8 +71,7 @@ class RolloutWorker:
         self.worker_id = worker_id_of(slot, incarnation)
         self.monitor = PipelineMonitor()
         rc = config.rollout
-        self.env = TimedEnv(make_env(config.env, rc.num_envs, check=rc.check, kwargs=parse_kwargs(config.env_kwargs)),
-                            self.monitor)
+        self.env = TimedEnv(make_env(config.env, rc.num_envs, check=rc.check, kwargs=parse_kwargs(config.env_kwargs)))
         tree = self.env.tree
         assignment = assign(tree, dict(config.policy_mapping))
         self.actor = Actor(self.env, {pid: policy_module(tree, config, assignment, pid) for pid in weights},
@@ -106,7 +81,7 @@ class RolloutWorker:
         self.queue: queue.Queue = queue.Queue(maxsize=ray_config.queue_size)
         self.produced = self.sent = 0
         self._latest: dict[str, tuple[int, list]] = {}
-        self._lock = threading.Lock()
+        self._lock, self._loading = threading.Lock(), threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._delay = 0.0
@@ -119,18 +94,23 @@ class RolloutWorker:
     def set_latest(self, weights: Weights) -> None:
         """Records newer weights refs; the sampling loop loads them at its next fragment boundary."""
         with self._lock:
-            for pid, (version, refs) in weights.items():
-                if pid not in self._latest or version != self._latest[pid][0]:
-                    self._latest[pid] = (int(version), list(refs))
+            self._latest.update({pid: (int(version), list(refs)) for pid, (version, refs) in weights.items()})
 
     def _load(self, force: bool = False) -> None:
         with self._lock:
             latest = dict(self._latest)
-        for pid, (version, refs) in latest.items():
-            if force or version != self.actor.versions[pid]:
-                weights = from_wire(ray.get(refs[0]))
-                self.actor.versions[pid] = version - 1  # set_weights skips a version it already has
-                self.actor.set_weights(pid, version, weights)
+        with self._loading:
+            for pid, (version, refs) in latest.items():
+                if force or version != self.actor.versions[pid]:
+                    weights = from_wire(ray.get(refs[0]))
+                    self.actor.versions[pid] = version - 1  # set_weights skips a version it already has
+                    self.actor.set_weights(pid, version, weights)
+
+    def sync_weights(self, weights: Weights) -> dict[str, int]:
+        """Loads ``weights`` now (not at the next fragment boundary); returns the versions held."""
+        self.set_latest(weights)
+        self._load()
+        return dict(self.actor.versions)
 
     # -- sampling loop (one thread) ----------------------------------------------------------------------
     def _produce(self) -> None:
@@ -165,8 +145,7 @@ class RolloutWorker:
     def _put(self, item) -> None:
         while True:
             try:
-                self.queue.put(item, timeout=0.1)
-                return
+                return self.queue.put(item, timeout=0.1)
             except queue.Full:
                 self._check_sender()
 
@@ -244,8 +223,6 @@ class RolloutWorker:
 
     def info(self) -> dict[str, Any]:
         """Where this worker runs: worker id, node id, process id."""
-        import os
-
         return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def set_fragment_delay(self, seconds: float) -> None:
@@ -270,14 +247,9 @@ class _Slot:
 
 
 class RayFleet:
-    """Creates, drives and re-creates the rollout workers (driver side; holds no data).
+    """Creates, drives and re-creates ``config.rollout.num_workers`` rollout workers (driver side; no data).
 
-    Args:
-        config: the run; ``config.rollout.num_workers`` workers.
-        ray_config: placement, modes and bounds.
-        learners: policy id -> learner handle, handed to every worker.
-        stats: the episode statistics actor.
-        weights: the weights the workers start from.
+    ``learners`` (policy id -> handle) and ``stats`` are handed to every worker; ``weights`` start them.
     """
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], stats,
@@ -286,10 +258,8 @@ class RayFleet:
         self.learners, self.stats = dict(learners), stats
         self.fragment_steps = config.rollout.num_envs * config.rollout.fragment_length
         self.restarts = 0
-        self.reported: dict[int, int] = {}
-        """worker id -> fragments that incarnation reported producing (last report)."""
-        self.dead: set[int] = set()
-        """Worker ids of incarnations that died."""
+        self.reported: dict[int, int] = {}  # worker id -> fragments produced, as last reported
+        self.dead: set[int] = set()  # worker ids of incarnations that died
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
         ray.get([s.handle.info.remote() for s in self.slots])  # construction errors surface here
 
@@ -305,10 +275,7 @@ class RayFleet:
         """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``."""
         old = self.slots[index]
         self.dead.add(old.worker_id)
-        try:
-            ray.kill(old.handle, no_restart=True)
-        except Exception:  # already gone
-            pass
+        _kill(old.handle)
         if self.restarts >= self.ray_config.max_worker_restarts:
             raise RuntimeError(f"rollout worker restarts exhausted ({self.restarts})") from cause
         self.restarts += 1
@@ -320,14 +287,10 @@ class RayFleet:
 
     # -- synchronous mode --------------------------------------------------------------------------------
     def collect(self, target_steps: int, weights: Weights, new_steps: Callable[[], int]) -> list[dict]:
-        """Has the workers deliver at least ``target_steps`` env steps acting with ``weights``.
+        """Has the workers deliver at least ``target_steps`` env steps acting with ``weights``; their reports.
 
-        Every worker first collects the same number of fragments (rounds of one fragment per worker, as
-        the local trainer does); if workers died, ``new_steps()`` (fresh steps the learners hold) tells
-        what is still missing, and the live workers collect that.
-
-        Returns:
-            The workers' reports (fragments produced, pipeline monitor windows).
+        Every worker collects the same number of fragments (rounds of one per worker, as the local trainer);
+        if workers died, ``new_steps()`` (fresh steps the learners hold) tells what the live ones must add.
         """
         n = len(self.slots)
         rounds = math.ceil(target_steps / (self.fragment_steps * n))
@@ -358,8 +321,12 @@ class RayFleet:
         for slot in self.slots:
             slot.run_ref = slot.handle.run.remote(weights)
 
-    def broadcast(self, weights: Weights) -> None:
-        """Tells every worker about new weights refs (fire-and-forget: a dead worker is found by :meth:`check`)."""
+    def broadcast(self, weights: Weights, wait: bool = False) -> None:
+        """Hands new weights refs to every worker, loaded at its next fragment boundary (fire-and-forget: a
+        dead worker is found by :meth:`check`), or with ``wait`` loaded now by all before returning."""
+        if wait:
+            ray.get([slot.handle.sync_weights.remote(weights) for slot in self.slots])
+            return
         for slot in self.slots:
             slot.handle.set_latest.remote(weights)
 
@@ -370,10 +337,9 @@ class RayFleet:
             return 0
         done, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
         for ref in done:
-            index = running[ref]
+            index, cause = running[ref], None
             try:
                 self._record(ray.get(ref))
-                cause = None
             except ray.exceptions.RayError as err:
                 cause = err
             self.restart(index, weights, cause)
@@ -382,41 +348,27 @@ class RayFleet:
 
     def monitors(self, timeout: float = 2.0) -> list[dict]:
         """Reports of the live workers (served beside sampling; a dead or slow worker is skipped)."""
-        refs = [s.handle.report.remote() for s in self.slots]
-        out = []
-        for ref in refs:
-            try:
-                report = ray.get(ref, timeout=timeout)
-            except (ray.exceptions.RayError, TimeoutError):
-                continue
+        reports = [_try_get(ref, timeout) for ref in [s.handle.report.remote() for s in self.slots]]
+        for report in filter(None, reports):
             self._record(report)
-            out.append(report)
-        return out
+        return list(filter(None, reports))
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ends streaming; waits until each worker delivered what it built (its final report)."""
-        for slot in self.slots:
-            if slot.run_ref is not None:
-                slot.handle.stop.remote()
-        for slot in self.slots:
-            if slot.run_ref is None:
-                continue
-            try:
-                self._record(ray.get(slot.run_ref, timeout=timeout))
-            except (ray.exceptions.RayError, TimeoutError):
+        running = [s for s in self.slots if s.run_ref is not None]
+        for slot in running:
+            slot.handle.stop.remote()
+        for slot in running:
+            report = _try_get(slot.run_ref, timeout)
+            if report is None:
                 self.dead.add(slot.worker_id)
+            else:
+                self._record(report)
             slot.run_ref = None
 
     def alive(self, timeout: float = 5.0) -> int:
         """How many workers answer a call within ``timeout``."""
-        count = 0
-        for ref in [s.handle.info.remote() for s in self.slots]:
-            try:
-                ray.get(ref, timeout=timeout)
-                count += 1
-            except (ray.exceptions.RayError, TimeoutError):
-                pass
-        return count
+        return sum(_try_get(ref, timeout) is not None for ref in [s.handle.info.remote() for s in self.slots])
 
     def handles(self) -> list:
         """The current worker handles, by slot."""
@@ -425,10 +377,22 @@ class RayFleet:
     def shutdown(self) -> None:
         """Kills every worker."""
         for slot in self.slots:
-            try:
-                ray.kill(slot.handle, no_restart=True)
-            except Exception:
-                pass
+            _kill(slot.handle)
 
 
-__all__ = ["RayFleet", "RemoteRolloutWorker", "RolloutWorker", "TimedEnv", "Weights", "worker_id_of", "worker_seed"]
+def _try_get(ref, timeout: float | None = None):
+    """``ray.get``, or None when the actor died, the call failed or ``timeout`` passed."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except (ray.exceptions.RayError, TimeoutError):
+        return None
+
+
+def _kill(handle) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
+__all__ = ["RayFleet", "RemoteRolloutWorker", "RolloutWorker", "Weights", "worker_id_of", "worker_seed"]

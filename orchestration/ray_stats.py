@@ -79,6 +79,22 @@ class PipelineMonitor:
             return out
 
 
+class TimedEnv:
+    """Delegates to a batched env and sums the seconds spent in its ``step`` (``elapsed``)."""
+
+    def __init__(self, env) -> None:
+        self._env, self.elapsed = env, 0.0
+
+    def step(self, actions):
+        start = time.perf_counter()
+        out = self._env.step(actions)
+        self.elapsed += time.perf_counter() - start
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
+
+
 def merge_monitors(snapshots: list[Mapping[str, float]]) -> dict[str, float]:
     """One ``pipeline/*`` metrics dict from several workers' snapshots (times summed, rates summed)."""
     snapshots = [s for s in snapshots if s]
@@ -181,5 +197,5 @@ def _mean(values) -> float:
 #: The statistics actor: light (no CPU reserved), made remote once.
 RemoteEpisodeStatistics = ray.remote(num_cpus=0)(EpisodeStatistics)
 
-__all__ = ["STAGES", "EpisodeStatistics", "PipelineMonitor", "RemoteEpisodeStatistics", "episode_arrays",
+__all__ = ["STAGES", "EpisodeStatistics", "PipelineMonitor", "RemoteEpisodeStatistics", "TimedEnv", "episode_arrays",
            "merge_monitors"]

@@ -106,7 +106,7 @@ class Trainer:
         if cfg.anneal_lr:
             for learner in self.learners.values():
                 if isinstance(learner, PPOLearner):
-                    learner.set_lr(cfg.lr * (1.0 - progress))
+                    learner.set_lr(cfg.lr * max(0.0, 1.0 - progress))  # past the budget: stay at 0
         t_collect = self._collect()
         for actor in self.actors:
             actor.sync(self.learners)  # data out (weights unchanged: nothing trained yet)

@@ -159,10 +159,12 @@ class GroupPolicy(nn.Module):
     # ------------------------------------------------------------------------------------------ public API
     @torch.no_grad()
     def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,
-                 recurrent_state: Tensor | None = None, episode_start: Tensor | None = None) -> dict:
+                 recurrent_state: Tensor | None = None, episode_start: Tensor | None = None,
+                 with_value: bool = True) -> dict:
         """:meth:`act` returning a plain nested dict (no TensorDict built: ~1 µs instead of ~40, pattern 1).
 
-        ``obs`` may be a TensorDict or a nested dict of tensors with the same keys.
+        ``obs`` may be a TensorDict or a nested dict of tensors with the same keys. ``with_value=False`` skips
+        the critic (a learner that evaluates values for the whole batch at once does not need them per step).
         """
         x = self._features(obs)
         state = None
@@ -181,7 +183,9 @@ class GroupPolicy(nn.Module):
             if generator is None:
                 raise ValueError("sampling needs a torch.Generator (randomness is an argument)")
             actions, log_prob = self.heads.sample(params, generator, mask)
-        out = {ACTION: self._tree(actions), LOG_PROB: log_prob, STATE_VALUE: self._value(obs, shared, x)}
+        out = {ACTION: self._tree(actions), LOG_PROB: log_prob}
+        if with_value:
+            out[STATE_VALUE] = self._value(obs, shared, x)
         if self.gru is not None:
             out[RECURRENT_STATE] = state
             out[NEXT] = {RECURRENT_STATE: next_state}
