@@ -153,7 +153,8 @@ class PPOLearner:
 
 
 class FixedLearner:
-    """A policy that does not learn (random, scripted or frozen): ignores data, publishes version 0."""
+    """A policy that does not learn (random, scripted or frozen): ignores data; its version changes only
+    when a league hands it other frozen weights (:meth:`replace_weights`)."""
 
     def __init__(self, policy: GroupPolicy) -> None:
         self.policy = policy
@@ -175,7 +176,19 @@ class FixedLearner:
 
     def published(self) -> tuple[int, TensorDictBase]:
         """The frozen weights."""
-        return 0, self._published
+        return self.version, self._published
+
+    def replace_weights(self, weights: TensorDictBase) -> int:
+        """Freezes other weights (a league swapping opponents); actors pick them up at their next sync.
+
+        Returns:
+            The new version.
+        """
+        with torch.no_grad():
+            TensorDict.from_module(self.policy).update_(weights)
+        self._published = TensorDict.from_module(self.policy).detach().clone()
+        self.version += 1
+        return self.version
 
 
 __all__ = ["FixedLearner", "PPOLearner", "resolve_device"]

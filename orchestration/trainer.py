@@ -67,6 +67,8 @@ class Trainer:
         self.env_steps = 0
         self.history: dict[str, deque[float]] = {}
         """Last 100 finished episodes: ``"return"``, ``"length"``, ``"return/<policy>"``."""
+        self.last_episodes: dict[str, list[float]] = {}
+        """The episodes that finished during the last iteration, same keys."""
 
     def _collect(self) -> float:
         """Collects one iteration's fragments; returns the seconds spent."""
@@ -82,9 +84,12 @@ class Trainer:
 
     def _episodes(self) -> dict[str, float]:
         finished = 0
+        self.last_episodes = {}
         for actor in self.actors:
             for key, values in actor.completed_episodes().items():
-                self.history.setdefault(key, deque(maxlen=100)).extend(values.double().tolist())
+                values = values.double().tolist()
+                self.history.setdefault(key, deque(maxlen=100)).extend(values)
+                self.last_episodes.setdefault(key, []).extend(values)
                 finished += len(values) if key == "length" else 0
         out: dict[str, float] = {"episodes": finished}
         policies = [k for k in self.history if k.startswith("return/")]

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from tensordict import TensorDictBase
 
-from core.layout import ACTION, MASK, OBSERVATION, SHARED
+from core.layout import MASK, OBSERVATION, SHARED
 
 from .grouping import GroupSpec, groups, shared_observations
 from .nodes import Leaf, Node, Tree, iter_leaves

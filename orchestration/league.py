@@ -1,0 +1,88 @@
+"""Self-play against a league of frozen past selves: a trainer that drives a sub-trainer (seed 002).
+
+Plain self-play needs no extra code: agents of one group share one policy by default (both connect-four
+players are the same learner). A league keeps the opponent's policy frozen instead, and between iterations
+replaces it by a member of a growing pool: snapshots of the learning policy taken every ``snapshot_every``
+iterations, plus whatever the pool was seeded with. Opponents are drawn with prioritized fictitious self-play
+(AlphaStar's PFSP): weight ``(1 - win_rate)^p``, so the ones the learner still loses to come up more often.
+
+Usage::
+
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3",
+                         policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",))
+    league = LeagueTrainer(build_trainer(config), learner="player", opponent="opponent")
+    for _ in range(100):
+        metrics = league.train()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+
+from orchestration.learner import FixedLearner
+
+
+@dataclass
+class Member:
+    """One frozen opponent of the pool."""
+
+    name: str
+    weights: TensorDictBase
+    games: int = 0
+    score: float = 0.0
+    """Sum of the learner's returns against this member (win +1, loss -1 in zero-sum games)."""
+
+    @property
+    def win_rate(self) -> float:
+        """The learner's win rate against the member, from its mean return in [-1, 1]; 0.5 before any game."""
+        return 0.5 if self.games == 0 else (self.score / self.games + 1.0) / 2.0
+
+
+class LeagueTrainer:
+    """Runs ``trainer`` iterations with the ``opponent`` policy frozen and swapped between iterations.
+
+    Args:
+        trainer: the sub-trainer (local or Ray), whose ``opponent`` learner is a :class:`FixedLearner`.
+        learner: id of the learning policy.
+        opponent: id of the frozen opponent policy slot.
+        snapshot_every: add a snapshot of the learner to the pool every N iterations.
+        pfsp_power: exponent ``p`` of the PFSP weights; 0 draws uniformly.
+        seed: seeds the opponent draws.
+    """
+
+    def __init__(self, trainer, *, learner: str, opponent: str, snapshot_every: int = 5, pfsp_power: float = 2.0,
+                 seed: int = 0) -> None:
+        if not isinstance(trainer.learners.get(opponent), FixedLearner):
+            raise ValueError(f"policy {opponent!r} must be a fixed policy (TrainConfig.fixed_policies)")
+        self.trainer, self.learner, self.opponent = trainer, learner, opponent
+        self.snapshot_every, self.pfsp_power = snapshot_every, pfsp_power
+        self.generator = torch.Generator().manual_seed(seed)
+        self.pool: list[Member] = [Member("initial", trainer.learners[opponent].published()[1])]
+        self.current = self.pool[0]
+
+    def _draw(self) -> Member:
+        weights = torch.tensor([(1.0 - m.win_rate) ** self.pfsp_power + 1e-3 for m in self.pool])
+        return self.pool[int(torch.multinomial(weights, 1, generator=self.generator))]
+
+    def train(self) -> dict[str, float]:
+        """One sub-trainer iteration against a drawn opponent, then the pool's bookkeeping."""
+        self.current = self._draw()
+        self.trainer.learners[self.opponent].replace_weights(self.current.weights)
+        for actor in self.trainer.actors:
+            actor.sync(self.trainer.learners)  # the opponent's new weights, before any step is taken
+        metrics = self.trainer.train()
+        new = self.trainer.last_episodes.get(f"return/{self.learner}", [])
+        self.current.games += len(new)
+        self.current.score += float(sum(new))
+        if self.trainer.iteration % self.snapshot_every == 0:
+            version, weights = self.trainer.learners[self.learner].published()
+            self.pool.append(Member(f"{self.learner}@{version}", weights.clone()))
+        metrics.update(league_size=len(self.pool), league_opponent=self.pool.index(self.current),
+                       league_win_rate=self.current.win_rate)
+        return metrics
+
+
+__all__ = ["LeagueTrainer", "Member"]
