@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from core.policies import make_policies
-from core.specs import default_policy_mapping, groups
 from orchestration.actor import Actor
+from orchestration.assignment import assign
 from orchestration.envs import make_env
 
 
@@ -53,19 +53,22 @@ def ceiling_gym_vector(num_envs: int, steps: int) -> float:
 
 
 def ceiling_builtin_cartpole(num_envs: int, steps: int) -> float:
-    """Built-in torch CartPole dynamics + one batched MLP forward per step, no protocol wrapping."""
-    from adapters.builtin.cartpole import cartpole_dynamics, initial_states, observations
+    """The built-in torch CartPole env's own step + one batched MLP forward per step (tensors only)."""
+    from tensordict import TensorDict
 
+    from adapters.builtin.cartpole import CartPole, CartPoleConfig
+
+    env = CartPole(CartPoleConfig(num_envs=num_envs))
     g = torch.Generator().manual_seed(0)
     actor, critic = _mlp(4, 2), _mlp(4, 1)
-    state = initial_states(num_envs, g, torch.float32, "cpu")
+    out = env.reset(seed=0)
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(steps):
-            x = observations(state)
+            x = out.get(("agent", "observation"))
             a = _gumbel(actor(x), g)
             critic(x)
-            state, _ = cartpole_dynamics(state, a)
+            out = env.step(TensorDict({"agent": TensorDict({"action": a}, [num_envs, 1])}, [num_envs]))
     return steps * num_envs / (time.perf_counter() - start)
 
 
@@ -95,8 +98,7 @@ def ours(env_name: str, num_envs: int, steps: int) -> float:
     """Actor.collect() of fragments (policy act + adapter + fragment assembly)."""
     env = make_env(env_name, num_envs)
     policies = make_policies(env.tree)
-    mapping = {g: default_policy_mapping(env.tree)[s.agent_names[0]] for g, s in groups(env.tree).items()}
-    actor = Actor(env, policies, mapping, fragment_length=steps, seed=0)
+    actor = Actor(env, policies, assign(env.tree), fragment_length=steps, seed=0)
     actor.collect()  # warm-up fragment: first-step layout capture, allocator
     start = time.perf_counter()
     actor.collect()

@@ -1,0 +1,139 @@
+"""Machinery shared by the gymnasium adapters (:mod:`adapters.gymnasium_env`).
+
+Subclasses step their env(s) and hand back numpy arrays ``[E, *leaf]``; the base class checks them
+(:mod:`adapters.checking`), repairs them in lenient mode, resets finished envs (checking the reset observations
+too) and assembles the step TensorDict (:mod:`adapters.assembly`).
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+from tensordict import TensorDict, TensorDictBase
+
+from core.layout import NEXT, OBSERVATION, REWARD
+from core.specs import AgentNode, Leaf
+
+from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout, action_mask_size
+from .checking import ActionCheck, Checker, LeafCheck
+from .spaces import SpaceCodec, space_to_node
+
+AGENT = "agent"
+_RESET_TRIES = 3
+
+
+class _GymnasiumBase(AdapterBase):
+    """Shared machinery: codecs, checks, the lenient repair, resets of finished envs, step assembly."""
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_envs: int, check: str) -> None:
+        self._obs = SpaceCodec(observation_space, f"{AGENT}/{OBSERVATION}")
+        self._act = SpaceCodec(action_space, f"{AGENT}/action")
+        self._tree = AgentNode(observation=space_to_node(observation_space, f"{AGENT}/{OBSERVATION}"),
+                               action=space_to_node(action_space, f"{AGENT}/action"))
+        self._num_envs = num_envs
+        self._layout = StepLayout(self._tree, num_envs)
+        (self._group,) = self._layout.groups.values()
+        self._names = self._group.agent_names
+        self._checks = [LeafCheck(c.leaf) for c in self._obs.leaves]
+        self._reward_check = LeafCheck(Leaf.box(()), finite_only=True)
+        self._action_check = ActionCheck(self._group)
+        self._mask_n = action_mask_size(self._group)
+        self._checker = Checker(check)
+        self._counters = self._checker.counters
+        self._closed = False
+        self._root: list[np.ndarray] | None = None  # last root observation, [E, 1, *leaf] per leaf
+        self._present = np.ones((num_envs, 1), dtype=bool)
+
+    def reset(self, seed: int | None = None) -> TensorDict:
+        """Resets every env (env ``i`` seeded ``seed + i``); batch ``[env]``."""
+        self._root = self._reset_checked(None, seed)
+        return self._layout.build([self._root_step(self._root)])
+
+    def step(self, actions: TensorDictBase) -> TensorDict:
+        """Applies ``actions[("agent", "action")]`` ``[env, 1, *act]``; see :mod:`adapters.protocol`."""
+        if self._root is None:
+            raise RuntimeError("call reset() before step()")
+        arrays = self._action_check.arrays(actions, self._present, None)
+        nxt, reward, term, trunc, root, auto = self._env_step([a[:, 0] for a in arrays])
+        return self._finish(nxt, reward, term, trunc, root, auto)
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def _env_step(self, actions: list[np.ndarray]):
+        """Steps the env(s); returns ``(next_obs, reward, terminated, truncated, root_obs | None, auto_reset | None)``.
+
+        ``next_obs`` holds the final observation of finished envs; ``root_obs`` (arrays ``[E, *leaf]``) is given
+        when the env already reset finished envs itself (``auto_reset`` ``[E]`` says which).
+        """
+        raise NotImplementedError
+
+    def _reset_envs(self, mask: np.ndarray | None, seed: int | None) -> list[np.ndarray]:
+        """Resets the envs of ``mask`` (all when None); returns the observation of every env, ``[E, *leaf]``."""
+        raise NotImplementedError
+
+    # -- shared ---------------------------------------------------------------------------------------------
+    def _agent_view(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [a.reshape(self._num_envs, 1, *c.leaf.shape) for a, c in zip(arrays, self._obs.leaves)]
+
+    def _check_obs(self, arrays: list[np.ndarray], prefix: tuple[str, ...]) -> None:
+        for c, check, arr in zip(self._obs.leaves, self._checks, arrays):
+            self._checker.values(check, arr, 2, (*prefix, *c.key), self._names)
+
+    def _reset_checked(self, mask: np.ndarray | None, seed: int | None) -> list[np.ndarray]:
+        for _ in range(_RESET_TRIES):
+            root = self._agent_view(self._reset_envs(mask, seed))
+            self._check_obs(root, (AGENT, OBSERVATION))
+            errors = self._checker.take()
+            if not errors:
+                return root
+            self._counters["invalid_reset_retries"] += 1
+            mask, seed = np.zeros(self._num_envs, dtype=bool), None
+            mask[[err.env_index for err in errors]] = True
+        raise errors[0]
+
+    def _finish(self, nxt, reward, term, trunc, root, auto) -> TensorDict:
+        e = self._num_envs
+        nxt = self._agent_view(nxt)
+        with np.errstate(over="ignore"):  # a reward beyond float32 becomes Inf and fails the check below
+            reward = np.asarray(reward, dtype=np.float32).reshape(e, 1)
+        self._check_obs(nxt, (NEXT, AGENT, OBSERVATION))
+        self._checker.values(self._reward_check, reward, 2, (NEXT, AGENT, REWARD), self._names)
+        errors = self._checker.take()
+        if errors:  # lenient (strict raised already): repair, truncate, count
+            bad = np.zeros(e, dtype=bool)
+            bad[[err.env_index for err in errors]] = True
+            keep = bad.reshape(e, 1)
+            nxt = [np.where(keep.reshape(e, *[1] * (a.ndim - 1)), prev, a) for a, prev in zip(nxt, self._root)]
+            reward = np.where(np.isfinite(reward), reward, 0.0)
+            trunc = trunc | bad
+            self._checker.count_truncations(bad.sum())
+        done = term | trunc
+        need_reset = done if auto is None else done & ~auto
+        if need_reset.any():  # rows of the other envs come back unchanged (gymnasium's reset_mask)
+            root = self._reset_checked(need_reset, None)
+        elif root is None:
+            root = [a.copy() for a in nxt]  # own arrays: "next" and root never share memory
+        else:
+            root = self._agent_view(root)
+            if auto.any():  # reset observations the vector env produced itself
+                self._check_obs(root, (AGENT, OBSERVATION))
+                if errors := self._checker.take():
+                    self._counters["invalid_reset_retries"] += 1
+                    again = np.zeros(e, dtype=bool)
+                    again[[err.env_index for err in errors]] = True
+                    root = self._reset_checked(again, None)
+        self._root = root
+        step = GroupNext(nxt, reward, term.reshape(e, 1), trunc.reshape(e, 1),
+                         np.ones((e, 1), dtype=bool))
+        return self._layout.build([self._root_step(root)], nxt=[step], env_terminated=term.copy(),
+                                  env_truncated=trunc.copy())
+
+    def _root_step(self, root: list[np.ndarray]) -> GroupStep:
+        e = self._num_envs
+        amask = np.ones((e, 1, self._mask_n), dtype=bool) if self._mask_n else None
+        return GroupStep(root, np.ones((e, 1), dtype=bool), amask)
+
+    def close(self) -> None:
+        """Closes the env; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.env.close()

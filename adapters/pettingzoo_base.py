@@ -1,0 +1,297 @@
+"""Machinery shared by the PettingZoo adapters (:mod:`adapters.pettingzoo_env`): tree, slots, buffers, checks.
+
+Per step, every group gets fresh numpy buffers ``[E, A, *leaf]`` filled with padding; per-agent dict values are
+written into them in a Python loop over copies and agents (PettingZoo envs are per-instance Python anyway),
+then checks, repairs and the conversion to tensors run vectorised over the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from gymnasium import spaces
+from tensordict import TensorDict, TensorDictBase
+
+from core.layout import ACTION_MASK, NEXT, OBSERVATION, REWARD, SHARED
+from core.specs import AgentNode, DictPopulation, Leaf, Payoff
+
+from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout, action_mask_size
+from .checking import ActionCheck, Checker, CheckMode, EnvOutputError, LeafCheck
+from .spaces import SpaceCodec, space_to_node
+
+MASK_KEY = "action_mask"
+_RESET_TRIES = 3
+_SCALAR_TYPES = (float, int, np.float64, np.float32, np.int64, np.int32)
+
+
+def _probe_state(env) -> spaces.Space | None:
+    try:
+        space = env.state_space
+    except (AttributeError, NotImplementedError):
+        return None
+    try:
+        env.reset(seed=0)
+        env.state()
+    except NotImplementedError:
+        return None
+    return space
+
+
+def _split_mask(space: spaces.Space, action_mask: str) -> tuple[spaces.Space, bool]:
+    """The observation space without its ``"action_mask"`` entry, and whether it had one."""
+    if action_mask == "none" or not isinstance(space, spaces.Dict) or MASK_KEY not in space.spaces:
+        return space, False
+    rest = {k: s for k, s in space.spaces.items() if k != MASK_KEY}
+    if set(rest) == {OBSERVATION}:
+        return rest[OBSERVATION], True
+    return spaces.Dict(rest), True
+
+
+class _AgentSlot:
+    """Where one agent lives in the layout and how its samples convert."""
+
+    __slots__ = ("name", "group", "slot", "obs", "act", "mask_in_obs", "plain_obs", "plain_act")
+
+    def __init__(self, name: str, group: int, slot: int, obs: SpaceCodec, act: SpaceCodec, mask_in_obs: bool):
+        self.name, self.group, self.slot = name, group, slot
+        self.obs, self.act, self.mask_in_obs = obs, act, mask_in_obs
+        #: ``(shape, dtype)`` when a raw observation array is written as is (fast path), else None.
+        self.plain_obs = obs.plain if not mask_in_obs else None
+        #: True when the action is one plain leaf (``arrays[group][0][env, slot]`` is the env's action).
+        self.plain_act = act.plain is not None
+
+
+class _PettingZooBase(AdapterBase):
+    """Tree, slots, buffers, checks, resets and assembly shared by the Parallel and AEC adapters."""
+
+    def __init__(self, env_fn: Callable, num_envs: int, *, check: CheckMode, payoff: Payoff, action_mask: str,
+                 state: bool | None) -> None:
+        if num_envs < 1:
+            raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        if action_mask not in ("auto", "observation", "info", "none"):
+            raise ValueError(f"action_mask must be auto, observation, info or none, got {action_mask!r}")
+        self.envs = [env_fn() for _ in range(num_envs)]
+        env0, self._num_envs = self.envs[0], num_envs
+        members, parts = {}, {}
+        for agent in env0.possible_agents:
+            obs_space, in_obs = _split_mask(env0.observation_space(agent), action_mask)
+            act_space = env0.action_space(agent)
+            members[agent] = AgentNode(observation=space_to_node(obs_space, f"{agent}/{OBSERVATION}"),
+                                       action=space_to_node(act_space, f"{agent}/action"))
+            parts[agent] = (obs_space, act_space, in_obs)
+        state_space = _probe_state(env0) if state is not False else None
+        shared = space_to_node(state_space, SHARED, eval_only=True) if state_space is not None else None
+        self._tree = DictPopulation(members=members, payoff=payoff, shared_observation=shared)
+        self._layout = StepLayout(self._tree, num_envs)
+        self._specs = list(self._layout.groups.values())
+        self._slots: dict[str, _AgentSlot] = {}
+        for gi, spec in enumerate(self._specs):
+            for s, agent in enumerate(spec.agent_names):
+                obs_space, act_space, in_obs = parts[agent]
+                self._slots[agent] = _AgentSlot(agent, gi, s, SpaceCodec(obs_space), SpaceCodec(act_space), in_obs)
+        self._group_codec = [self._slots[spec.agent_names[0]].obs for spec in self._specs]
+        self._checks = [[LeafCheck(c.leaf) for c in codec.leaves] for codec in self._group_codec]
+        self._mask_n = [action_mask_size(spec) for spec in self._specs]
+        self._action_checks = [ActionCheck(spec) for spec in self._specs]
+        self._info_mask = action_mask in ("auto", "info")
+        self._state = SpaceCodec(state_space, SHARED) if state_space is not None else None
+        self._state_checks = [LeafCheck(c.leaf) for c in self._state.leaves] if self._state else []
+        self._reward_check = LeafCheck(Leaf.box(()), finite_only=True)
+        self._checker = Checker(check)
+        self._counters = self._checker.counters
+        self._closed = False
+        self._root: dict | None = None
+
+    def close(self) -> None:
+        """Closes every copy; idempotent."""
+        if not self._closed:
+            self._closed = True
+            for env in self.envs:
+                env.close()
+
+    def reset(self, seed: int | None = None) -> TensorDict:
+        """Resets every copy (copy ``i`` seeded ``seed + i``); batch ``[env]``."""
+        root = self._new_root()
+        for e in range(self._num_envs):
+            self._reset_one(e, None if seed is None else seed + e, root)
+        self._root = self._checked_root(root)
+        return self._layout.build(self._group_steps(self._root), self._root["shared"])
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def _reset_one(self, e: int, seed: int | None, root: dict) -> None:
+        """Resets copy ``e`` and writes its first step into row ``e`` of ``root``."""
+        raise NotImplementedError
+
+    # -- buffers --------------------------------------------------------------------------------------------
+    def _new_obs(self) -> list[list[np.ndarray]]:
+        return [codec.buffers((self._num_envs, spec.capacity)) for codec, spec in zip(self._group_codec,
+                                                                                     self._specs)]
+
+    def _new_root(self, obs: bool = True) -> dict:
+        """Fresh root buffers; ``masked[g]`` becomes True once an env gives group ``g`` an action mask."""
+        e = self._num_envs
+        return {"obs": self._new_obs() if obs else None,
+                "mask": [np.zeros((e, spec.capacity), dtype=bool) for spec in self._specs],
+                "amask": [np.ones((e, spec.capacity, n), dtype=bool) if n else None
+                          for spec, n in zip(self._specs, self._mask_n)],
+                "masked": [False] * len(self._specs),
+                "shared": self._state.buffers((e,)) if self._state else None}
+
+    def _new_next(self) -> dict:
+        e = self._num_envs
+        shape = [(e, spec.capacity) for spec in self._specs]
+        return {"obs": self._new_obs(), "reward": [np.zeros(s, dtype=np.float32) for s in shape],
+                "terminated": [np.zeros(s, dtype=bool) for s in shape],
+                "truncated": [np.zeros(s, dtype=bool) for s in shape],
+                "shared": self._state.buffers((e,)) if self._state else None}
+
+    def _clear_row(self, root: dict, e: int) -> None:
+        for gi, codec in enumerate(self._group_codec):
+            for buf, pad in zip(root["obs"][gi], codec.pads):
+                buf[e] = pad
+            root["mask"][gi][e] = False
+            if root["amask"][gi] is not None:
+                root["amask"][gi][e] = True
+
+    # -- writing one agent ----------------------------------------------------------------------------------
+    def _slot(self, e: int, agent, key: tuple[str, ...]) -> _AgentSlot | None:
+        slot = self._slots.get(agent)
+        if slot is None:
+            self._checker.report(EnvOutputError(f"unknown agent (possible agents: {list(self._slots)})",
+                                                env_index=e, agent=str(agent), key=key))
+        return slot
+
+    def _write_obs(self, e: int, slot: _AgentSlot, value, bufs: list[list[np.ndarray]], root: dict | None, info,
+                   prefix: str | None) -> None:
+        """Writes ``value`` into row ``(e, slot)`` of ``bufs``, and its action mask into ``root`` unless None."""
+        gi = slot.group
+        if slot.mask_in_obs:
+            try:
+                mask = value[MASK_KEY]
+                value = value[OBSERVATION] if len(value) == 2 and OBSERVATION in value else \
+                    {k: v for k, v in value.items() if k != MASK_KEY}
+            except (KeyError, TypeError, IndexError):
+                mask, value = None, {}
+        else:
+            mask = info.get(MASK_KEY) if self._info_mask and info else None
+        problem = slot.obs.write(value, bufs[gi], (e, slot.slot))
+        if problem is not None:
+            group = self._specs[gi].name
+            key = (NEXT, group, OBSERVATION) if prefix == NEXT else (group, OBSERVATION)
+            self._checker.report(EnvOutputError(problem[1], env_index=e, agent=slot.name, key=(*key, *problem[0])))
+        if mask is not None and root is not None and root["amask"][gi] is not None:
+            mask = np.asarray(mask)
+            n = self._mask_n[gi]
+            if mask.shape != (n,):
+                self._checker.report(EnvOutputError(f"expected action mask shape ({n},), got {mask.shape}",
+                                                    env_index=e, agent=slot.name,
+                                                    key=(self._specs[gi].name, ACTION_MASK)))
+            else:
+                root["amask"][gi][e, slot.slot] = mask
+                root["masked"][gi] = True
+
+    def _write_state(self, e: int, env, bufs: list[np.ndarray], key: tuple[str, ...]) -> None:
+        problem = self._state.write(env.state(), bufs, e)
+        if problem is not None:
+            self._checker.report(EnvOutputError(problem[1], env_index=e, agent=None, key=(*key, *problem[0])))
+
+    def _write_reward(self, e: int, agent, value, nxt: dict) -> None:
+        slot = self._slot(e, agent, (NEXT, REWARD))
+        if slot is None:
+            return
+        if type(value) not in _SCALAR_TYPES and (np.ndim(value) != 0 or np.asarray(value).dtype.kind not in "biuf"):
+            self._checker.report(EnvOutputError(f"expected a real number, got {value!r}", env_index=e,
+                                                agent=slot.name, key=(NEXT, self._specs[slot.group].name, REWARD)))
+            return
+        nxt["reward"][slot.group][e, slot.slot] += value  # float32: a float64 beyond its range becomes Inf
+
+    # -- checks and assembly --------------------------------------------------------------------------------
+    def _check_obs(self, obs: list[list[np.ndarray]], shared, prefix: tuple[str, ...]) -> None:
+        for spec, codec, checks, arrays in zip(self._specs, self._group_codec, self._checks, obs):
+            for c, check, arr in zip(codec.leaves, checks, arrays):
+                self._checker.values(check, arr, 2, (*prefix, spec.name, OBSERVATION, *c.key), spec.agent_names)
+        if shared is not None:
+            for c, check, arr in zip(self._state.leaves, self._state_checks, shared):
+                self._checker.values(check, arr[:, None], 2, (*prefix, SHARED, *c.key), (None,))
+
+    def _check_legal(self, root: dict) -> None:
+        for spec, mask, amask, masked in zip(self._specs, root["mask"], root["amask"], root["masked"]):
+            if masked and (stuck := mask & ~amask.any(-1)).any():
+                for e, s in np.argwhere(stuck):
+                    self._checker.report(EnvOutputError("action mask allows no action", env_index=int(e),
+                                                        agent=spec.agent_names[s], key=(spec.name, ACTION_MASK)))
+
+    def _checked_root(self, root: dict) -> dict:
+        """Checks a root with freshly reset rows; in lenient mode resets bad copies again (a few tries)."""
+        for _ in range(_RESET_TRIES):
+            self._check_obs(root["obs"], root["shared"], ())
+            self._check_legal(root)
+            errors = self._checker.take()
+            if not errors:
+                return root
+            self._counters["invalid_reset_retries"] += 1
+            for e in sorted({err.env_index for err in errors if err.env_index is not None}):
+                self._reset_one(e, None, root)
+        raise errors[0]
+
+    def _actions(self, actions: TensorDictBase) -> list[list[np.ndarray] | None]:
+        root = self._root
+        if root is None:
+            raise RuntimeError("call reset() before step()")
+        return [check.arrays(actions, mask, amask if masked else None)
+                for check, mask, amask, masked in zip(self._action_checks, root["mask"], root["amask"],
+                                                      root["masked"])]
+
+    def _action_of(self, slot: _AgentSlot, e: int, arrays):
+        leaves = arrays[slot.group]
+        if slot.plain_act:
+            return leaves[0][e, slot.slot]
+        return slot.act.unflatten([a[e, slot.slot] for a in leaves], ())
+
+    def _repair(self, nxt: dict, errors: list[EnvOutputError], present: list[np.ndarray]) -> np.ndarray:
+        """Lenient repair (module doc of adapters.checking); returns the ``[E]`` mask of truncated copies."""
+        bad = np.zeros(self._num_envs, dtype=bool)
+        for err in errors:
+            e = err.env_index
+            if e is None:
+                continue
+            bad[e] = True
+            slot = self._slots.get(err.agent)
+            if slot is not None:  # the observation the agent acted on (padding if it had none)
+                for buf, prev in zip(nxt["obs"][slot.group], self._root["obs"][slot.group]):
+                    buf[e, slot.slot] = prev[e, slot.slot]
+            elif err.key[:2] == (NEXT, SHARED) and nxt["shared"] is not None:
+                for buf, prev in zip(nxt["shared"], self._root["shared"]):
+                    buf[e] = prev[e]
+        for gi, reward in enumerate(nxt["reward"]):
+            np.copyto(reward, 0.0, where=~np.isfinite(reward))
+            nxt["truncated"][gi][bad] |= present[gi][bad]
+        self._checker.count_truncations(bad.sum())
+        return bad
+
+    def _finish(self, nxt: dict, root: dict, present: list[np.ndarray], ended: np.ndarray,
+                env_trunc: np.ndarray) -> TensorDict:
+        """Checks, repairs, resets ended copies and assembles the step (shared by Parallel and AEC)."""
+        self._check_obs(nxt["obs"], nxt["shared"], (NEXT,))
+        self._check_legal(root)
+        for spec, reward in zip(self._specs, nxt["reward"]):
+            self._checker.values(self._reward_check, reward, 2, (NEXT, spec.name, REWARD), spec.agent_names)
+        errors = self._checker.take()
+        if errors:
+            bad = self._repair(nxt, errors, present)
+            ended, env_trunc = ended | bad, env_trunc | bad
+        if ended.any():
+            for e in np.flatnonzero(ended):
+                self._reset_one(int(e), None, root)
+            self._root = self._checked_root(root)
+        else:
+            self._root = root
+        groups_next = [GroupNext(obs, reward, term, trunc, mask)
+                       for obs, reward, term, trunc, mask in zip(nxt["obs"], nxt["reward"], nxt["terminated"],
+                                                                  nxt["truncated"], present)]
+        return self._layout.build(self._group_steps(self._root), self._root["shared"], groups_next,
+                                  nxt["shared"], ended & ~env_trunc, ended & env_trunc)
+
+    def _group_steps(self, root: dict) -> list[GroupStep]:
+        return [GroupStep(obs, mask, amask) for obs, mask, amask in zip(root["obs"], root["mask"], root["amask"])]

@@ -1,0 +1,228 @@
+"""PettingZoo Parallel and AEC envs, many copies batched, as a :class:`~adapters.protocol.BatchedEnv`.
+
+The tree comes from copy 0: a :class:`~core.specs.DictPopulation` with one named member per entry of
+``possible_agents`` (``observation_space(agent)``, ``action_space(agent)``), grouped by
+:func:`core.specs.groups` (name prefix and identical spaces: mpe2 ``simple_tag`` gives groups ``adversary``
+and ``agent``). Agents in ``env.agents`` have ``(group, "mask")`` True; the others are padded (zero clamped
+into the bounds), so agents join and leave through the mask.
+
+- Action masks: an observation ``Dict`` with an ``"action_mask"`` entry loses it; the mask goes to
+  ``(group, "action_mask")`` and the observation becomes the ``"observation"`` entry (or a Dict of the other
+  entries). Otherwise ``infos[agent]["action_mask"]`` is used when present (``action_mask="auto"``). A masked
+  action is never sent (:class:`~adapters.checking.IllegalActionError`).
+- ``state()`` becomes the shared observation ``("shared",)``, every leaf tagged ``eval_only`` (centralised
+  critics); it is left out when the env has no ``state_space`` or ``state()`` raises ``NotImplementedError``
+  (probed once on copy 0 at construction, after a ``reset(seed=0)``).
+- A copy whose agents are all gone is reset inside the step; its final observations stay under ``"next"``.
+  Env-level flags: ``done`` = the episode ended, ``truncated`` = it ended and an agent was truncated at that
+  step, ``terminated = done & ~truncated``. Per-agent flags are set at the step where each agent ends.
+- Copies reset inside a step are reset with ``seed=None`` (the env's own generator goes on).
+
+Checks (:mod:`adapters.checking`) also cover agents outside ``possible_agents``, agents that acted but got
+no observation, agents present without an observation, agents that leave without a terminal flag, and
+action masks that allow nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from tensordict import TensorDict, TensorDictBase
+
+from core.layout import NEXT, OBSERVATION, SHARED, TERMINATED, TRUNCATED
+from core.specs import Payoff
+
+from .checking import CheckMode, EnvOutputError
+from .pettingzoo_base import _SCALAR_TYPES as _SCALARS, _PettingZooBase
+
+
+class PettingZooParallelEnv(_PettingZooBase):
+    """``num_envs`` copies of a PettingZoo ``ParallelEnv``, stepped in a loop over copies.
+
+    Args:
+        env_fn: builds one copy (e.g. ``mpe2.simple_spread_v3.parallel_env``); called ``num_envs`` times.
+        num_envs: number of copies.
+        check: ``"strict"`` or ``"lenient"`` (:mod:`adapters.checking`).
+        payoff: payoff of the population (PettingZoo does not say): cooperative, zero_sum or general.
+        action_mask: where masks come from: ``"auto"`` (observation dict, else info), ``"observation"``,
+            ``"info"`` or ``"none"``.
+        state: None probes ``state()``; False leaves it out.
+    """
+
+    def __init__(self, env_fn: Callable, num_envs: int = 1, *, check: CheckMode = "strict",
+                 payoff: Payoff = "general", action_mask: str = "auto", state: bool | None = None) -> None:
+        super().__init__(env_fn, num_envs, check=check, payoff=payoff, action_mask=action_mask, state=state)
+
+    def _reset_one(self, e: int, seed: int | None, root: dict) -> None:
+        env = self.envs[e]
+        obs, infos = env.reset(seed=seed)
+        self._clear_row(root, e)
+        for agent, value in obs.items():
+            if (slot := self._slot(e, agent, (OBSERVATION,))) is not None:
+                self._write_obs(e, slot, value, root["obs"], root, infos.get(agent), None)
+        for agent in env.agents:
+            if (slot := self._slot(e, agent, (OBSERVATION,))) is not None:
+                root["mask"][slot.group][e, slot.slot] = True
+                if agent not in obs:
+                    self._report(e, slot, "present without an observation", (), OBSERVATION)
+        if self._state is not None:
+            self._write_state(e, env, root["shared"], (SHARED,))
+
+    def _report(self, e: int, slot, message: str, prefix: tuple[str, ...], what: str) -> None:
+        key = (*prefix, self._specs[slot.group].name, what)
+        self._checker.report(EnvOutputError(message, env_index=e, agent=slot.name, key=key))
+
+    def step(self, actions: TensorDictBase) -> TensorDict:
+        """Applies ``actions`` (batch ``[env]``) to every copy; see :mod:`adapters.protocol`."""
+        arrays = self._actions(actions)
+        present = [m.copy() for m in self._root["mask"]]
+        nxt, root = self._new_next(), self._new_root(obs=False)
+        ended = np.zeros(self._num_envs, dtype=bool)
+        slots, reward, term_buf, trunc_buf = self._slots, nxt["reward"], nxt[TERMINATED], nxt[TRUNCATED]
+        obs_bufs, info_mask, root_mask = nxt["obs"], self._info_mask, root["mask"]
+        for e, env in enumerate(self.envs):
+            act = {}
+            for agent in env.agents:
+                slot = slots[agent]
+                act[agent] = arrays[slot.group][0][e, slot.slot] if slot.plain_act else \
+                    self._action_of(slot, e, arrays)
+            obs, rewards, terms, truncs, infos = env.step(act)
+            for agent, value in obs.items():
+                slot = slots.get(agent)
+                plain = slot.plain_obs if slot is not None else None
+                if (plain is not None and type(value) is np.ndarray and value.shape == plain[0]
+                        and value.dtype == plain[1] and not (info_mask and infos.get(agent))):
+                    obs_bufs[slot.group][0][e, slot.slot] = value
+                elif (slot := self._slot(e, agent, (NEXT, OBSERVATION))) is not None:
+                    self._write_obs(e, slot, value, obs_bufs, root, infos.get(agent), NEXT)
+            for agent, value in rewards.items():
+                if type(value) in _SCALARS and (slot := slots.get(agent)) is not None:
+                    reward[slot.group][e, slot.slot] = value
+                else:
+                    self._write_reward(e, agent, value, nxt)
+            for flags, buf, name in ((terms, term_buf, TERMINATED), (truncs, trunc_buf, TRUNCATED)):
+                for agent, value in flags.items():
+                    if value and (slot := self._slot(e, agent, (NEXT, name))) is not None:
+                        buf[slot.group][e, slot.slot] = True
+            if self._state is not None:
+                self._write_state(e, env, nxt["shared"], (NEXT, SHARED))
+            live = env.agents
+            if not live:
+                ended[e] = True
+            for agent in live:
+                if (slot := slots.get(agent)) is not None or (slot := self._slot(e, agent, (OBSERVATION,))):
+                    root_mask[slot.group][e, slot.slot] = True
+            if not (obs.keys() >= act.keys() and obs.keys() >= set(live)) or not set(act) <= set(live):
+                self._check_presence(e, obs, act, live, terms, truncs)
+        root["obs"] = [[a.copy() for a in g] for g in nxt["obs"]]
+        if self._state is not None:
+            root["shared"] = [a.copy() for a in nxt["shared"]]
+        env_trunc = ended & np.any([t.any(-1) for t in trunc_buf], axis=0) if ended.any() else ended
+        return self._finish(nxt, root, present, ended, env_trunc)
+
+    def _check_presence(self, e: int, obs, act, live, terms, truncs) -> None:
+        """The slow path, when some agent acted or is present without an observation, or left."""
+        for agent in act:
+            slot = self._slots[agent]
+            if agent not in obs:
+                self._report(e, slot, "acted but got no observation", (NEXT,), OBSERVATION)
+            if agent not in live and not (terms.get(agent) or truncs.get(agent)):
+                self._report(e, slot, "left without terminated or truncated", (NEXT,), TRUNCATED)
+        for agent in live:
+            if agent not in obs and agent in self._slots:
+                self._report(e, self._slots[agent], "present without an observation", (), OBSERVATION)
+
+
+class PettingZooAECEnv(_PettingZooBase):
+    """``num_envs`` copies of a turn-based PettingZoo ``AECEnv``; one protocol step = one move per copy.
+
+    At every step exactly one agent per copy is present (``mask`` True): ``env.agent_selection``. A step
+    plays its action, then advances the copy to the next agent that needs an action, stepping agents that
+    are done with ``None`` (PettingZoo's removal steps) on the way; a copy whose live agents are all done is
+    reset instead.
+
+    Rewards: after each move ``env.rewards`` holds what *every* agent got from it (PettingZoo adds exactly
+    that to ``_cumulative_rewards``); it is written into each agent's own slot of ``("next", group,
+    "reward")`` at that step, present or not, so per-agent sums over an episode equal PettingZoo's returns,
+    nothing lost or counted twice (removal steps clear ``env.rewards`` and are not read). Rewards that reach
+    an agent while it waits (e.g. the loser of a board game after the winner's move) therefore sit at steps
+    where its ``mask`` is False: a learner must credit them to the agent's previous move. Per-agent flags
+    are likewise set for every agent at the move that ended it.
+
+    Args: as :class:`PettingZooParallelEnv` (``env_fn`` builds an AEC env, e.g. ``connect_four_v3.env``).
+    """
+
+    def __init__(self, env_fn: Callable, num_envs: int = 1, *, check: CheckMode = "strict",
+                 payoff: Payoff = "general", action_mask: str = "auto", state: bool | None = None) -> None:
+        super().__init__(env_fn, num_envs, check=check, payoff=payoff, action_mask=action_mask, state=state)
+        self._ended: list[set] = [set() for _ in range(num_envs)]
+
+    @staticmethod
+    def _advance(env) -> bool:
+        """Steps done agents with None until a live one must act; True when the episode is over."""
+        while env.agents:
+            if all(env.terminations[a] or env.truncations[a] for a in env.agents):
+                return True
+            selected = env.agent_selection
+            if not (env.terminations[selected] or env.truncations[selected]):
+                return False
+            env.step(None)
+        return True
+
+    def _write_turn(self, e: int, env, root: dict) -> None:
+        agent = env.agent_selection
+        if (slot := self._slot(e, agent, (OBSERVATION,))) is not None:
+            root["mask"][slot.group][e, slot.slot] = True
+            self._write_obs(e, slot, env.observe(agent), root["obs"], root, env.infos.get(agent), None)
+
+    def _reset_one(self, e: int, seed: int | None, root: dict) -> None:
+        env = self.envs[e]
+        env.reset(seed=seed)
+        self._ended[e] = set()
+        self._clear_row(root, e)
+        if self._advance(env):
+            self._checker.report(EnvOutputError("no agent left to act after reset", env_index=e, agent=None,
+                                                key=(OBSERVATION,)))
+            return
+        self._write_turn(e, env, root)
+        if self._state is not None:
+            self._write_state(e, env, root["shared"], (SHARED,))
+
+    def step(self, actions: TensorDictBase) -> TensorDict:
+        """Plays the present agent's action in every copy; see the class doc and :mod:`adapters.protocol`."""
+        arrays = self._actions(actions)
+        present = [m.copy() for m in self._root["mask"]]
+        nxt, root = self._new_next(), self._new_root()
+        ended = np.zeros(self._num_envs, dtype=bool)
+        slots, reward = self._slots, nxt["reward"]
+        for e, env in enumerate(self.envs):
+            slot = slots[env.agent_selection]
+            env.step(self._action_of(slot, e, arrays))
+            for agent, value in env.rewards.items():
+                if type(value) in _SCALARS and (other := slots.get(agent)) is not None:
+                    reward[other.group][e, other.slot] = value
+                else:
+                    self._write_reward(e, agent, value, nxt)
+            self._write_obs(e, slot, env.observe(slot.name), nxt["obs"], None, None, NEXT)
+            done = self._ended[e]
+            for agent in env.agents:
+                term, trunc = env.terminations[agent], env.truncations[agent]
+                if (term or trunc) and agent not in done:
+                    done.add(agent)
+                    if (other := self._slot(e, agent, (NEXT, TERMINATED))) is not None:
+                        nxt[TERMINATED][other.group][e, other.slot] = bool(term)
+                        nxt[TRUNCATED][other.group][e, other.slot] = bool(trunc)
+            if self._state is not None:
+                self._write_state(e, env, nxt["shared"], (NEXT, SHARED))
+            if self._advance(env):
+                ended[e] = True
+            else:
+                self._write_turn(e, env, root)
+        if self._state is not None:
+            root["shared"] = [a.copy() for a in nxt["shared"]]  # dead-agent steps do not change the state
+        env_trunc = ended & np.any([t.any(-1) for t in nxt[TRUNCATED]], axis=0) if ended.any() else ended
+        return self._finish(nxt, root, present, ended, env_trunc)
+
+
+__all__ = ["PettingZooAECEnv", "PettingZooParallelEnv"]

@@ -1,0 +1,192 @@
+"""Gymnasium adapters: fidelity against the raw envs in every autoreset mode (adapters/gymnasium_env.py)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+from tensordict import TensorDict
+
+from adapters.checking import validate_step
+from adapters.gymnasium_env import GymnasiumEnv, GymnasiumVectorEnv, make_gymnasium
+from adapters.protocol import BatchedEnv
+from core.specs import AgentNode, groups, zeros
+
+SEED = 7
+
+
+def reference(env_id: str, num_envs: int, actions: np.ndarray, **kwargs) -> list[dict]:
+    """The ground truth: single envs stepped by hand, reset (seed=None) right after an episode ends."""
+    envs = [gym.make(env_id, **kwargs) for _ in range(num_envs)]
+    obs = [env.reset(seed=SEED + i)[0] for i, env in enumerate(envs)]
+    steps = [{"obs": np.stack(obs)}]
+    for t in range(actions.shape[0]):
+        out = {k: [] for k in ("next", "reward", "terminated", "truncated", "obs")}
+        for i, env in enumerate(envs):
+            o, r, term, trunc, _ = env.step(int(actions[t, i]))
+            out["next"].append(o)
+            out["reward"].append(r)
+            out["terminated"].append(term)
+            out["truncated"].append(trunc)
+            out["obs"].append(env.reset()[0] if term or trunc else o)
+        steps.append({k: np.stack(v) for k, v in out.items()})
+    return steps
+
+
+def action_td(a: np.ndarray) -> TensorDict:
+    e = a.shape[0]
+    return TensorDict({"agent": TensorDict({"action": torch.from_numpy(a).long().reshape(e, 1)},
+                                           batch_size=(e, 1))}, batch_size=(e,))
+
+
+def run_adapter(env: BatchedEnv, actions: np.ndarray) -> list:
+    outs = [env.reset(seed=SEED)]
+    for t in range(actions.shape[0]):
+        outs.append(env.step(action_td(actions[t])))
+    return outs
+
+
+def assert_matches(outs, ref, tree) -> None:
+    """Every observation, reward and flag of every step lands in the right env slot."""
+    np.testing.assert_array_equal(outs[0]["agent", "observation"][:, 0].numpy(), ref[0]["obs"])
+    episodes = 0
+    for out, want in zip(outs[1:], ref[1:]):
+        validate_step(out, tree)
+        np.testing.assert_array_equal(out["next", "agent", "observation"][:, 0].numpy(), want["next"])
+        np.testing.assert_allclose(out["next", "agent", "reward"][:, 0, 0].numpy(), want["reward"])
+        for flag in ("terminated", "truncated"):
+            np.testing.assert_array_equal(out["next", "agent", flag][:, 0, 0].numpy(), want[flag])
+            np.testing.assert_array_equal(out["next", flag][:, 0].numpy(), want[flag])
+        np.testing.assert_array_equal(out["next", "done"][:, 0].numpy(), want["terminated"] | want["truncated"])
+        np.testing.assert_array_equal(out["agent", "observation"][:, 0].numpy(), want["obs"])
+        assert out["agent", "mask"].all() and out["next", "agent", "mask"].all()
+        episodes += int(out["next", "done"].sum())
+    assert episodes >= 2 * outs[0].batch_size[0]  # several episodes per env, resets included
+
+
+def draw(steps: int, num_envs: int, n: int = 2, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n, (steps, num_envs))
+
+
+@pytest.mark.parametrize("mode, direct", [(AutoresetMode.NEXT_STEP, True), (AutoresetMode.NEXT_STEP, False),
+                                          (AutoresetMode.SAME_STEP, False), (AutoresetMode.DISABLED, True),
+                                          (AutoresetMode.DISABLED, False)])
+def test_sync_vector_env_matches_raw_envs_in_every_autoreset_mode(mode, direct):
+    actions = draw(120, 4)
+    vec = SyncVectorEnv([partial(gym.make, "CartPole-v1")] * 4, autoreset_mode=mode)
+    env = GymnasiumVectorEnv(vec)
+    assert env._direct == (mode != AutoresetMode.SAME_STEP)
+    env._direct = direct  # direct sub-env resets (fast path) or gymnasium's reset_mask (public path)
+    assert isinstance(env, BatchedEnv) and env.num_envs == 4
+    assert_matches(run_adapter(env, actions), reference("CartPole-v1", 4, actions), env.tree)
+    assert env.counters["invalid_output_truncations"] == 0
+    env.close()
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
+def test_async_vector_env_matches_raw_envs(mode):
+    actions = draw(40, 2, n=3, seed=1)
+    vec = AsyncVectorEnv([partial(gym.make, "Acrobot-v1", max_episode_steps=10)] * 2, autoreset_mode=mode)
+    env = GymnasiumVectorEnv(vec)
+    try:
+        assert_matches(run_adapter(env, actions), reference("Acrobot-v1", 2, actions, max_episode_steps=10),
+                       env.tree)
+    finally:
+        env.close()
+
+
+def test_async_next_step_without_shared_memory_is_refused():
+    vec = AsyncVectorEnv([partial(gym.make, "CartPole-v1")] * 2, shared_memory=False)
+    try:
+        with pytest.raises(ValueError, match="shared_memory"):
+            GymnasiumVectorEnv(vec)
+    finally:
+        vec.close()
+
+
+@pytest.mark.parametrize("vectorization", ["sync", "none"])
+def test_make_gymnasium_matches_raw_envs(vectorization):
+    n = 3 if vectorization == "sync" else 1
+    actions = draw(100, n, seed=2)
+    env = make_gymnasium("CartPole-v1", n, vectorization=vectorization)
+    assert isinstance(env, GymnasiumEnv if vectorization == "none" else GymnasiumVectorEnv)
+    if vectorization == "sync":
+        assert env.autoreset_mode == AutoresetMode.NEXT_STEP and env._direct
+    assert_matches(run_adapter(env, actions), reference("CartPole-v1", n, actions), env.tree)
+    env.close()
+
+
+def test_tree_group_and_step_layout_match_core_specs():
+    env = make_gymnasium("CartPole-v1", 2)
+    assert isinstance(env.tree, AgentNode)
+    (group,) = groups(env.tree).values()
+    assert group.name == "agent" and group.capacity == 1
+    first = env.reset(seed=0)
+    out = env.step(action_td(np.array([0, 1])))
+    expected = zeros(env.tree, (2,))
+    assert set(first.keys(True, True)) == set(expected.exclude(("agent", "action")).keys(True, True))
+    for key in first.keys(True, True):
+        assert first[key].shape == expected[key].shape and first[key].dtype == expected[key].dtype
+    assert out["next", "agent", "reward"].shape == (2, 1, 1) and out["next", "agent", "reward"].dtype == torch.float32
+    assert out["next", "done"].shape == (2, 1)
+    # "next" and the root never share memory
+    assert out["agent", "observation"].data_ptr() != out["next", "agent", "observation"].data_ptr()
+    env.close()
+
+
+def test_vector_env_that_reuses_its_arrays_is_copied():
+    vec = SyncVectorEnv([partial(gym.make, "CartPole-v1")] * 2, copy=False, autoreset_mode=AutoresetMode.DISABLED)
+    env = GymnasiumVectorEnv(vec)
+    first = env.reset(seed=0)["agent", "observation"].clone()
+    out = env.reset(seed=0)
+    outs = [env.step(action_td(np.array([1, 1]))) for _ in range(3)]
+    np.testing.assert_array_equal(out["agent", "observation"].numpy(), first.numpy())
+    assert not torch.equal(outs[0]["next", "agent", "observation"], outs[2]["next", "agent", "observation"])
+    env.close()
+
+
+class EchoEnv(gym.Env):
+    """A real gymnasium env with composite spaces that echoes the action it received in its observation."""
+
+    action_space = spaces.Dict({"move": spaces.MultiDiscrete([3, 3], start=[-1, -1]), "fire": spaces.Discrete(2)})
+    observation_space = spaces.Tuple((spaces.Box(-1, 1, (2,), np.int64), spaces.Discrete(2)))
+
+    def __init__(self) -> None:
+        self.received = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return (np.zeros(2, np.int64), 0), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action)
+        self.received.append(action)
+        return (np.asarray(action["move"]), int(action["fire"])), 0.5, False, len(self.received) % 3 == 0, {}
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_composite_actions_and_observations_round_trip(vector):
+    env = GymnasiumVectorEnv(SyncVectorEnv([EchoEnv] * 2, autoreset_mode=AutoresetMode.SAME_STEP)) if vector \
+        else GymnasiumEnv(EchoEnv())
+    e = env.num_envs
+    assert list(env.tree.action.children) == ["fire", "move"]  # gymnasium sorts Dict keys
+    td = env.reset(seed=0)
+    assert td["agent", "observation", "0"].shape == (e, 1, 2) and "action_mask" not in td["agent"].keys()
+    move = torch.tensor([[0, 2], [1, 1]])[:e].reshape(e, 1, 2)  # Shoal values 0..nvec-1
+    act = TensorDict({"agent": TensorDict({"action": {"move": move, "fire": torch.ones(e, 1, dtype=torch.int64)}},
+                                          batch_size=(e, 1))}, batch_size=(e,))
+    out = env.step(act)
+    received = env.env.envs[0].received if vector else env.env.received
+    np.testing.assert_array_equal(received[0]["move"], [-1, 1])  # gymnasium values: start added back
+    np.testing.assert_array_equal(out["next", "agent", "observation", "0"][:, 0].numpy(), move[:, 0].numpy() - 1)
+    assert out["next", "agent", "observation", "1"][:, 0].tolist() == [1] * e
+    for _ in range(2):
+        out = env.step(act)
+    assert out["next", "truncated"].all() and not out["next", "terminated"].any()
+    env.close()
+    env.close()  # idempotent
