@@ -12,16 +12,10 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from adapters.assembly import make_td
 from core.layout import DONE, NEXT, SHARED, TERMINATED, TRUNCATED
 
-_new = getattr(TensorDict, "_new_unsafe", None)
-
-
-def fast_td(source: dict, batch_size: torch.Size) -> TensorDict:
-    """A TensorDict of ``source`` (tensors or TensorDicts) with ``batch_size``, without shape checks."""
-    if _new is not None:
-        return _new(source, batch_size=batch_size)
-    return TensorDict(source, batch_size=batch_size)  # pragma: no cover - older/newer tensordict
+fast_td = make_td  # one unchecked constructor for every adapter (adapters/assembly.py)
 
 
 def assemble_step(group: str, root: dict, nxt: dict, flags: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
