@@ -10,6 +10,7 @@ version number that increases by one per training step.
 
 from __future__ import annotations
 
+import copy
 from typing import Mapping
 
 import torch
@@ -26,6 +27,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _actor_copy(policy: GroupPolicy, weights: TensorDictBase) -> GroupPolicy:
+    copy_ = copy.deepcopy(policy).cpu()
+    with torch.no_grad():
+        TensorDict.from_module(copy_).update_(weights)
+    return copy_
 
 
 class PPOLearner:
@@ -151,6 +159,10 @@ class PPOLearner:
         """The newest published ``(version, weights)``; weights live on the CPU and are never mutated."""
         return self.version, self._published
 
+    def actor_policy(self) -> GroupPolicy:
+        """A CPU copy of the policy with the published weights, for an actor (training or evaluation)."""
+        return _actor_copy(self.policy, self._published)
+
 
 class FixedLearner:
     """A policy that does not learn (random, scripted or frozen): ignores data; its version changes only
@@ -177,6 +189,10 @@ class FixedLearner:
     def published(self) -> tuple[int, TensorDictBase]:
         """The frozen weights."""
         return self.version, self._published
+
+    def actor_policy(self) -> GroupPolicy:
+        """A CPU copy of the frozen policy, for an actor."""
+        return _actor_copy(self.policy, self._published)
 
     def replace_weights(self, weights: TensorDictBase) -> int:
         """Freezes other weights (a league swapping opponents); actors pick them up at their next sync.

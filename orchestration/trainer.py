@@ -26,8 +26,16 @@ from orchestration.envs import make_env, parse_kwargs
 from orchestration.learner import FixedLearner, PPOLearner, resolve_device
 
 
-def _copy(policy: GroupPolicy) -> GroupPolicy:
-    return copy.deepcopy(policy).cpu()
+def make_actor(env, learners, assignment, *, evaluation: bool = False, **kwargs) -> Actor:
+    """An actor on ``env`` whose policies come from the learners (seed 002: learners yield actors).
+
+    A training actor samples and records fragments; an evaluation actor (``evaluation=True``) acts with the
+    modes of the learning policies (fixed ones, such as a random opponent, keep sampling) and records nothing.
+    """
+    policies = {pid: learner.actor_policy() for pid, learner in learners.items()}
+    if evaluation:
+        kwargs.update(record=False, deterministic=[p for p, lrn in learners.items() if isinstance(lrn, PPOLearner)])
+    return Actor(env, policies, assignment, **kwargs)
 
 
 def _policy_for(pid: str, assignment, policies: dict[str, GroupPolicy]) -> GroupPolicy:
@@ -167,15 +175,12 @@ def build_trainer(config: TrainConfig) -> Trainer:
         else:
             learners[pid] = PPOLearner(policy, groups_of(assignment, pid), ppo=config.ppo, lr=config.lr,
                                        batch_steps=config.steps_per_iteration, seed=config.seed, device=device)
-    actors = [Actor(env, {pid: _copy(lrn.policy) for pid, lrn in learners.items()}, assignment,
-                    fragment_length=rc.fragment_length, seed=config.seed + 1000 * i, worker_id=i)
-              for i, env in enumerate(envs)]
+    actors = [make_actor(env, learners, assignment, fragment_length=rc.fragment_length,
+                         seed=config.seed + 1000 * i, worker_id=i) for i, env in enumerate(envs)]
     eval_actor = None
     if config.eval_every:
         eval_env = make_env(config.env, min(rc.num_envs, config.eval_episodes), check=rc.check, kwargs=kwargs)
-        eval_actor = Actor(eval_env, {pid: _copy(lrn.policy) for pid, lrn in learners.items()}, assignment,
-                           seed=config.seed + 10**6, record=False,
-                           deterministic=[p for p, lrn in learners.items() if isinstance(lrn, PPOLearner)])
+        eval_actor = make_actor(eval_env, learners, assignment, seed=config.seed + 10**6, evaluation=True)
     return Trainer(config, actors, learners, eval_actor, tree)
 
 

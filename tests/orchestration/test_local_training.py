@@ -98,3 +98,29 @@ def test_exported_policy_acts_like_the_training_policy_in_deterministic_mode():
     expected = policy.act(obs, deterministic=True).get("action")
     torch.testing.assert_close(loaded(*args, **kwargs), expected)
     torch.testing.assert_close(deployable(policy)(*args, **kwargs), expected)
+
+
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_valid(tmp_path, monkeypatch):
+    import orchestration.checkpoint as ckpt
+
+    trainer = build_trainer(FAST)
+    trainer.train()
+    save_checkpoint(tmp_path, 1, **dict(zip(("weights", "tensors", "state"), trainer_state(trainer))))
+    trainer.train()
+    weights, tensors, state = trainer_state(trainer)
+    calls = []
+
+    def crash_on_second_file(tensors, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")  # the weights are written, the state file is not
+        return real_save(tensors, path)
+
+    real_save = ckpt.save_file
+    monkeypatch.setattr(ckpt, "save_file", crash_on_second_file)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, weights=weights, tensors=tensors, state=state)
+    monkeypatch.undo()
+    _, _, restored = load_checkpoint(tmp_path)
+    assert restored["iteration"] == 1  # `latest` still names the complete first checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "latest"]  # no half-written leftovers
