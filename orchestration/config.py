@@ -34,6 +34,59 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RayConfig:
+    """How the Ray backend places and runs the fleet and the learners (no Ray import needed to build one)."""
+
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: collect ``train_batch_size`` with the current weights, train, broadcast (seed 000).
+    ``async``: workers stream; each learner trains whenever a batch is ready (seed 004)."""
+    max_staleness: int = 1
+    """Fragments whose policy version lags the learner's by more than this are dropped and counted."""
+    reuse_limit: int = 1
+    """Times a fragment may be trained on (async mode tops up a batch with reusable data)."""
+    queue_size: int = 2
+    """Fragments buffered between a worker's sampling loop and its sender thread."""
+    max_in_flight: int = 2
+    """Pushes per learner a sender thread may have unacknowledged before it waits."""
+    num_cpus: float | None = None
+    """CPUs of a local Ray instance this backend starts (None: ``os.cpu_count()``, or more if reserved)."""
+    worker_num_cpus: float = 1.0
+    """Ray CPUs reserved per rollout worker (fractions allowed)."""
+    learner_num_cpus: float = 1.0
+    """Ray CPUs reserved per learner."""
+    learner_num_gpus: float | Literal["auto"] = "auto"
+    """GPUs per learner; ``auto``: share the cluster's GPUs among learners when it has any, else 0."""
+    learner_resources: tuple[tuple[str, float], ...] = ()
+    """Custom Ray resources per learner, e.g. ``(("learner_node", 1),)`` to pin learners to a node."""
+    worker_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
+    """Ray scheduling strategy of rollout workers (``SPREAD``: across nodes)."""
+    max_worker_restarts: int = 100
+    """Re-creations of dead rollout workers allowed over the run before it fails."""
+    resolve_timeout_s: float = 30.0
+    """A learner gives up fetching a pushed fragment after this long (counted lost)."""
+    worker_threads: int = 1
+    """torch threads per rollout worker."""
+    learner_threads: int = 1
+    """torch threads per learner."""
+    poll_interval_s: float = 0.002
+    """Async mode: pause between readiness polls of the learners."""
+    iteration_timeout_s: float = 600.0
+    """Async mode: fail when no learner could train for this long."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"RayConfig.mode must be 'sync' or 'async', got {self.mode!r}")
+        for name in ("max_staleness", "max_worker_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("reuse_limit", "queue_size", "max_in_flight", "worker_threads", "learner_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.worker_num_cpus < 0 or self.learner_num_cpus < 0 or (self.num_cpus is not None and self.num_cpus <= 0):
+            raise ValueError("RayConfig CPU counts must be >= 0 (num_cpus > 0)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """A whole training run: environment, rollout, PPO, policy, budget, evaluation, outputs."""
 
@@ -77,6 +130,8 @@ class TrainConfig:
     """``local``: everything in this process; ``ray``: rollout workers and learners as Ray actors."""
     address: str | None = None
     """Ray cluster address to join (else ``RAY_ADDRESS``; else a local Ray instance is started)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Modes, placement and bounds of the Ray backend (used with ``backend="ray"``)."""
 
     def __post_init__(self) -> None:
         if self.iterations < 0 or self.train_batch_size < 0 or self.lr <= 0:
@@ -91,4 +146,4 @@ class TrainConfig:
         return self.train_batch_size or self.rollout.steps_per_round
 
 
-__all__ = ["RolloutConfig", "TrainConfig"]
+__all__ = ["RayConfig", "RolloutConfig", "TrainConfig"]

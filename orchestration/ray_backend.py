@@ -24,85 +24,34 @@ import os
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict
 
-from core.policies import GroupPolicy, make_policies
+from core.policies import GroupPolicy
 from core.specs import to_json
 from orchestration.actor import Actor
-from orchestration.assignment import assign, groups_of
-from orchestration.config import TrainConfig
+from orchestration.assignment import assign
+from orchestration.config import RayConfig, TrainConfig
 from orchestration.envs import make_env, parse_kwargs
-from orchestration.learner import PPOLearner
+from orchestration.trainer import build_policies, episode_metrics
+from orchestration.learner import FixedLearner, PPOLearner
 from orchestration.ray_fleet import RayFleet, Weights
-from orchestration.ray_learner import RemoteLearner, learner_options, learner_state, load_learner_state_, policy_module
-from orchestration.ray_stats import RemoteEpisodeStatistics, merge_monitors
+from orchestration.ray_learner import LearnerMirrors, RemoteLearner, learner_options
+from orchestration.ray_stats import RemoteEpisodeStatistics, fragment_accounting, merge_monitors
 from orchestration.wire import from_wire, to_wire
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RayConfig:
-    """How the Ray backend places and runs the fleet and the learners (no Ray import needed to build one)."""
-
-    mode: Literal["sync", "async"] = "sync"
-    """``sync``: collect ``train_batch_size`` with the current weights, train, broadcast (seed 000).
-    ``async``: workers stream; each learner trains whenever a batch is ready (seed 004)."""
-    max_staleness: int = 1
-    """Fragments whose policy version lags the learner's by more than this are dropped and counted."""
-    reuse_limit: int = 1
-    """Times a fragment may be trained on (async mode tops up a batch with reusable data)."""
-    queue_size: int = 2
-    """Fragments buffered between a worker's sampling loop and its sender thread."""
-    max_in_flight: int = 2
-    """Pushes per learner a sender thread may have unacknowledged before it waits."""
-    num_cpus: float | None = None
-    """CPUs of a local Ray instance this backend starts (None: ``os.cpu_count()``)."""
-    worker_num_cpus: float = 1.0
-    """Ray CPUs reserved per rollout worker (fractions allowed)."""
-    learner_num_cpus: float = 1.0
-    """Ray CPUs reserved per learner."""
-    learner_num_gpus: float | Literal["auto"] = "auto"
-    """GPUs per learner; ``auto``: share the cluster's GPUs among learners when it has any, else 0."""
-    learner_resources: tuple[tuple[str, float], ...] = ()
-    """Custom Ray resources per learner, e.g. ``(("learner_node", 1),)`` to pin learners to a node."""
-    worker_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
-    """Ray scheduling strategy of rollout workers (``SPREAD``: across nodes)."""
-    max_worker_restarts: int = 100
-    """Re-creations of dead rollout workers allowed over the run before it fails."""
-    resolve_timeout_s: float = 30.0
-    """A learner gives up fetching a pushed fragment after this long (counted lost)."""
-    worker_threads: int = 1
-    """torch threads per rollout worker."""
-    learner_threads: int = 1
-    """torch threads per learner."""
-    poll_interval_s: float = 0.002
-    """Async mode: pause between readiness polls of the learners."""
-    iteration_timeout_s: float = 600.0
-    """Async mode: fail when no learner could train for this long."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"RayConfig.mode must be 'sync' or 'async', got {self.mode!r}")
-        for name in ("max_staleness", "max_worker_restarts"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("reuse_limit", "queue_size", "max_in_flight", "worker_threads", "learner_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.worker_num_cpus < 0 or self.learner_num_cpus < 0 or (self.num_cpus is not None and self.num_cpus <= 0):
-            raise ValueError("RayConfig CPU counts must be >= 0 (num_cpus > 0)")
-
-
-def init_ray(config: TrainConfig, ray_config: RayConfig) -> bool:
+def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) -> bool:
     """Connects this process to Ray; returns True when this call started or joined it (and owns shutdown).
 
     Order: an already initialised Ray (a test session, a Tune trial) is reused; else ``config.address``,
-    else ``RAY_ADDRESS`` is joined; else a local instance starts with ``ray_config.num_cpus`` CPUs.
+    else ``RAY_ADDRESS`` is joined; else a local instance starts with ``ray_config.num_cpus`` CPUs (default:
+    ``os.cpu_count()``, raised to ``min_cpus``: Ray's CPUs are scheduling slots, and a local run should not
+    fail because its reservations exceed the cores).
     """
     if ray.is_initialized():
         return False
@@ -110,12 +59,17 @@ def init_ray(config: TrainConfig, ray_config: RayConfig) -> bool:
     if address:
         ray.init(address=address, configure_logging=False)
     else:
-        ray.init(num_cpus=ray_config.num_cpus or os.cpu_count(), include_dashboard=False, configure_logging=False)
+        num_cpus = ray_config.num_cpus or max(os.cpu_count() or 1, math.ceil(min_cpus))
+        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     return True
 
 
+def _cpus_needed(config: TrainConfig, ray_config: RayConfig, num_learners: int) -> float:
+    return config.rollout.num_workers * ray_config.worker_num_cpus + num_learners * ray_config.learner_num_cpus
+
+
 def _check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool) -> None:
-    need = config.rollout.num_workers * ray_config.worker_num_cpus + num_learners * ray_config.learner_num_cpus
+    need = _cpus_needed(config, ray_config, num_learners)
     have = ray.cluster_resources().get("CPU", 0.0)
     if need > have + 1e-9:
         message = (f"the Ray backend reserves {need:g} CPUs ({config.rollout.num_workers} workers x "
@@ -135,18 +89,25 @@ class RayTrainer:
     batch; each new version is broadcast as soon as it is published.
     """
 
+    resume_exact = False
+    """A resumed Ray run restarts its workers' envs (learners resume exactly; sampling does not)."""
+
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], fleet: RayFleet,
-                 stats, eval_actor: Actor | None, tree, weights: Weights, owns_ray: bool) -> None:
+                 stats, eval_actor: Actor | None, tree, weights: Weights, owns_ray: bool,
+                 fixed: Mapping[str, GroupPolicy]) -> None:
         self.config, self.ray_config, self.tree = config, ray_config, tree
         self.handles, self.fleet, self.stats, self.eval_actor = dict(learners), fleet, stats, eval_actor
         self.weights: dict[str, tuple[int, list]] = dict(weights)
         self.iteration = 0
         self.env_steps = 0
-        self.returns: deque[float] = deque(maxlen=100)
-        self.lengths: deque[float] = deque(maxlen=100)
+        self._produced = 0
+        self.history: dict[str, deque[float]] = {}
+        """Last 100 finished episodes: ``"return"``, ``"length"``, ``"return/<policy>"`` (as the local trainer)."""
+        self.last_episodes: dict[str, list[float]] = {}
+        """The episodes that finished during the last iteration, same keys."""
+        self.fixed = dict(fixed)
         self._owns_ray, self._started, self._closed = owns_ray, False, False
-        self._mirrors: dict[str, PPOLearner] = {}
-        self._mirror_versions: dict[str, int] = {}
+        self._mirrors = LearnerMirrors(config, tree, self.handles, fixed)
         self._final: dict[str, float] | None = None
 
     # -- one iteration -----------------------------------------------------------------------------------
@@ -157,7 +118,7 @@ class RayTrainer:
         self._push_restored_mirrors()
         cfg = self.config
         progress = self.iteration / max(cfg.iterations, 1)
-        lr = cfg.lr * (1.0 - progress) if cfg.anneal_lr else None
+        lr = cfg.lr * max(0.0, 1.0 - progress) if cfg.anneal_lr else None
         steps_before = self.env_steps
         start = time.perf_counter()
         if self.ray_config.mode == "sync":
@@ -168,16 +129,19 @@ class RayTrainer:
         metrics.update(self._episodes())
         metrics.update(self.accounting())
         metrics.update(merge_monitors(monitors))
-        self.env_steps = int(metrics["fragments_produced"]) * self.fleet.fragment_steps
+        produced = int(metrics["fragments_produced"])  # env steps: every fragment the fleet produced, counted once
+        self.env_steps += (produced - self._produced) * self.fleet.fragment_steps
+        self._produced = produced
         wall = time.perf_counter() - start
         metrics.update(iteration=self.iteration, env_steps=self.env_steps, time_collect=t_collect, time_learn=t_learn,
                        time_iteration=wall, env_steps_per_s=(self.env_steps - steps_before) / max(wall, 1e-9))
         if self.eval_actor is not None and cfg.eval_every and self.iteration % cfg.eval_every == 0:
-            metrics["eval_return_mean"] = self.evaluate()
+            metrics.update(self.evaluate())
         return metrics
 
     def _prefixed(self, pid: str, values: Mapping[str, float]) -> dict[str, float]:
-        return {f"{pid}/{k}" if len(self.handles) > 1 else k: v for k, v in values.items()}
+        several = len(self.handles) + len(self.fixed) > 1  # named as the local trainer names them
+        return {f"{pid}/{k}" if several else k: v for k, v in values.items()}
 
     def _train_sync(self, progress: float, lr: float | None):
         start = time.perf_counter()
@@ -225,16 +189,16 @@ class RayTrainer:
 
     # -- statistics and accounting -----------------------------------------------------------------------
     def _episodes(self) -> dict[str, float]:
-        drained = ray.get(self.stats.drain.remote())
-        self.returns.extend(drained["returns"])
-        self.lengths.extend(drained["lengths"])
-        last10 = list(self.returns)[-10:]
-        out = {k: v for k, v in drained["summary"].items() if "/" in k or k == "episodes_total"}
-        out.update(episodes=len(drained["returns"]),
-                   episode_return_mean=sum(self.returns) / len(self.returns) if self.returns else math.nan,
-                   episode_return_mean_10=sum(last10) / len(last10) if last10 else math.nan,
-                   episode_length_mean=sum(self.lengths) / len(self.lengths) if self.lengths else math.nan)
-        return out
+        """The local trainer's episode metrics, from the episodes the statistics actor got since last time."""
+        try:
+            drained = ray.get(self.stats.drain.remote())
+        except ray.exceptions.RayActorError:  # its node died: it restarts empty, the episodes it held are gone
+            drained = {"episodes": {}, "summary": {}}
+        self.last_episodes = {k: list(v) for k, v in drained["episodes"].items()}
+        for key, values in self.last_episodes.items():
+            self.history.setdefault(key, deque(maxlen=100)).extend(values)
+        return {"episodes": len(self.last_episodes.get("length", [])), **drained["summary"],
+                **episode_metrics(self.history)}
 
     def learner_reports(self) -> dict[str, dict]:
         """Each learner's ledger and counters (:meth:`LearnerServer.report`)."""
@@ -245,64 +209,40 @@ class RayTrainer:
         if self._final is not None:
             return dict(self._final)
         reports = reports if reports is not None else self.learner_reports()
-        fleet = self.fleet
-        heard: dict[int, int] = {}
-        for report in reports.values():
-            for wid, w in report["workers"].items():
-                heard[int(wid)] = max(heard.get(int(wid), 0), w["max_seq"] + 1)
-        produced = {w: max(heard.get(w, 0), fleet.reported.get(w, 0)) for w in set(heard) | set(fleet.reported)}
-        out: dict[str, float] = {"fragments_produced": sum(produced.values()), "workers_restarted": fleet.restarts}
-        for pid, report in reports.items():
-            counts = {"accepted": 0, "stale": 0, "lost": 0, "in_flight": 0}
-            for wid, made in produced.items():
-                w = report["workers"].get(wid, {"accepted": 0, "stale": 0, "lost": 0})
-                for state in ("accepted", "stale", "lost"):
-                    counts[state] += w[state]
-                unseen = made - (w["accepted"] + w["stale"] + w["lost"])
-                counts["lost" if wid in fleet.dead else "in_flight"] += unseen
-            values = {f"fragments_{k}": v for k, v in counts.items()}
-            values.update(fragments_duplicate=report["counters"]["duplicates"],
-                          fragments_max_uses=report["max_uses"], trained_max_lag=report["counters"]["max_trained_lag"],
-                          weights_serializations=report["counters"]["serializations"], policy_version=report["version"])
+        produced, per_learner = fragment_accounting(reports, self.fleet.reported, self.fleet.dead)
+        out: dict[str, float] = {"fragments_produced": produced, "workers_restarted": self.fleet.restarts}
+        for pid, values in per_learner.items():
             out.update(self._prefixed(pid, values))
         return out
 
     # -- evaluation, checkpoints, shutdown ---------------------------------------------------------------
-    def evaluate(self, episodes: int | None = None) -> float:
-        """Mean return of a deterministic actor in this process with the newest published weights."""
+    def evaluate(self, episodes: int | None = None) -> dict[str, float]:
+        """Mean returns of a deterministic actor in this process with the newest published weights:
+        ``eval_return_mean`` and, with several policies, ``eval_return_mean/<policy>``."""
         actor = self.eval_actor
         if actor is None:
             raise ValueError("this trainer has no evaluation actor (config.eval_every == 0)")
         for pid, (version, refs) in self.weights.items():
             actor.set_weights(pid, version, from_wire(ray.get(refs[0])))
-        returns = actor.run_episodes(episodes or self.config.eval_episodes)
-        return sum(returns) / max(len(returns), 1)
+        out = {}
+        for key, values in actor.run_episodes(episodes or self.config.eval_episodes).items():
+            if key.startswith("return/") and len(self.handles) + len(self.fixed) < 2:
+                continue
+            out[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
+        return out
 
     @property
-    def learners(self) -> dict[str, PPOLearner]:
-        """Local mirrors of the remote learners (weights, optimizer, generator, version, counters).
+    def learners(self) -> dict[str, PPOLearner | FixedLearner]:
+        """Local mirrors of the learners (weights, optimizer, generator, version, counters), fetched now.
 
         For :func:`orchestration.run_state.trainer_state` / ``restore_trainer_``: a mirror changed by a
         restore is pushed back to its remote learner at the start of the next :meth:`train`.
         """
-        if not self._mirrors:
-            assignment = assign(self.tree, dict(self.config.policy_mapping))
-            for pid in self.handles:
-                self._mirrors[pid] = PPOLearner(policy_module(self.tree, self.config, assignment, pid),
-                                                groups_of(assignment, pid), ppo=self.config.ppo, lr=self.config.lr,
-                                                batch_steps=self.config.steps_per_iteration, seed=self.config.seed)
-        if not self._closed:
-            for pid, state in zip(self.handles, ray.get([h.state.remote() for h in self.handles.values()])):
-                load_learner_state_(self._mirrors[pid], state)
-                self._mirror_versions[pid] = self._mirrors[pid].version
-        return dict(self._mirrors)
+        return self._mirrors.fetch(refresh=not self._closed)
 
     def _push_restored_mirrors(self) -> None:
-        for pid, mirror in self._mirrors.items():
-            if mirror.version != self._mirror_versions.get(pid):
-                ray.get(self.handles[pid].load_state.remote(learner_state(mirror)))
-                self.weights[pid] = ray.get(self.handles[pid].published.remote())
-                self._mirror_versions[pid] = mirror.version
+        for pid in self._mirrors.push_changed():
+            self.weights[pid] = ray.get(self.handles[pid].published.remote())
 
     @property
     def actors(self) -> list:
@@ -333,18 +273,9 @@ def initial_policies(config: TrainConfig, tree) -> tuple[dict, dict[str, GroupPo
 
     Call right after ``torch.manual_seed(config.seed)``: the same generator draws give the same weights.
     """
-    from orchestration.trainer import _policy_for, _uniform  # the local composition root's own rules
-
     assignment = assign(tree, dict(config.policy_mapping))
-    policies = make_policies(tree, config.policy)
-    out, fixed = {}, set()
-    for pid in sorted({p for a in assignment.values() for p in a.policies}):
-        policy = policies.get(pid) or _policy_for(pid, assignment, policies)
-        if pid in config.fixed_policies or pid == "random":
-            fixed.add(pid)
-            policy = _uniform(policy) if pid == "random" else policy
-        out[pid] = policy
-    return assignment, out, fixed
+    policies, fixed = build_policies(config, tree, assignment)
+    return assignment, policies, fixed
 
 
 def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) -> RayTrainer:
@@ -352,10 +283,9 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
 
     Args:
         config: the run (``config.address`` to join a cluster).
-        ray_config: modes, placement and bounds of the Ray backend (defaults: synchronous PPO).
+        ray_config: modes, placement and bounds of the Ray backend (default: ``config.ray``).
     """
-    ray_config = ray_config or RayConfig()
-    owns_ray = init_ray(config, ray_config)
+    ray_config = ray_config or config.ray
     kwargs = parse_kwargs(config.env_kwargs)
     rc = config.rollout
     torch.manual_seed(config.seed)  # initial weights: the local backend's generator use, at the entry point
@@ -364,6 +294,7 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
     probe.close()
     assignment, policies, fixed = initial_policies(config, tree)
     trained = [pid for pid in policies if pid not in fixed]
+    owns_ray = init_ray(config, ray_config, _cpus_needed(config, ray_config, len(trained)))
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
     _check_resources(config, ray_config, len(trained), strict=owns_ray and not joined)
     options = learner_options(ray_config.learner_num_cpus, ray_config.learner_num_gpus, len(trained),
@@ -375,15 +306,19 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
         resolve_timeout_s=ray_config.resolve_timeout_s, num_threads=ray_config.learner_threads) for pid in trained}
     weights = dict(zip(trained, ray.get([learners[pid].published.remote() for pid in trained])))
     weights.update({pid: (0, [ray.put(wire[pid])]) for pid in fixed})  # frozen: one put for the whole run
-    main = {g: a.main_policy for g, a in assignment.items()}
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    stats = RemoteEpisodeStatistics.options(scheduling_strategy=here).remote(main)  # lives as long as the driver
+    # Statistics live beside the learners when they are pinned, else near the driver; restarted if lost.
+    placement = ({"resources": dict(ray_config.learner_resources)} if ray_config.learner_resources else
+                 {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                        soft=True)})
+    stats = RemoteEpisodeStatistics.options(max_restarts=-1, **placement).remote()
     fleet = RayFleet(config, ray_config, learners, stats, weights)
     eval_actor = None
     if config.eval_every:
         eval_env = make_env(config.env, min(rc.num_envs, config.eval_episodes), check=rc.check, kwargs=kwargs)
-        eval_actor = Actor(eval_env, policies, assignment, seed=config.seed + 10**6, deterministic=True, record=False)
-    return RayTrainer(config, ray_config, learners, fleet, stats, eval_actor, tree, weights, owns_ray)
+        eval_actor = Actor(eval_env, policies, assignment, seed=config.seed + 10**6, deterministic=trained,
+                           record=False)
+    return RayTrainer(config, ray_config, learners, fleet, stats, eval_actor, tree, weights, owns_ray,
+                      {pid: policies[pid] for pid in fixed})
 
 
 __all__ = ["RayConfig", "RayTrainer", "build_ray_trainer", "init_ray", "initial_policies"]

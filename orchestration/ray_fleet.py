@@ -126,7 +126,7 @@ class RolloutWorker:
             time.sleep(self._delay)  # a slow environment (test hook)
         stepped = time.perf_counter()
         fragment = actor.builder.build({g: actor.versions[a.main_policy] for g, a in actor.assignment.items()})
-        episodes = episode_arrays(actor.builder.pop_completed_episodes())
+        episodes = episode_arrays(actor.builder.pop_completed_episodes(), actor.assignment)
         built = time.perf_counter()
         env_time = self.env.elapsed - env_before + self._delay
         monitor.add("env_step", env_time)
@@ -201,7 +201,7 @@ class RolloutWorker:
                 put = time.perf_counter()
                 inflight.extend(learner.push.remote(meta, [ref]) for learner in self.learners.values())
                 if episodes and self.stats is not None:
-                    side.append(self.stats.add.remote(self.worker_id, episodes))
+                    side.append(self.stats.add.remote(self.worker_id, meta["sequence"], episodes))
                 while len(inflight) > limit:
                     ray.get(inflight.popleft())
                 if len(side) > 8:
@@ -333,9 +333,7 @@ class RayFleet:
     def check(self, weights: Weights) -> int:
         """Re-creates (and restarts streaming on) every worker whose ``run`` ended; returns how many."""
         running = {s.run_ref: i for i, s in enumerate(self.slots) if s.run_ref is not None}
-        if not running:
-            return 0
-        done, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
+        done = ray.wait(list(running), num_returns=len(running), timeout=0)[0] if running else []
         for ref in done:
             index, cause = running[ref], None
             try:
@@ -346,12 +344,14 @@ class RayFleet:
             self.slots[index].run_ref = self.slots[index].handle.run.remote(weights)
         return len(done)
 
-    def monitors(self, timeout: float = 2.0) -> list[dict]:
-        """Reports of the live workers (served beside sampling; a dead or slow worker is skipped)."""
-        reports = [_try_get(ref, timeout) for ref in [s.handle.report.remote() for s in self.slots]]
-        for report in filter(None, reports):
+    def monitors(self, timeout: float = 0.5) -> list[dict]:
+        """Reports of the workers answering within ``timeout`` (served beside sampling; others skipped)."""
+        refs = [s.handle.report.remote() for s in self.slots]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        reports = [r for r in map(_try_get, ready) if r is not None]
+        for report in reports:
             self._record(report)
-        return list(filter(None, reports))
+        return reports
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ends streaming; waits until each worker delivered what it built (its final report)."""

@@ -10,7 +10,9 @@ own (it survives the sender's death), and acknowledges. Every fragment id ends i
   ``max_staleness`` (checked on arrival and again before every training step);
 - ``lost``: announced but its data could not be fetched (the owning worker died first).
 
-A second delivery of a known fragment id (a retried call) is counted as a duplicate and ignored. Weights are
+A worker's pushes arrive in its sequence order (one sender thread; Ray runs one caller's actor calls in
+order), so a delivery whose sequence number is not above the highest seen from that worker incarnation is a
+re-delivery (a retried call): counted as a duplicate and ignored, with O(1) memory per worker. Weights are
 published once per version: one ``to_wire`` + ``ray.put`` by the learner, and every worker ``get``s the
 same ref. The server is single-threaded on purpose: pushes wait while it trains, which is the
 back-pressure that stops a fast fleet from flooding a slow learner.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -33,7 +36,7 @@ from core.specs import Tree, from_json
 from orchestration.assignment import GroupAssignment, assign, groups_of
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.config import TrainConfig
-from orchestration.learner import PPOLearner, resolve_device
+from orchestration.learner import FixedLearner, PPOLearner, resolve_device
 from orchestration.wire import from_wire, to_wire
 
 ACCEPTED, STALE, LOST = "accepted", "stale", "lost"
@@ -87,39 +90,38 @@ class LearnerServer:
                                   device=resolve_device(config.device))
         self.max_staleness, self.reuse_limit, self.resolve_timeout_s = max_staleness, reuse_limit, resolve_timeout_s
         self.pool: dict[int, _Entry] = {}
-        self.ledger: dict[int, str] = {}
         self.workers: dict[int, _WorkerLedger] = {}
-        self.trained: dict[int, int] = {}
-        self.counters = {"duplicates": 0, "serializations": 0, "max_trained_lag": 0, "train_steps": 0}
+        self.trained: OrderedDict[int, int] = OrderedDict()  # fragment id -> uses, the newest 100k (inspection)
+        self.counters = {"duplicates": 0, "serializations": 0, "max_trained_lag": 0, "train_steps": 0, "max_uses": 0,
+                         "trained_fragments": 0}
         self._last: list[_Entry] = []
         self._publish()
 
     # -- data in -----------------------------------------------------------------------------------------
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> int:
         """Takes one fragment (``meta`` + ``[ref]`` of its wire message); returns the learner's version."""
-        fid = int(meta["fragment_id"])
-        if fid in self.ledger:
+        fid, seq = int(meta["fragment_id"]), int(meta["sequence"])
+        ledger = self.workers.setdefault(int(meta["worker_id"]), _WorkerLedger())
+        if seq <= ledger.max_seq:  # a worker's pushes arrive in sequence order: an old one is a re-delivery
             self.counters["duplicates"] += 1
             return self.learner.version
-        ledger = self.workers.setdefault(int(meta["worker_id"]), _WorkerLedger())
-        ledger.max_seq = max(ledger.max_seq, int(meta["sequence"]))
+        ledger.max_seq = seq
         try:
             fragment = from_wire(ray.get(refs[0], timeout=self.resolve_timeout_s), copy=True)
         except (ray.exceptions.RayError, TimeoutError):  # owner died (OwnerDiedError), object lost, timeout
-            self._set(fid, meta, LOST)
+            self._set(meta, LOST)
             return self.learner.version
         if self._lag(meta) > self.max_staleness:
-            self._set(fid, meta, STALE)
+            self._set(meta, STALE)
         else:
-            self._set(fid, meta, ACCEPTED)
+            self._set(meta, ACCEPTED)
             self.pool[fid] = _Entry(fragment, dict(meta), fragment.batch_size.numel())
         return self.learner.version
 
-    def _set(self, fid: int, meta: Mapping, state: str) -> None:
-        counts = self.workers.setdefault(int(meta["worker_id"]), _WorkerLedger()).counts
-        if fid in self.ledger:
-            counts[self.ledger[fid]] -= 1
-        self.ledger[fid] = state
+    def _set(self, meta: Mapping, state: str, previous: str | None = None) -> None:
+        counts = self.workers[int(meta["worker_id"])].counts
+        if previous is not None:
+            counts[previous] -= 1
         counts[state] += 1
 
     def _lag(self, meta: Mapping) -> int:
@@ -130,7 +132,7 @@ class LearnerServer:
         for fid in [f for f, e in self.pool.items() if self._lag(e.meta) > self.max_staleness]:
             entry = self.pool.pop(fid)
             if entry.uses == 0:  # trained data stays "accepted"; only never-trained data is stale
-                self._set(fid, entry.meta, STALE)
+                self._set(entry.meta, STALE, previous=ACCEPTED)
 
     def new_steps(self) -> int:
         """Env steps of fresh fragments not trained on yet."""
@@ -178,11 +180,15 @@ class LearnerServer:
             self.counters["max_trained_lag"] = max(self.counters["max_trained_lag"], self._lag(entry.meta))
         metrics = self.learner.train(progress)
         fids = [int(e.meta["fragment_id"]) for e in chosen]
+        self.counters["trained_fragments"] += sum(e.uses == 0 for e in chosen)
         for fid, entry in zip(fids, chosen):
             entry.uses += 1
-            self.trained[fid] = self.trained.get(fid, 0) + 1
+            self.trained[fid] = entry.uses
+            self.counters["max_uses"] = max(self.counters["max_uses"], entry.uses)
             if entry.uses >= self.reuse_limit:
                 del self.pool[fid]
+        while len(self.trained) > 100_000:
+            self.trained.popitem(last=False)
         self._last = chosen
         self.counters["train_steps"] += 1
         self._publish()
@@ -206,11 +212,10 @@ class LearnerServer:
         return {"totals": totals, "pending_fragments": sum(1 for e in self.pool.values() if e.uses == 0),
                 "workers": {wid: {"max_seq": w.max_seq, **w.counts} for wid, w in self.workers.items()},
                 "counters": dict(self.counters), "learner": dict(self.learner.counters),
-                "version": self.learner.version, "max_uses": max(self.trained.values(), default=0),
-                "trained_fragments": len(self.trained)}
+                "version": self.learner.version}
 
     def trained_counts(self) -> dict[int, int]:
-        """Fragment id -> times trained on."""
+        """Fragment id -> times trained on (the newest 100k fragments trained)."""
         return dict(self.trained)
 
     def last_batch(self) -> list[dict]:
@@ -269,6 +274,45 @@ def load_learner_state_(learner: PPOLearner, state: Mapping[str, Any]) -> None:
     learner._published = learner._snapshot()
 
 
+class LearnerMirrors:
+    """Local copies of remote learners, for checkpoints: fetched on demand, pushed back when changed.
+
+    Args:
+        config, tree: the run and its env tree (to build the modules).
+        handles: policy id -> learner actor handle.
+        fixed: policy id -> module of the policies that do not learn (mirrored as :class:`FixedLearner`).
+    """
+
+    def __init__(self, config: TrainConfig, tree: Tree, handles: Mapping[str, Any],
+                 fixed: Mapping[str, GroupPolicy]) -> None:
+        self.config, self.tree, self.handles, self.fixed = config, tree, dict(handles), dict(fixed)
+        self.mirrors: dict[str, PPOLearner | FixedLearner] = {}
+        self.versions: dict[str, int] = {}
+
+    def fetch(self, refresh: bool = True) -> dict[str, PPOLearner | FixedLearner]:
+        """The mirrors, refreshed from the remote learners unless ``refresh`` is False (they were released)."""
+        if not self.mirrors:
+            config, assignment = self.config, assign(self.tree, dict(self.config.policy_mapping))
+            for pid in self.handles:
+                self.mirrors[pid] = PPOLearner(policy_module(self.tree, config, assignment, pid),
+                                               groups_of(assignment, pid), ppo=config.ppo, lr=config.lr,
+                                               batch_steps=config.steps_per_iteration, seed=config.seed)
+            self.mirrors.update({pid: FixedLearner(policy) for pid, policy in self.fixed.items()})
+        if refresh:
+            for pid, state in zip(self.handles, ray.get([h.state.remote() for h in self.handles.values()])):
+                load_learner_state_(self.mirrors[pid], state)
+                self.versions[pid] = self.mirrors[pid].version
+        return dict(self.mirrors)
+
+    def push_changed(self) -> list[str]:
+        """Loads every mirror whose version changed since it was fetched (a restore) into its learner."""
+        changed = [pid for pid in self.handles
+                   if pid in self.mirrors and self.mirrors[pid].version != self.versions[pid]]
+        ray.get([self.handles[pid].load_state.remote(learner_state(self.mirrors[pid])) for pid in changed])
+        self.versions.update({pid: self.mirrors[pid].version for pid in changed})
+        return changed
+
+
 #: The learner actor class, made remote once; resources are set per instance with ``.options``.
 RemoteLearner = ray.remote(LearnerServer)
 
@@ -285,5 +329,5 @@ def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int,
     return options
 
 
-__all__ = ["ACCEPTED", "LOST", "STALE", "LearnerServer", "RemoteLearner", "learner_options", "learner_state",
-           "load_learner_state_", "policy_module"]
+__all__ = ["ACCEPTED", "LOST", "STALE", "LearnerMirrors", "LearnerServer", "RemoteLearner", "learner_options",
+           "learner_state", "load_learner_state_", "policy_module"]

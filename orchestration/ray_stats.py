@@ -111,91 +111,121 @@ def merge_monitors(snapshots: list[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
-def episode_arrays(records: Mapping[str, Any]) -> dict[str, Any]:
-    """Completed-episode records per group (``FragmentBuilder.pop_completed_episodes``) as small numpy arrays.
+def episode_arrays(records: Mapping[str, Any], assignment: Mapping[str, Any]) -> dict[str, Any]:
+    """Completed-episode records (``FragmentBuilder.pop_completed_episodes``) as small numpy arrays.
 
-    Returns ``{}`` when no episode ended, else ``{"length": [K], "return": [K] (team return summed over
-    groups), "groups": {group: {"team_return": [K], "agent_return": [K, A], "agent_length": [K, A]}}}``.
+    Keys as the local actor's ``completed_episodes``: ``"return"`` (all agents summed), ``"return/<policy>"``
+    (the agents that policy acts for, via ``assignment`` slots), ``"length"``, all ``[K]``; plus
+    ``"agents/<group>"`` ``[K, A]``, every agent's own return (``K`` may be 0). ``{}`` before any fragment.
     """
-    if not records or next(iter(records.values())).batch_size[0] == 0:
+    if not records:
         return {}
-    groups = {}
-    for group, r in records.items():
-        groups[group] = {"team_return": r.get("team_return").reshape(-1).double().numpy(),
-                         "agent_return": r.get("agent_return").squeeze(-1).double().numpy(),
-                         "agent_length": r.get("agent_length").numpy()}
-    total = np.sum([g["team_return"] for g in groups.values()], axis=0)
-    return {"length": next(iter(records.values())).get("length").reshape(-1).numpy(), "return": total,
-            "groups": groups}
+    per_policy, agents = {}, {}
+    for group, r in records.items():  # the same tensor ops as Actor.completed_episodes: the same floats
+        agent_return = r.get("agent_return").squeeze(-1)  # [K, A]
+        agents[f"agents/{group}"] = agent_return.double().numpy()
+        for pid, slots in assignment[group].slots.items():
+            part = (agent_return * slots).sum(-1)
+            per_policy[pid] = per_policy[pid] + part if pid in per_policy else part
+    import torch  # workers have it loaded; the statistics actor's process never runs this
+
+    out = {f"return/{pid}": v.double().numpy() for pid, v in per_policy.items()}
+    out["return"] = torch.stack(list(per_policy.values())).sum(0).double().numpy()
+    out["length"] = next(iter(records.values())).get("length").reshape(-1).double().numpy()
+    return {**out, **agents}
 
 
 class EpisodeStatistics:
-    """Aggregates completed episodes from all rollout workers: overall, per group, per agent and per policy.
+    """Aggregates completed episodes from all rollout workers: overall, per policy and per agent.
 
-    Args:
-        group_to_policy: group -> policy id (a policy's return sums the groups mapped to it).
-        window: episodes kept for the running means (the local trainer's 100).
+    Keeps the last ``window`` episodes of every agent and the episodes added since the last :meth:`drain`,
+    from which the driver computes exactly the local trainer's episode metrics.
     """
 
-    def __init__(self, group_to_policy: Mapping[str, str], window: int = 100) -> None:
-        self.group_to_policy = dict(group_to_policy)
+    def __init__(self, window: int = 100) -> None:
         self.window = window
-        self.returns: deque[float] = deque(maxlen=window)
-        self.lengths: deque[float] = deque(maxlen=window)
-        self.group_returns = {g: deque(maxlen=window) for g in self.group_to_policy}
-        self.agent_returns: dict[str, deque] = {g: deque(maxlen=window) for g in self.group_to_policy}
-        self.policy_returns = {p: deque(maxlen=window) for p in set(self.group_to_policy.values())}
+        self.history: dict[str, deque] = {}
         self.total_episodes = 0
         self.by_worker: dict[int, int] = {}
-        self._new: tuple[list[float], list[float]] = ([], [])
+        self._new: list[tuple[int, int, Mapping[str, Any]]] = []
 
-    def add(self, worker_id: int, episodes: Mapping[str, Any]) -> int:
-        """Records the episodes of one fragment (:func:`episode_arrays`); returns how many."""
+    def add(self, worker_id: int, sequence: int, episodes: Mapping[str, Any]) -> int:
+        """Records the episodes of fragment ``sequence`` of a worker (:func:`episode_arrays`); returns how many."""
         if not episodes:
             return 0
-        returns, lengths = np.asarray(episodes["return"]), np.asarray(episodes["length"])
-        self.returns.extend(returns.tolist())
-        self.lengths.extend(lengths.astype(float).tolist())
-        self._new[0].extend(returns.tolist())
-        self._new[1].extend(lengths.astype(float).tolist())
-        per_policy: dict[str, np.ndarray] = {}
-        for group, g in episodes["groups"].items():
-            self.group_returns[group].extend(np.asarray(g["team_return"]).tolist())
-            self.agent_returns[group].extend(list(np.asarray(g["agent_return"])))
-            pid = self.group_to_policy[group]
-            per_policy[pid] = per_policy.get(pid, 0.0) + np.asarray(g["team_return"])
-        for pid, value in per_policy.items():
-            self.policy_returns[pid].extend(np.asarray(value).tolist())
-        self.total_episodes += len(returns)
-        self.by_worker[worker_id] = self.by_worker.get(worker_id, 0) + len(returns)
-        return len(returns)
+        for key, values in episodes.items():
+            if key.startswith("agents/"):
+                self.history.setdefault(key, deque(maxlen=self.window)).extend(list(np.asarray(values)))
+        self._new.append((worker_id, sequence, episodes))  # even with no episode: the keys exist, as locally
+        count = len(episodes["length"])
+        self.total_episodes += count
+        self.by_worker[worker_id] = self.by_worker.get(worker_id, 0) + count
+        return count
 
     def summary(self) -> dict[str, float]:
-        """Running means over the window: overall, per group, per agent slot and per policy."""
-        out = {"episodes_total": float(self.total_episodes),
-               "episode_return_mean": _mean(self.returns), "episode_length_mean": _mean(self.lengths)}
-        for group, values in self.group_returns.items():
-            out[f"episode_return_mean/group/{group}"] = _mean(values)
-            agents = self.agent_returns[group]
-            if agents:
-                for slot, value in enumerate(np.mean(np.stack(list(agents)), axis=0).tolist()):
-                    out[f"episode_return_mean/agent/{group}/{slot}"] = value
-        for pid, values in self.policy_returns.items():
-            out[f"episode_return_mean/policy/{pid}"] = _mean(values)
+        """Running means over the window: every agent slot's return (``episode_return_mean/agent/<g>/<i>``)."""
+        out = {"episodes_total": float(self.total_episodes)}
+        for key, rows in self.history.items():
+            if key.startswith("agents/") and rows:
+                for slot, value in enumerate(np.mean(np.stack(list(rows)), axis=0).tolist()):
+                    out[f"episode_return_mean/agent/{key.split('/', 1)[1]}/{slot}"] = value
         return out
 
     def drain(self) -> dict[str, Any]:
-        """Returns and lengths of the episodes added since the last drain, plus :meth:`summary`."""
-        (returns, lengths), self._new = self._new, ([], [])
-        return {"returns": returns, "lengths": lengths, "summary": self.summary()}
+        """``{"episodes": {key: values added since the last drain}, "summary": summary()}``.
+
+        Episodes come in (worker, fragment) order whatever order they arrived in: the local trainer's order,
+        so a synchronous run's running means match the local backend's exactly.
+        """
+        new, self._new = sorted(self._new, key=lambda item: item[:2]), []
+        out: dict[str, list] = {}
+        for _, _, episodes in new:
+            for key, values in episodes.items():
+                if not key.startswith("agents/"):
+                    out.setdefault(key, []).extend(np.asarray(values).tolist())
+        return {"episodes": out, "summary": self.summary()}
 
 
-def _mean(values) -> float:
-    return float(sum(values) / len(values)) if values else math.nan
+def fragment_accounting(reports: Mapping[str, Mapping], reported: Mapping[int, int],
+                        dead: set[int]) -> tuple[int, dict[str, dict[str, float]]]:
+    """Classifies every fragment the fleet produced, per learner: ``accepted``, ``stale``, ``lost``, ``in_flight``.
+
+    Args:
+        reports: policy id -> ``LearnerServer.report()`` (per-worker ledgers with the highest sequence heard).
+        reported: worker id -> fragments the worker reported producing (its last report).
+        dead: worker ids of dead incarnations.
+
+    A worker produced ``max(highest sequence heard + 1, reported)`` fragments. What a learner never heard of
+    is ``lost`` for a dead worker and ``in_flight`` for a live one, so per learner
+    ``accepted + stale + lost + in_flight == produced`` holds exactly.
+
+    Returns:
+        ``(produced, {policy id: {"fragments_accepted", ..., "weights_serializations", "policy_version"}})``.
+    """
+    heard: dict[int, int] = {}
+    for report in reports.values():
+        for wid, w in report["workers"].items():
+            heard[int(wid)] = max(heard.get(int(wid), 0), w["max_seq"] + 1)
+    produced = {w: max(heard.get(w, 0), reported.get(w, 0)) for w in set(heard) | set(reported)}
+    out = {}
+    for pid, report in reports.items():
+        counts = {"accepted": 0, "stale": 0, "lost": 0, "in_flight": 0}
+        for wid, made in produced.items():
+            w = report["workers"].get(wid, {"accepted": 0, "stale": 0, "lost": 0})
+            for state in ("accepted", "stale", "lost"):
+                counts[state] += w[state]
+            counts["lost" if wid in dead else "in_flight"] += made - (w["accepted"] + w["stale"] + w["lost"])
+        values: dict[str, float] = {f"fragments_{k}": v for k, v in counts.items()}
+        counters = report["counters"]
+        values.update(fragments_duplicate=counters["duplicates"], fragments_max_uses=counters["max_uses"],
+                      trained_max_lag=counters["max_trained_lag"], weights_serializations=counters["serializations"],
+                      policy_version=report["version"])
+        out[pid] = values
+    return sum(produced.values()), out
 
 
 #: The statistics actor: light (no CPU reserved), made remote once.
 RemoteEpisodeStatistics = ray.remote(num_cpus=0)(EpisodeStatistics)
 
 __all__ = ["STAGES", "EpisodeStatistics", "PipelineMonitor", "RemoteEpisodeStatistics", "TimedEnv", "episode_arrays",
-           "merge_monitors"]
+           "fragment_accounting", "merge_monitors"]

@@ -56,7 +56,8 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     state: dict[str, Any] = {"config": config_to_dict(trainer.config), "tree": to_json(trainer.tree),
                              "iteration": trainer.iteration, "env_steps": trainer.env_steps,
                              "history": {k: list(v) for k, v in trainer.history.items()},
-                             "learners": {}, "actors": [], "resume_exact": True}
+                             "learners": {}, "actors": [],
+                             "resume_exact": getattr(trainer, "resume_exact", True)}
     for pid, learner in trainer.learners.items():
         for name, value in learner.policy.state_dict().items():
             weights[f"{pid}/{name}"] = value
@@ -139,7 +140,7 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
     """The :class:`TrainConfig` stored in a checkpoint's state."""
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
-    from orchestration.config import RolloutConfig
+    from orchestration.config import RayConfig, RolloutConfig
 
     raw = dict(state["config"])
     raw["rollout"] = RolloutConfig(**raw["rollout"])
@@ -150,6 +151,9 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
     raw["env_kwargs"] = tuple(tuple(p) for p in raw["env_kwargs"])
     raw["policy_mapping"] = tuple(tuple(p) for p in raw.get("policy_mapping", ()))
     raw["fixed_policies"] = tuple(raw.get("fixed_policies", ()))
+    ray_raw = dict(raw.get("ray", {}))
+    ray_raw["learner_resources"] = tuple(tuple(p) for p in ray_raw.get("learner_resources", ()))
+    raw["ray"] = RayConfig(**ray_raw)
     return TrainConfig(**raw)
 
 

@@ -13,7 +13,7 @@ import copy
 import math
 import time
 from collections import deque
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -24,6 +24,37 @@ from orchestration.assignment import assign, groups_of
 from orchestration.config import TrainConfig
 from orchestration.envs import make_env, parse_kwargs
 from orchestration.learner import FixedLearner, PPOLearner, resolve_device
+
+
+def episode_metrics(history: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Means over the last finished episodes: ``episode_return_mean`` (100), ``episode_return_mean_10``,
+    ``episode_length_mean`` and, with several policies, ``episode_return_mean/<policy>``."""
+    out: dict[str, float] = {}
+    several = sum(k.startswith("return/") for k in history) > 1
+    for key, window in history.items():
+        if key.startswith("return/") and not several:
+            continue
+        name = {"return": "episode_return_mean", "length": "episode_length_mean"}.get(
+            key, key.replace("return/", "episode_return_mean/"))
+        out[name] = sum(window) / len(window) if window else math.nan
+    last10 = list(history.get("return", []))[-10:]
+    out["episode_return_mean_10"] = sum(last10) / len(last10) if last10 else math.nan
+    out.setdefault("episode_return_mean", math.nan)
+    return out
+
+
+def build_policies(config: TrainConfig, tree, assignment) -> tuple[dict[str, GroupPolicy], set[str]]:
+    """Policy id -> initial module, and the ids that do not learn; the same draws on every backend
+    (call right after ``torch.manual_seed(config.seed)``)."""
+    policies = make_policies(tree, config.policy)
+    out, fixed = {}, set()
+    for pid in sorted({p for a in assignment.values() for p in a.policies}):
+        policy = policies.get(pid) or _policy_for(pid, assignment, policies)
+        if pid in config.fixed_policies or pid == "random":
+            fixed.add(pid)
+            policy = _uniform(policy) if pid == "random" else policy
+        out[pid] = policy
+    return out, fixed
 
 
 def make_actor(env, learners, assignment, *, evaluation: bool = False, **kwargs) -> Actor:
@@ -99,18 +130,7 @@ class Trainer:
                 self.history.setdefault(key, deque(maxlen=100)).extend(values)
                 self.last_episodes.setdefault(key, []).extend(values)
                 finished += len(values) if key == "length" else 0
-        out: dict[str, float] = {"episodes": finished}
-        policies = [k for k in self.history if k.startswith("return/")]
-        for key, window in self.history.items():
-            if key.startswith("return/") and len(policies) < 2:
-                continue
-            name = {"return": "episode_return_mean", "length": "episode_length_mean"}.get(
-                key, key.replace("return/", "episode_return_mean/"))
-            out[name] = sum(window) / len(window) if window else math.nan
-        last10 = list(self.history.get("return", []))[-10:]
-        out["episode_return_mean_10"] = sum(last10) / len(last10) if last10 else math.nan
-        out.setdefault("episode_return_mean", math.nan)
-        return out
+        return {"episodes": finished, **episode_metrics(self.history)}
 
     def train(self) -> dict[str, float]:
         """One iteration; returns its metrics (plain floats)."""
@@ -165,13 +185,12 @@ def build_trainer(config: TrainConfig) -> Trainer:
     envs = [make_env(config.env, rc.num_envs, check=rc.check, kwargs=kwargs) for _ in range(rc.num_workers)]
     tree = envs[0].tree
     assignment = assign(tree, dict(config.policy_mapping))
-    policies = make_policies(tree, config.policy)
+    policies, fixed = build_policies(config, tree, assignment)
     device = resolve_device(config.device)
     learners = {}
-    for pid in sorted({p for a in assignment.values() for p in a.policies}):
-        policy = policies.get(pid) or _policy_for(pid, assignment, policies)
-        if pid in config.fixed_policies or pid == "random":
-            learners[pid] = FixedLearner(_uniform(policy) if pid == "random" else policy)
+    for pid, policy in policies.items():
+        if pid in fixed:
+            learners[pid] = FixedLearner(policy)
         else:
             learners[pid] = PPOLearner(policy, groups_of(assignment, pid), ppo=config.ppo, lr=config.lr,
                                        batch_steps=config.steps_per_iteration, seed=config.seed, device=device)

@@ -1,0 +1,223 @@
+"""The Ray backend against the local one, and under staleness and faults (one session-wide Ray instance).
+
+- parity: the same synchronous run on both backends gives the same fragments and the same weights;
+- learner inbox: duplicate deliveries are ignored, stale data never enters the pool;
+- staleness: with one slow worker nothing older than ``max_staleness`` is trained on, drops are counted;
+- chaos: workers killed during a streaming run are re-created; every produced fragment is accepted, stale
+  or lost (exact accounting); no fragment is trained twice;
+- Tune: trials of a parameter grid run as parallel experiments (skipped without ``ray[tune]``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from orchestration.config import RolloutConfig, TrainConfig
+from orchestration.wire import from_wire, to_wire
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ENV = "builtin:cartpole"
+
+
+def _config(**kw) -> TrainConfig:
+    rollout = RolloutConfig(num_envs=4, fragment_length=16, num_workers=2)
+    return TrainConfig(**{"env": ENV, "iterations": 20, "rollout": rollout, **kw})
+
+
+def _ray_config(**kw):
+    from orchestration.ray_backend import RayConfig
+
+    return RayConfig(worker_num_cpus=0, learner_num_cpus=0, **kw)  # 2 shared cores: no reservations
+
+
+def _identity(acc: dict) -> bool:
+    return (acc["fragments_accepted"] + acc["fragments_stale"] + acc["fragments_lost"] + acc["fragments_in_flight"]
+            == acc["fragments_produced"])
+
+
+# Several learners: builtin:spread's four agents split between two trained policies and a fixed random one.
+SPLIT = {"env": "builtin:spread", "policy_mapping": (("agents_1", "other"), ("agents_2", "random")),
+         "eval_every": 2, "eval_episodes": 2}
+
+
+@pytest.mark.parametrize("overrides", [{}, SPLIT], ids=["cartpole", "spread_3_policies"])
+def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overrides):
+    from orchestration.learner import PPOLearner
+    from orchestration.ray_backend import build_ray_trainer
+    from orchestration.trainer import build_trainer
+
+    config = _config(**overrides)
+    local = build_trainer(config)
+    trained = {pid: lrn for pid, lrn in local.learners.items() if isinstance(lrn, PPOLearner)}
+    received: dict[str, list[TensorDict]] = {pid: [] for pid in trained}
+    for pid, learner in trained.items():
+        receive = learner.receive
+        learner.receive = lambda fragment, pid=pid, receive=receive: (received[pid].append(fragment.clone()),
+                                                                      receive(fragment))
+    remote = build_ray_trainer(config, _ray_config())
+    try:
+        assert sorted(remote.handles) == sorted(trained)  # one learner actor per trained policy
+        for _ in range(3 if not overrides else 2):
+            for fragments in received.values():
+                fragments.clear()
+            local_metrics, ray_metrics = local.train(), remote.train()
+            for pid, learner in trained.items():
+                batch = [from_wire(m) for m in ray_session.get(remote.handles[pid].last_batch.remote())]
+                assert [int(f["fragment_id"][0, 0]) for f in batch] == \
+                    [int(f["fragment_id"][0, 0]) for f in received[pid]]
+                for a, b in zip(received[pid], batch):
+                    assert (a == b).all(), "fragments differ"
+                version, refs = remote.weights[pid]
+                assert version == learner.version
+                ray_weights = from_wire(ray_session.get(refs[0]))
+                assert (ray_weights == TensorDict.from_module(learner.policy)).all(), f"{pid} weights differ"
+            for key, value in local_metrics.items():  # losses, episode statistics, evaluation: all the same
+                if not key.startswith("time") and not key.endswith("per_s") and value == value:
+                    assert ray_metrics[key] == value, key
+        _assert_same_checkpoint(local, remote)
+        prefix = "" if not overrides else "other/"
+        assert ray_metrics[f"{prefix}fragments_in_flight"] == 0
+        assert ray_metrics[f"{prefix}weights_serializations"] == version + 1  # one put per version
+        if not overrides:
+            assert _identity(ray_metrics)
+    finally:
+        remote.close()
+
+
+def _assert_same_checkpoint(local, remote) -> None:
+    """The Ray trainer's checkpoint (learner mirrors) holds what the local trainer's holds."""
+    from orchestration.run_state import trainer_state
+
+    (w_local, t_local, s_local), (w_ray, t_ray, s_ray) = trainer_state(local), trainer_state(remote)
+    assert w_local.keys() == w_ray.keys() and all(torch.equal(w_local[k], w_ray[k]) for k in w_local)
+    optimizer = [k for k in t_local if k.startswith(("optimizer/", "rng/learner/"))]
+    assert optimizer and all(torch.equal(t_local[k], t_ray[k]) for k in optimizer)
+    assert {p: v["version"] for p, v in s_local["learners"].items()} == \
+        {p: v["version"] for p, v in s_ray["learners"].items()}
+    assert s_local["history"] == s_ray["history"] and s_local["env_steps"] == s_ray["env_steps"]
+
+
+def _server(config: TrainConfig, **kw):
+    """A learner server in this process (no actor) and one fragment ``[4, 16]`` of the run's env."""
+    from core.specs import to_json
+    from orchestration.ray_backend import initial_policies
+    from orchestration.ray_learner import LearnerServer
+    from orchestration.trainer import build_trainer
+
+    local = build_trainer(config)
+    fragment = local.actors[0].collect()
+    torch.manual_seed(config.seed)
+    _, policies, _ = initial_policies(config, local.tree)
+    (pid, policy), = policies.items()
+    server = LearnerServer(pid, config, to_json(local.tree), to_wire(TensorDict.from_module(policy).detach()), **kw)
+    return server, pid, fragment
+
+
+def _meta(pid: str, fid: int, version: int = 0) -> dict:
+    return {"fragment_id": fid, "worker_id": 0, "sequence": fid, "policy_versions": {pid: version}}
+
+
+def test_learner_inbox_is_idempotent_and_drops_stale_data(ray_session):
+    server, pid, fragment = _server(_config(train_batch_size=64), max_staleness=0)
+    ref = ray_session.put(to_wire(fragment))
+    server.push(_meta(pid, 7), [ref])
+    server.push(_meta(pid, 7), [ref])  # a retried delivery
+    assert server.report()["counters"]["duplicates"] == 1 and server.new_steps() == fragment.numel()
+    assert server.train() is not None and server.learner.version == 1
+    server.push(_meta(pid, 8), [ref])  # acted with version 0, the learner is at 1
+    report = server.report()
+    assert report["totals"] == {"accepted": 1, "stale": 1, "lost": 0} and server.new_steps() == 0
+    assert server.trained_counts() == {7: 1}
+
+
+def test_reuse_limit_bounds_how_often_a_fragment_is_trained(ray_session):
+    server, pid, fragment = _server(_config(train_batch_size=128), max_staleness=10, reuse_limit=2)
+    ref = ray_session.put(to_wire(fragment))  # 64 env steps: a batch is two fragments
+    for fid in range(6):
+        server.push(_meta(pid, fid, server.learner.version), [ref])
+        if server.ready():
+            assert fid in server.train()["fragment_ids"]  # new data first, topped up with reused data
+    counts = server.trained_counts()
+    assert max(counts.values()) == 2 and sum(counts.values()) == 2 * server.learner.version
+    assert not server.ready()  # nothing new: the learner does not train on reused data alone
+
+
+@pytest.fixture(scope="module")
+def streaming(ray_session):
+    """One asynchronous trainer shared by the staleness and chaos tests (Ray actors start slowly here)."""
+    from orchestration.ray_backend import build_ray_trainer
+
+    trainer = build_ray_trainer(_config(train_batch_size=128), _ray_config(mode="async", max_staleness=1))
+    yield trainer
+    trainer.close()
+
+
+def test_slow_worker_data_beyond_max_staleness_is_dropped_and_counted(streaming, ray_session):
+    ray_session.get(streaming.fleet.handles()[1].set_fragment_delay.remote(0.4))
+    for _ in range(12):
+        metrics = streaming.train()
+    assert metrics["trained_max_lag"] <= 1  # nothing older than max_staleness reached the loss
+    assert metrics["fragments_stale"] >= 1  # the slow worker's fragments arrived too late
+    assert _identity(metrics)
+    assert metrics["policy_version"] == 12 and metrics["pipeline/fragments"] > 0
+    ray_session.get(streaming.fleet.handles()[1].set_fragment_delay.remote(0.0))
+
+
+def test_killed_workers_are_replaced_and_accounting_is_exact(streaming, ray_session):
+    fleet = streaming.fleet
+    (pid, learner), = streaming.handles.items()
+    # A busy learner: pushes pile up behind it; a worker killed now loses what it had in flight.
+    paused = learner.pause.remote(1.5)
+    time.sleep(1.0)
+    fleet.monitors()  # the workers' last reports: fragments they produced so far
+    ray_session.kill(fleet.handles()[0])
+    ray_session.get(paused)
+    for _ in range(40):  # until the fleet re-created it
+        streaming.train()
+        if fleet.restarts == 1:
+            break
+    for handle in fleet.handles():  # then the whole fleet at once
+        ray_session.kill(handle)
+    for _ in range(40):
+        streaming.train()
+        if fleet.restarts == 3:
+            break
+    for _ in range(2):
+        metrics = streaming.train()
+    assert fleet.restarts == 3 and metrics["workers_restarted"] == 3
+    assert fleet.alive() == 2
+    trained = ray_session.get(learner.trained_counts.remote())
+    assert set(trained.values()) == {1}  # no fragment trained twice
+    assert any(fid >> 48 for fid in trained)  # re-created workers (incarnation >= 1) delivered data
+    streaming.close()
+    final = streaming.accounting()
+    assert _identity(final) and final["fragments_in_flight"] == 0
+    assert final["fragments_lost"] >= 1  # what the first killed worker had in flight
+    assert final["fragments_duplicate"] == 0 and final["fragments_max_uses"] == 1
+
+
+def test_config_from_params_applies_dotted_overrides():
+    from orchestration.ray_tune import config_from_params
+
+    base = _config()
+    out = config_from_params(base, {"lr": 1e-3, "ppo.clip_eps": 0.1, "rollout.num_envs": 8})
+    assert (out.lr, out.ppo.clip_eps, out.rollout.num_envs) == (1e-3, 0.1, 8)
+    assert out.rollout.fragment_length == base.rollout.fragment_length and out.ppo.gamma == base.ppo.gamma
+    with pytest.raises(KeyError, match="nope"):
+        config_from_params(base, {"ppo.nope": 1})
+
+
+def test_tune_runs_a_grid_as_parallel_trials(ray_session, tmp_path):
+    tune = pytest.importorskip("ray.tune", exc_type=ImportError)  # ray[tune]: pandas, pyarrow, tensorboardX
+    from orchestration.ray_tune import run_tune
+
+    base = _config(iterations=2, rollout=RolloutConfig(num_envs=4, fragment_length=16))
+    results = run_tune(base, {"lr": tune.grid_search([3e-4, 1e-3])}, cpus_per_trial=0.1, storage_path=str(tmp_path))
+    assert len(results) == 2 and not results.errors
+    assert sorted(r.config["lr"] for r in results) == [3e-4, 1e-3]
+    assert all(r.metrics["iteration"] == 2 and r.metrics["env_steps"] == 128 for r in results)
