@@ -75,7 +75,9 @@ def plot_learning_curve(csv_path: str | Path, png_path: str | Path, *, y: str = 
     if y not in data or not data[y]:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(data["env_steps"], data[y], label=y)
+    ax.plot(data["env_steps"], data[y], label=y + " (last 100 episodes)")
+    if "episode_return_mean_10" in data and y == "episode_return_mean":
+        ax.plot(data["env_steps"], data["episode_return_mean_10"], label="last 10 episodes", alpha=0.5)
     if "eval_return_mean" in data and any(math.isfinite(v) for v in data["eval_return_mean"]):
         ax.plot(data["env_steps"], data["eval_return_mean"], label="eval_return_mean", linestyle="--")
     ax.set_xlabel("env steps")
