@@ -56,6 +56,9 @@ class RayConfig:
     """Ray CPUs reserved per learner."""
     learner_num_gpus: float | Literal["auto"] = "auto"
     """GPUs per learner; ``auto``: share the cluster's GPUs among learners when it has any, else 0."""
+    learners_per_policy: int = 1
+    """Processes training each policy data-parallel (torch.distributed, gradients averaged); above 1, every
+    batch is split by env rows into equal shards, so its env rows must divide evenly."""
     learner_resources: tuple[tuple[str, float], ...] = ()
     """Custom Ray resources per learner, e.g. ``(("learner_node", 1),)`` to pin learners to a node."""
     worker_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
@@ -79,7 +82,8 @@ class RayConfig:
         for name in ("max_staleness", "max_worker_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("reuse_limit", "queue_size", "max_in_flight", "worker_threads", "learner_threads"):
+        for name in ("reuse_limit", "queue_size", "max_in_flight", "worker_threads", "learner_threads",
+                     "learners_per_policy"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.worker_num_cpus < 0 or self.learner_num_cpus < 0 or (self.num_cpus is not None and self.num_cpus <= 0):

@@ -65,7 +65,8 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
 
 
 def _cpus_needed(config: TrainConfig, ray_config: RayConfig, num_learners: int) -> float:
-    return config.rollout.num_workers * ray_config.worker_num_cpus + num_learners * ray_config.learner_num_cpus
+    return (config.rollout.num_workers * ray_config.worker_num_cpus
+            + num_learners * ray_config.learners_per_policy * ray_config.learner_num_cpus)
 
 
 def _check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool) -> None:
@@ -278,6 +279,23 @@ def initial_policies(config: TrainConfig, tree) -> tuple[dict, dict[str, GroupPo
     return assignment, policies, fixed
 
 
+def _add_data_parallel_ranks(config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any],
+                             policies: Mapping[str, GroupPolicy], assignment, options: Mapping[str, Any]) -> None:
+    """Gives every learner ``learners_per_policy - 1`` peer ranks and joins them in one torch.distributed group."""
+    from orchestration.assignment import groups_of
+    from orchestration.ray_data_parallel import RemoteRank
+
+    world = ray_config.learners_per_policy
+    for pid, server in learners.items():
+        peers = [RemoteRank.options(**options).remote(
+            policies[pid], groups_of(assignment, pid), ppo=config.ppo, lr=config.lr,
+            batch_steps=config.steps_per_iteration // world, seed=config.seed,
+            device="cuda" if options.get("num_gpus") else "cpu") for _ in range(world - 1)]
+        address, port = ray.get(server.rendezvous.remote())
+        ray.get([server.join_data_parallel.remote(peers, address, port)]
+                + [peer.join.remote(rank, world, address, port) for rank, peer in enumerate(peers, 1)])
+
+
 def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) -> RayTrainer:
     """The composition root of a Ray run: Ray, learners, statistics, fleet and evaluation actor.
 
@@ -304,6 +322,8 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
     learners = {pid: RemoteLearner.options(**options).remote(
         pid, config, tree_json, wire[pid], max_staleness=ray_config.max_staleness, reuse_limit=ray_config.reuse_limit,
         resolve_timeout_s=ray_config.resolve_timeout_s, num_threads=ray_config.learner_threads) for pid in trained}
+    if ray_config.learners_per_policy > 1:
+        _add_data_parallel_ranks(config, ray_config, learners, policies, assignment, options)
     weights = dict(zip(trained, ray.get([learners[pid].published.remote() for pid in trained])))
     weights.update({pid: (0, [ray.put(wire[pid])]) for pid in fixed})  # frozen: one put for the whole run
     # Statistics live beside the learners when they are pinned, else near the driver; restarted if lost.

@@ -48,8 +48,11 @@ class DataParallelRank:
         init_process_group(rank, world_size, address, port, self.learner.device)
         average_gradients_(self.learner.policy)
 
-    def train(self, messages: Sequence[ray.ObjectRef], progress: float = 0.0) -> dict[str, float]:
+    def train(self, messages: Sequence[ray.ObjectRef], progress: float = 0.0,
+              lr: float | None = None) -> dict[str, float]:
         """Trains on this rank's shard (wire-form fragments); returns the rank's metrics."""
+        if lr is not None:
+            self.learner.set_lr(lr)
         for msg in ray.get(list(messages)):
             self.learner.receive(from_wire(msg, copy=True))
         return self.learner.train(progress)

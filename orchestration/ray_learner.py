@@ -95,7 +95,54 @@ class LearnerServer:
         self.counters = {"duplicates": 0, "serializations": 0, "max_trained_lag": 0, "train_steps": 0, "max_uses": 0,
                          "trained_fragments": 0}
         self._last: list[_Entry] = []
+        self._peers: list = []
         self._publish()
+
+    # -- data-parallel training (RayConfig.learners_per_policy > 1) ---------------------------------------
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port, where the data-parallel group of this policy meets."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join_data_parallel(self, peers: Sequence[Any], address: str, port: int) -> None:
+        """Becomes rank 0 of a group with ``peers`` (:class:`DataParallelRank` actors joining concurrently)."""
+        from orchestration.data_parallel import average_gradients_, init_process_group
+
+        init_process_group(0, len(peers) + 1, address, port, self.learner.device)
+        average_gradients_(self.learner.policy)
+        self._peers = list(peers)
+
+    def peer_handles(self) -> list:
+        """The data-parallel peer ranks of this learner (empty without data parallelism)."""
+        return list(self._peers)
+
+    def in_sync(self) -> bool:
+        """Whether every rank holds this learner's parameters (call together with the peers' ``in_sync``)."""
+        from orchestration.data_parallel import check_in_sync
+
+        return check_in_sync(self.learner.policy)
+
+    def _train_shards(self, chosen: list[_Entry], progress: float, lr: float | None) -> dict:
+        """Splits the batch by env rows into one equal shard per rank; rank 0 (here) trains the first."""
+        from core.buffers import concat_fragments
+
+        world = len(self._peers) + 1
+        batch = concat_fragments([e.fragment for e in chosen])
+        rows = batch.batch_size[0]
+        if rows % world:
+            raise ValueError(f"policy {self.policy_id!r}: {rows} env rows cannot be split evenly over {world} "
+                             f"data-parallel learners (RayConfig.learners_per_policy)")
+        shards = batch.split(rows // world, dim=0)
+        futures = [peer.train.remote([ray.put(to_wire(shard))], progress, lr)
+                   for peer, shard in zip(self._peers, shards[1:])]
+        self.learner.receive(shards[0])
+        metrics = self.learner.train(progress)
+        ray.get(futures)  # every rank ran the same number of averaged steps
+        return metrics
 
     # -- data in -----------------------------------------------------------------------------------------
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> int:
@@ -176,9 +223,13 @@ class LearnerServer:
         if lr is not None:
             self.learner.set_lr(lr)
         for entry in chosen:
-            self.learner.receive(entry.fragment)
             self.counters["max_trained_lag"] = max(self.counters["max_trained_lag"], self._lag(entry.meta))
-        metrics = self.learner.train(progress)
+        if self._peers:
+            metrics = self._train_shards(chosen, progress, lr)
+        else:
+            for entry in chosen:
+                self.learner.receive(entry.fragment)
+            metrics = self.learner.train(progress)
         fids = [int(e.meta["fragment_id"]) for e in chosen]
         self.counters["trained_fragments"] += sum(e.uses == 0 for e in chosen)
         for fid, entry in zip(fids, chosen):

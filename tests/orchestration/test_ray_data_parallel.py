@@ -51,3 +51,27 @@ def test_two_ranks_on_the_same_shard_equal_one_learner(ray_session):
         assert group.in_sync() and group.published()[0] == 2
     finally:
         group.shutdown()
+
+
+def test_ray_backend_trains_each_policy_with_two_data_parallel_learners(ray_session):
+    from orchestration.config import RayConfig
+    from orchestration.ray_backend import build_ray_trainer
+
+    config = TrainConfig(env="builtin:cartpole", seed=0, iterations=3,
+                         rollout=RolloutConfig(num_envs=4, fragment_length=16, num_workers=2),
+                         ppo=PPOConfig(minibatch_size=32, num_epochs=2),
+                         ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0, learners_per_policy=2))
+    trainer = build_ray_trainer(config)
+    try:
+        before = TensorDict.from_module(trainer.learners["agent"].policy).clone()
+        for _ in range(3):
+            metrics = trainer.train()
+        assert metrics["policy_version"] == 3 and metrics["fragments_lost"] == 0
+        after = TensorDict.from_module(trainer.learners["agent"].policy)
+        assert not (after == before).all()
+        server = trainer.handles["agent"]
+        peers = ray_session.get(server.peer_handles.remote())
+        assert len(peers) == 1
+        assert all(ray_session.get([server.in_sync.remote()] + [p.in_sync.remote() for p in peers]))
+    finally:
+        trainer.close()
