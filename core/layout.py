@@ -50,6 +50,7 @@ TRUNCATED = "truncated"
 SHARED = "shared"
 ADVANTAGE = "advantage"
 VALUE_TARGET = "value_target"
+ENTROPY = "entropy"
 RECURRENT_STATE = "recurrent_state"
 
 POLICY_VERSION = "policy_version"

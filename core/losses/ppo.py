@@ -13,11 +13,9 @@ from collections.abc import Mapping
 import torch
 from tensordict import TensorDict
 
-from core.layout import ADVANTAGE, LOG_PROB, STATE_VALUE, VALUE_TARGET
+from core.layout import ENTROPY, ADVANTAGE, LOG_PROB, STATE_VALUE, VALUE_TARGET
 from core.losses.config import PPOConfig
 
-ENTROPY = "entropy"
-"""Key of the per-sample policy entropy ``[..., 1]`` in the ``current`` evaluation."""
 
 LOSS_KEYS = ("loss_policy", "loss_value", "loss_entropy")
 DIAGNOSTIC_KEYS = ("approx_kl", "clip_fraction", ENTROPY, "explained_variance")

@@ -25,15 +25,12 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from core.layout import ACTION, ACTION_MASK, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, STATE_VALUE
+from core.layout import ENTROPY, ACTION, ACTION_MASK, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, STATE_VALUE
 from core.specs import GroupSpec, Node, Tree, groups, shared_observations
 
 from .composite import ActionHeads
 from .config import PolicyConfig
 from .networks import ObservationEncoder, Path, SharedEncoder, init_linear_, mlp, read_path
-
-ENTROPY = "entropy"
-"""Key of the per-sample entropy ``[..., 1]`` in :meth:`GroupPolicy.evaluate` (same as ``core.losses``)."""
 
 
 class GroupPolicy(nn.Module):
