@@ -36,7 +36,7 @@ from core.specs import to_json
 from orchestration.actor import Actor
 from orchestration.assignment import assign
 from orchestration.config import RayConfig, TrainConfig
-from orchestration.envs import make_env, parse_kwargs
+from orchestration.envs import make_run_env
 from orchestration.trainer import build_policies, episode_metrics
 from orchestration.learner import FixedLearner, PPOLearner
 from orchestration.ray_fleet import RayFleet, Weights
@@ -304,10 +304,9 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
         ray_config: modes, placement and bounds of the Ray backend (default: ``config.ray``).
     """
     ray_config = ray_config or config.ray
-    kwargs = parse_kwargs(config.env_kwargs)
     rc = config.rollout
     torch.manual_seed(config.seed)  # initial weights: the local backend's generator use, at the entry point
-    probe = make_env(config.env, 1, check=rc.check, kwargs=kwargs)
+    probe = make_run_env(config, 1)
     tree = probe.tree
     probe.close()
     assignment, policies, fixed = initial_policies(config, tree)
@@ -334,7 +333,7 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
     fleet = RayFleet(config, ray_config, learners, stats, weights)
     eval_actor = None
     if config.eval_every:
-        eval_env = make_env(config.env, min(rc.num_envs, config.eval_episodes), check=rc.check, kwargs=kwargs)
+        eval_env = make_run_env(config, min(rc.num_envs, config.eval_episodes))
         eval_actor = Actor(eval_env, policies, assignment, seed=config.seed + 10**6, deterministic=trained,
                            record=False)
     return RayTrainer(config, ray_config, learners, fleet, stats, eval_actor, tree, weights, owns_ray,

@@ -32,7 +32,7 @@ from core.layout import FRAGMENT_ID, POLICY_VERSION
 from orchestration.actor import Actor
 from orchestration.assignment import assign
 from orchestration.config import TrainConfig
-from orchestration.envs import make_env, parse_kwargs
+from orchestration.envs import make_run_env
 from orchestration.ray_learner import policy_module
 from orchestration.ray_stats import PipelineMonitor, TimedEnv, episode_arrays
 from orchestration.wire import from_wire, to_wire
@@ -71,7 +71,7 @@ class RolloutWorker:
         self.worker_id = worker_id_of(slot, incarnation)
         self.monitor = PipelineMonitor()
         rc = config.rollout
-        self.env = TimedEnv(make_env(config.env, rc.num_envs, check=rc.check, kwargs=parse_kwargs(config.env_kwargs)))
+        self.env = TimedEnv(make_run_env(config, rc.num_envs))
         tree = self.env.tree
         assignment = assign(tree, dict(config.policy_mapping))
         self.actor = Actor(self.env, {pid: policy_module(tree, config, assignment, pid) for pid in weights},

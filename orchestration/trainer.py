@@ -22,7 +22,7 @@ from core.specs import to_json
 from orchestration.actor import Actor
 from orchestration.assignment import assign, groups_of
 from orchestration.config import TrainConfig
-from orchestration.envs import make_env, parse_kwargs
+from orchestration.envs import make_run_env
 from orchestration.learner import FixedLearner, PPOLearner, resolve_device
 
 
@@ -180,9 +180,8 @@ class Trainer:
 def build_trainer(config: TrainConfig) -> Trainer:
     """The composition root of a local run: envs, policies, learners, actors, from one config."""
     torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point
-    kwargs = parse_kwargs(config.env_kwargs)
     rc = config.rollout
-    envs = [make_env(config.env, rc.num_envs, check=rc.check, kwargs=kwargs) for _ in range(rc.num_workers)]
+    envs = [make_run_env(config, rc.num_envs) for _ in range(rc.num_workers)]
     tree = envs[0].tree
     assignment = assign(tree, dict(config.policy_mapping))
     policies, fixed = build_policies(config, tree, assignment)
@@ -198,7 +197,7 @@ def build_trainer(config: TrainConfig) -> Trainer:
                          seed=config.seed + 1000 * i, worker_id=i) for i, env in enumerate(envs)]
     eval_actor = None
     if config.eval_every:
-        eval_env = make_env(config.env, min(rc.num_envs, config.eval_episodes), check=rc.check, kwargs=kwargs)
+        eval_env = make_run_env(config, min(rc.num_envs, config.eval_episodes))
         eval_actor = make_actor(eval_env, learners, assignment, seed=config.seed + 10**6, evaluation=True)
     return Trainer(config, actors, learners, eval_actor, tree)
 
