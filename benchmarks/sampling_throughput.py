@@ -96,7 +96,7 @@ def ceiling_mpe2(num_copies: int, steps: int) -> float:
 
 def ours(env_name: str, num_envs: int, steps: int) -> float:
     """Actor.collect() of fragments (policy act + adapter + fragment assembly)."""
-    env = make_env(env_name, num_envs)
+    env = make_env(env_name, num_envs, shared_state=False)  # a local critic: state() is not read
     policies = make_policies(env.tree)
     actor = Actor(env, policies, assign(env.tree), fragment_length=steps, seed=0)
     actor.collect()  # warm-up fragment: first-step layout capture, allocator
