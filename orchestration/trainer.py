@@ -18,7 +18,6 @@ from typing import Mapping, Sequence
 import torch
 
 from core.policies import GroupPolicy, make_policies
-from core.specs import to_json
 from orchestration.actor import Actor
 from orchestration.assignment import assign, groups_of
 from orchestration.config import TrainConfig
@@ -202,4 +201,4 @@ def build_trainer(config: TrainConfig) -> Trainer:
     return Trainer(config, actors, learners, eval_actor, tree)
 
 
-__all__ = ["FixedLearner", "Trainer", "build_trainer", "to_json"]
+__all__ = ["Trainer", "build_policies", "build_trainer", "episode_metrics", "make_actor"]

@@ -38,6 +38,8 @@ def credit_absent_steps(rollout: TensorDictBase, group: str) -> TensorDictBase:
     """
     g_next = rollout.get((NEXT, group))
     present = rollout.get((group, MASK))  # [E, T, A]
+    if bool(present.all()):  # nobody is ever absent (most envs): nothing to move, skip the scans
+        return rollout
     e, t, a = present.shape
     steps = torch.arange(t, device=present.device).view(1, t, 1).expand(e, t, a)
     last = torch.where(present, steps, torch.full_like(steps, -1)).cummax(1).values  # latest present step <= t
