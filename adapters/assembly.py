@@ -5,6 +5,11 @@ once: every array becomes a tensor with ``torch.from_numpy`` (no copy) and the T
 explicit batch sizes and no per-key checks (the shapes were checked by the adapter; ``from_dict`` costs ~0.7 ms
 per step, see notes/tensordict-hot-paths.md). The returned tensors share memory with the arrays: adapters hand
 over fresh arrays every step and never write into them afterwards.
+
+Masks that say "everything" (every agent present, every action legal) and end flags that say "nothing ended"
+are given as None and become constant tensors (all True, all False) built once and shared by every step:
+consumers treat step tensors as read-only (they stack or read them), so sharing is safe and saves an
+allocation and a conversion per step (a few µs each, on the per-step path of every env).
 """
 
 from __future__ import annotations
@@ -40,10 +45,11 @@ class GroupStep:
 
     observation: list[np.ndarray]
     """One array per observation leaf (``iter_leaves`` order), ``[E, A, *leaf.shape]``."""
-    mask: np.ndarray
-    """``[E, A]`` bool: agent present (acts at this step)."""
+    mask: np.ndarray | None
+    """``[E, A]`` bool: agent present (acts at this step); None: every agent."""
     action_mask: np.ndarray | None = None
-    """``[E, A, n]`` bool legal actions, for a group whose action is one discrete leaf; else None."""
+    """``[E, A, n]`` bool legal actions, for a group whose action is one discrete leaf; None: all legal
+    (groups without a discrete action carry no action mask)."""
 
 
 @dataclass(slots=True)
@@ -54,12 +60,12 @@ class GroupNext:
     """One array per observation leaf, ``[E, A, *leaf.shape]``."""
     reward: np.ndarray
     """``[E, A]`` float32."""
-    terminated: np.ndarray
-    """``[E, A]`` bool."""
-    truncated: np.ndarray
-    """``[E, A]`` bool."""
-    mask: np.ndarray
-    """``[E, A]`` bool: agent present at the step (the root mask of the input step)."""
+    terminated: np.ndarray | None
+    """``[E, A]`` bool; None (with ``truncated`` None): no agent of the group ended at this step."""
+    truncated: np.ndarray | None
+    """``[E, A]`` bool; None (with ``terminated`` None): no agent of the group ended at this step."""
+    mask: np.ndarray | None
+    """``[E, A]`` bool: agent present at the step (the root mask of the input step); None: every agent."""
 
 
 def action_mask_size(spec: GroupSpec) -> int | None:
@@ -80,6 +86,12 @@ class StepLayout:
         self.num_envs = num_envs
         self._env_batch = torch.Size([num_envs])
         self._group_batch = {name: torch.Size([num_envs, g.capacity]) for name, g in self.groups.items()}
+        # constant all-True masks, shared by every step (module doc)
+        self._all_present = {name: torch.ones(b, dtype=torch.bool) for name, b in self._group_batch.items()}
+        self._none_ended = {name: torch.zeros(*b, 1, dtype=torch.bool) for name, b in self._group_batch.items()}
+        self._no_env_ended = torch.zeros(num_envs, 1, dtype=torch.bool)
+        self._all_legal = {name: torch.ones(*self._group_batch[name], n, dtype=torch.bool)
+                           for name, g in self.groups.items() if (n := action_mask_size(g)) is not None}
 
     def obs_leaves(self, name: str) -> list[tuple[tuple[str, ...], Leaf]]:
         """``(key path, leaf)`` of the observation of group ``name``, in array order."""
@@ -100,21 +112,30 @@ class StepLayout:
             shared: the root shared observation, one array ``[E, *leaf.shape]`` per leaf (when the tree has one).
             nxt: one :class:`GroupNext` per group, or None for a reset.
             next_shared: the shared observation after the step.
-            env_terminated: ``[E]`` bool env-level flag (with ``nxt``).
-            env_truncated: ``[E]`` bool env-level flag (with ``nxt``).
+            env_terminated: ``[E]`` bool env-level flag (with ``nxt``); both None: no env ended.
+            env_truncated: ``[E]`` bool env-level flag (with ``nxt``); both None: no env ended.
         """
         out = {}
-        for (name, spec), g in zip(self.groups.items(), root):
+        # built first: a root observation that is the "next" one (same arrays) reuses its tensors
+        next_td = self._build_next(nxt, next_shared, env_terminated, env_truncated) if nxt is not None else None
+        for (name, spec), g, n in zip(self.groups.items(), root, nxt or root):
             batch = self._group_batch[name]
-            entries = {OBSERVATION: self._observation(spec.agent.observation, g.observation, batch),
-                       MASK: torch.from_numpy(g.mask)}
+            if next_td is not None and g.observation is n.observation:
+                obs = next_td._get_str(name, None)._get_str(OBSERVATION, None)
+            else:
+                obs = self._observation(spec.agent.observation, g.observation, batch)
+            entries = {OBSERVATION: obs,
+                       MASK: self._all_present[name] if g.mask is None else torch.from_numpy(g.mask)}
             if g.action_mask is not None:
                 entries[ACTION_MASK] = torch.from_numpy(g.action_mask)
+            elif (legal := self._all_legal.get(name)) is not None:
+                entries[ACTION_MASK] = legal
             out[name] = make_td(entries, batch)
         if self.shared is not None:
-            out[SHARED] = self._observation(self.shared, shared, self._env_batch)
-        if nxt is not None:
-            out[NEXT] = self._build_next(nxt, next_shared, env_terminated, env_truncated)
+            out[SHARED] = next_td._get_str(SHARED, None) if next_td is not None and shared is next_shared else \
+                self._observation(self.shared, shared, self._env_batch)
+        if next_td is not None:
+            out[NEXT] = next_td
         return make_td(out, self._env_batch)
 
     def _build_next(self, nxt, next_shared, env_terminated, env_truncated) -> TensorDict:
@@ -123,19 +144,26 @@ class StepLayout:
         for (name, spec), g in zip(self.groups.items(), nxt):
             batch = self._group_batch[name]
             a = batch[1]
+            if g.terminated is None and g.truncated is None:
+                term = trunc = done = self._none_ended[name]
+            else:
+                term = torch.from_numpy(g.terminated.reshape(e, a, 1))
+                trunc = torch.from_numpy(g.truncated.reshape(e, a, 1))
+                done = torch.from_numpy((g.terminated | g.truncated).reshape(e, a, 1))
             out[name] = make_td({
                 OBSERVATION: self._observation(spec.agent.observation, g.observation, batch),
                 REWARD: torch.from_numpy(g.reward.reshape(e, a, 1)),
-                TERMINATED: torch.from_numpy(g.terminated.reshape(e, a, 1)),
-                TRUNCATED: torch.from_numpy(g.truncated.reshape(e, a, 1)),
-                DONE: torch.from_numpy((g.terminated | g.truncated).reshape(e, a, 1)),
-                MASK: torch.from_numpy(g.mask),
+                TERMINATED: term, TRUNCATED: trunc, DONE: done,
+                MASK: self._all_present[name] if g.mask is None else torch.from_numpy(g.mask),
             }, batch)
         if self.shared is not None:
             out[SHARED] = self._observation(self.shared, next_shared, self._env_batch)
-        out[TERMINATED] = torch.from_numpy(env_terminated.reshape(e, 1))
-        out[TRUNCATED] = torch.from_numpy(env_truncated.reshape(e, 1))
-        out[DONE] = torch.from_numpy((env_terminated | env_truncated).reshape(e, 1))
+        if env_terminated is None and env_truncated is None:
+            out[TERMINATED] = out[TRUNCATED] = out[DONE] = self._no_env_ended
+        else:
+            out[TERMINATED] = torch.from_numpy(env_terminated.reshape(e, 1))
+            out[TRUNCATED] = torch.from_numpy(env_truncated.reshape(e, 1))
+            out[DONE] = torch.from_numpy((env_terminated | env_truncated).reshape(e, 1))
         return make_td(out, self._env_batch)
 
 

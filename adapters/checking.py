@@ -203,6 +203,8 @@ class ActionCheck:
         self.checks = [LeafCheck(leaf, finite_only=leaf.kind == "box" and leaf.dtype.is_floating_point)
                        for _, leaf in self.leaves]
         self._row_index = np.arange(0)
+        self._keys = [(spec.name, ACTION, *path) for path, _ in self.leaves]
+        self._shapes: dict[tuple[int, int], list[tuple[int, ...]]] = {}
 
     def _rows(self, size: int) -> np.ndarray:
         if self._row_index.size != size:
@@ -219,18 +221,22 @@ class ActionCheck:
             IllegalActionError: missing, wrong shape or dtype, out of range, non-finite or masked actions of
                 present agents (``present`` ``[E, A]``); ``action_mask`` ``[E, A, n]`` or None.
         """
-        name, e, a = self.spec.name, present.shape[0], present.shape[1]
+        e, a = present.shape
+        if (shapes := self._shapes.get((e, a))) is None:
+            shapes = self._shapes[(e, a)] = [(e, a, *leaf.shape) for _, leaf in self.leaves]
         out = []
-        for (path, leaf), check in zip(self.leaves, self.checks):
-            key = (name, ACTION, *path)
+        for (path, leaf), check, key, shape in zip(self.leaves, self.checks, self._keys, shapes):
             t = _get(actions, key)
             if t is None:
                 if not present.any():
                     return None
                 raise IllegalActionError("action missing", env_index=None, agent=None, key=key)
-            if tuple(t.shape) != (e, a, *leaf.shape) or t.dtype != leaf.dtype:
-                self._raise_layout(key, t, (e, a, *leaf.shape), leaf)
-            arr = t.numpy() if not t.requires_grad and t.device.type == "cpu" else t.detach().cpu().numpy()
+            if t.shape != shape or t.dtype != leaf.dtype:
+                self._raise_layout(key, t, shape, leaf)
+            try:
+                arr = t.numpy()
+            except (RuntimeError, TypeError):  # requires grad, or not on the CPU
+                arr = t.detach().cpu().numpy()
             bad = check.bad(arr, 2)
             if bad is not None and (bad := bad & present).any():
                 env, slot = (int(i) for i in np.argwhere(bad)[0])

@@ -14,7 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 from core.layout import NEXT, OBSERVATION, REWARD
 from core.specs import AgentNode, Leaf
 
-from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout, action_mask_size
+from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout
 from .checking import ActionCheck, Checker, LeafCheck
 from .spaces import SpaceCodec, space_to_node
 
@@ -37,7 +37,6 @@ class _GymnasiumBase(AdapterBase):
         self._checks = [LeafCheck(c.leaf) for c in self._obs.leaves]
         self._reward_check = LeafCheck(Leaf.box(()), finite_only=True)
         self._action_check = ActionCheck(self._group)
-        self._mask_n = action_mask_size(self._group)
         self._checker = Checker(check)
         self._counters = self._checker.counters
         self._closed = False
@@ -111,7 +110,7 @@ class _GymnasiumBase(AdapterBase):
         if need_reset.any():  # rows of the other envs come back unchanged (gymnasium's reset_mask)
             root = self._reset_checked(need_reset, None)
         elif root is None:
-            root = [a.copy() for a in nxt]  # own arrays: "next" and root never share memory
+            root = nxt  # nothing reset: the root is "next" (never written again: resets copy, see _reset_envs)
         else:
             root = self._agent_view(root)
             if auto.any():  # reset observations the vector env produced itself
@@ -122,15 +121,16 @@ class _GymnasiumBase(AdapterBase):
                     again[[err.env_index for err in errors]] = True
                     root = self._reset_checked(again, None)
         self._root = root
-        step = GroupNext(nxt, reward, term.reshape(e, 1), trunc.reshape(e, 1),
-                         np.ones((e, 1), dtype=bool))
-        return self._layout.build([self._root_step(root)], nxt=[step], env_terminated=term.copy(),
-                                  env_truncated=trunc.copy())
+        if done.any():
+            step = GroupNext(nxt, reward, term.reshape(e, 1), trunc.reshape(e, 1), None)
+            return self._layout.build([self._root_step(root)], nxt=[step], env_terminated=term.copy(),
+                                      env_truncated=trunc.copy())
+        step = GroupNext(nxt, reward, None, None, None)  # nothing ended: constant flags (adapters.assembly)
+        return self._layout.build([self._root_step(root)], nxt=[step])
 
-    def _root_step(self, root: list[np.ndarray]) -> GroupStep:
-        e = self._num_envs
-        amask = np.ones((e, 1, self._mask_n), dtype=bool) if self._mask_n else None
-        return GroupStep(root, np.ones((e, 1), dtype=bool), amask)
+    @staticmethod
+    def _root_step(root: list[np.ndarray]) -> GroupStep:
+        return GroupStep(root, None, None)  # every env present, every action legal (gymnasium has no masks)
 
     def close(self) -> None:
         """Closes the env; idempotent."""

@@ -76,17 +76,18 @@ class PettingZooParallelEnv(_PettingZooBase):
     def step(self, actions: TensorDictBase) -> TensorDict:
         """Applies ``actions`` (batch ``[env]``) to every copy; see :mod:`adapters.protocol`."""
         arrays = self._actions(actions)
-        present = [m.copy() for m in self._root["mask"]]
-        nxt, root = self._new_next(), self._new_root(obs=False)
+        ints = self._int_actions(arrays)
+        present = self._root["mask"]  # never written again: resets write the new root's buffers
+        nxt, root = self._new_next(), self._new_root(obs=False)  # root observations: see _finish
         ended = np.zeros(self._num_envs, dtype=bool)
+        flagged = False  # some agent terminated or truncated
         slots, reward, term_buf, trunc_buf = self._slots, nxt["reward"], nxt[TERMINATED], nxt[TRUNCATED]
         obs_bufs, info_mask, root_mask = nxt["obs"], self._info_mask, root["mask"]
         for e, env in enumerate(self.envs):
             act = {}
             for agent in env.agents:
                 slot = slots[agent]
-                act[agent] = arrays[slot.group][0][e, slot.slot] if slot.plain_act else \
-                    self._action_of(slot, e, arrays)
+                act[agent] = ints[slot.group][e][slot.slot] if slot.int_act else self._action_of(slot, e, arrays)
             obs, rewards, terms, truncs, infos = env.step(act)
             for agent, value in obs.items():
                 slot = slots.get(agent)
@@ -104,7 +105,7 @@ class PettingZooParallelEnv(_PettingZooBase):
             for flags, buf, name in ((terms, term_buf, TERMINATED), (truncs, trunc_buf, TRUNCATED)):
                 for agent, value in flags.items():
                     if value and (slot := self._slot(e, agent, (NEXT, name))) is not None:
-                        buf[slot.group][e, slot.slot] = True
+                        buf[slot.group][e, slot.slot] = flagged = True
             if self._state is not None:
                 self._write_state(e, env, nxt["shared"], (NEXT, SHARED))
             live = env.agents
@@ -113,13 +114,11 @@ class PettingZooParallelEnv(_PettingZooBase):
             for agent in live:
                 if (slot := slots.get(agent)) is not None or (slot := self._slot(e, agent, (OBSERVATION,))):
                     root_mask[slot.group][e, slot.slot] = True
-            if not (obs.keys() >= act.keys() and obs.keys() >= set(live)) or not set(act) <= set(live):
+            # usual case: the agents that acted are the live ones and each got an observation
+            if not (len(live) == len(act) and obs.keys() == act.keys() and all(a in act for a in live)):
                 self._check_presence(e, obs, act, live, terms, truncs)
-        root["obs"] = [[a.copy() for a in g] for g in nxt["obs"]]
-        if self._state is not None:
-            root["shared"] = [a.copy() for a in nxt["shared"]]
         env_trunc = ended & np.any([t.any(-1) for t in trunc_buf], axis=0) if ended.any() else ended
-        return self._finish(nxt, root, present, ended, env_trunc)
+        return self._finish(nxt, root, present, ended, env_trunc, flagged)
 
     def _check_presence(self, e: int, obs, act, live, terms, truncs) -> None:
         """The slow path, when some agent acted or is present without an observation, or left."""
@@ -192,13 +191,14 @@ class PettingZooAECEnv(_PettingZooBase):
     def step(self, actions: TensorDictBase) -> TensorDict:
         """Plays the present agent's action in every copy; see the class doc and :mod:`adapters.protocol`."""
         arrays = self._actions(actions)
-        present = [m.copy() for m in self._root["mask"]]
+        ints = self._int_actions(arrays)
+        present = self._root["mask"]  # never written again: resets write the new root's buffers
         nxt, root = self._new_next(), self._new_root()
         ended = np.zeros(self._num_envs, dtype=bool)
         slots, reward = self._slots, nxt["reward"]
         for e, env in enumerate(self.envs):
             slot = slots[env.agent_selection]
-            env.step(self._action_of(slot, e, arrays))
+            env.step(self._action_of(slot, e, arrays, ints))
             for agent, value in env.rewards.items():
                 if type(value) in _SCALARS and (other := slots.get(agent)) is not None:
                     reward[other.group][e, other.slot] = value

@@ -26,6 +26,10 @@ Finished envs are reset inside ``step`` (no extra call, no extra transition): th
 ended episode is kept under ``"next"``, never mixed with the reset observation, and no transition with a
 dummy action is ever produced (gymnasium's NEXT_STEP autoreset step is swallowed by the adapter).
 
+The tensors of a step are read-only to consumers (they read them or stack them into fragments): they may
+share memory with each other and with earlier steps (the root observation is the ``"next"`` one where no env
+was reset; all-True masks are one constant tensor), which saves allocations and copies on every step.
+
 Agents that are absent (not joined, dead, not their turn) have ``mask`` False; their actions are ignored and
 never sent to the environment. ``terminated`` of an agent that leaves is True at its last step.
 

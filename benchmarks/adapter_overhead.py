@@ -6,8 +6,9 @@ Cases (each prints raw and adapter env-steps/s, medians over interleaved repeats
   (``raw``) and the SAME_STEP loop the adapter runs on (``raw_same_step``). Adapter:
   ``make_gymnasium("CartPole-v1", 64)``.
 - ``mpe2_simple_spread_x1`` / ``_x8``: raw ``parallel_env`` loops (dict actions, reset when ``agents`` is empty)
-  over 1 and 8 instances vs ``PettingZooParallelEnv`` with 1 and 8 copies; ``adapter_no_state`` leaves out
-  the shared ``state()`` observation (one extra env call per copy and step, not made by the raw loop).
+  over 1 and 8 instances vs ``PettingZooParallelEnv`` with 1 and 8 copies as a run builds it
+  (``adapter``: no ``state()``, which only a central critic reads) and with the shared ``state()``
+  observation (``adapter_with_state``: one extra env call per copy and step that the raw loop does not make).
 
 ``overhead`` gives the adapter's own CPU µs per step (CPU time of the run minus CPU time inside env calls),
 measured on a separately built, instrumented adapter: a figure that noise on a shared machine moves less
@@ -44,11 +45,14 @@ def timed(fn) -> tuple[float, float]:
 
 
 class EnvClock:
-    """Adds up the CPU time spent inside the named methods of some objects (the env calls of an adapter)."""
+    """Adds up the CPU time spent inside the named methods of some objects (the env calls of an adapter).
 
-    def __init__(self, objects, names=("step", "reset", "state")) -> None:
+    ``objects``: ``(object, method names)`` pairs; no timed method may call another (it would count twice).
+    """
+
+    def __init__(self, objects) -> None:
         self.cpu = 0.0
-        for obj in objects:
+        for obj, names in objects:
             for name in names:
                 if hasattr(obj, name):
                     setattr(obj, name, self._wrap(getattr(obj, name)))
@@ -107,7 +111,12 @@ def gym_case(steps: int, num_envs: int = 64) -> dict:
 
     return {"variants": {"raw": loop(raw), "raw_same_step": loop(raw_same), "adapter": run_adapter},
             "env_steps": steps * num_envs, "close": [raw.close, raw_same.close, adapter.close],
-            "overhead": lambda: overhead(lambda: make_gymnasium("CartPole-v1", num_envs), lambda a: [a.env], tds)}
+            "overhead": lambda: overhead(lambda: make_gymnasium("CartPole-v1", num_envs), gym_env_calls, tds)}
+
+
+def gym_env_calls(adapter) -> list:
+    """The vector env's step and the sub-env resets the adapter issues itself (its fast path)."""
+    return [(adapter.env, ("step",)), *((sub, ("reset",)) for sub in adapter.env.envs)]
 
 
 def mpe_case(steps: int, copies: int) -> dict:
@@ -116,8 +125,8 @@ def mpe_case(steps: int, copies: int) -> dict:
     tds = [TensorDict({"agent": TensorDict({"action": torch.from_numpy(a)}, batch_size=(copies, 3))},
                       batch_size=(copies,)) for a in acts]
     raws = [make() for _ in range(copies)]
-    adapter = PettingZooParallelEnv(make, copies)
-    no_state = PettingZooParallelEnv(make, copies, state=False)
+    adapter = PettingZooParallelEnv(make, copies, state=False)
+    with_state = PettingZooParallelEnv(make, copies)
 
     def run_raw():
         for e, env in enumerate(raws):
@@ -135,9 +144,10 @@ def mpe_case(steps: int, copies: int) -> dict:
                 env.step(td)
         return go
 
-    return {"variants": {"raw": run_raw, "adapter": run(adapter), "adapter_no_state": run(no_state)},
-            "env_steps": steps * copies, "close": [*(r.close for r in raws), adapter.close, no_state.close],
-            "overhead": lambda: overhead(lambda: PettingZooParallelEnv(make, copies), lambda a: a.envs, tds)}
+    return {"variants": {"raw": run_raw, "adapter": run(adapter), "adapter_with_state": run(with_state)},
+            "env_steps": steps * copies, "close": [*(r.close for r in raws), adapter.close, with_state.close],
+            "overhead": lambda: overhead(lambda: PettingZooParallelEnv(make, copies, state=False),
+                                         lambda a: [(e, ("step", "reset", "state")) for e in a.envs], tds)}
 
 
 def measure(case: dict, repeats: int) -> dict:

@@ -134,8 +134,9 @@ def test_tree_group_and_step_layout_match_core_specs():
         assert first[key].shape == expected[key].shape and first[key].dtype == expected[key].dtype
     assert out["next", "agent", "reward"].shape == (2, 1, 1) and out["next", "agent", "reward"].dtype == torch.float32
     assert out["next", "done"].shape == (2, 1)
-    # "next" and the root never share memory
-    assert out["agent", "observation"].data_ptr() != out["next", "agent", "observation"].data_ptr()
+    # no env ended: the root is the observation after the step (tensors may be shared: they are read-only)
+    assert not out["next", "done"].any()
+    assert torch.equal(out["agent", "observation"], out["next", "agent", "observation"])
     env.close()
 
 
