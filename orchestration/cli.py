@@ -93,7 +93,7 @@ def train(argv: Sequence[str]) -> dict[str, float]:
             bar.set_postfix(ret=f"{metrics['episode_return_mean']:.1f}", sps=f"{metrics['env_steps_per_s']:.0f}")
             if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration
                 shown = {k: round(v, 2) for k, v in metrics.items()
-                         if k.startswith(("pipeline/", "fragments_", "workers_restarted"))}
+                         if k.startswith(("pipeline/", "fragments_", "workers_restarted", "learners_restarted"))}
                 bar.write(f"iteration {trainer.iteration}: " + json.dumps(shown))
             if config.checkpoint_every and trainer.iteration % config.checkpoint_every == 0:
                 save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))

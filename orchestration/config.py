@@ -65,6 +65,12 @@ class RayConfig:
     """Ray scheduling strategy of rollout workers (``SPREAD``: across nodes)."""
     max_worker_restarts: int = 100
     """Re-creations of dead rollout workers allowed over the run before it fails."""
+    max_learner_restarts: int = 3
+    """Restarts of each learner process Ray may make after it dies (each resumes from the learner's last
+    checkpoint) before the run fails."""
+    learner_checkpoint_every: int = 10
+    """Iterations between the learners' in-memory checkpoints (object store, owned by the driver) that a
+    restarted learner resumes from; checkpoints written to disk refresh them too. 0: only those."""
     resolve_timeout_s: float = 30.0
     """A learner gives up fetching a pushed fragment after this long (counted lost)."""
     worker_threads: int = 1
@@ -79,7 +85,7 @@ class RayConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ValueError(f"RayConfig.mode must be 'sync' or 'async', got {self.mode!r}")
-        for name in ("max_staleness", "max_worker_restarts"):
+        for name in ("max_staleness", "max_worker_restarts", "max_learner_restarts", "learner_checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("reuse_limit", "queue_size", "max_in_flight", "worker_threads", "learner_threads",

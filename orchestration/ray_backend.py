@@ -14,11 +14,20 @@ Accounting (every fragment a worker produced is exactly one of these, per learne
 
 ``in_flight`` (built or sent by a live worker, not yet taken by the learner) is 0 after :meth:`close`
 and after every synchronous iteration; ``lost`` counts the fragments of dead workers that never reached
-the learner, including those still in the dead worker's queue when it last reported.
+the learner, including those still in the dead worker's queue when it last reported, and what a dead
+learner had received after its last checkpoint.
+
+A dead learner (its process crashed, or its node went away) is restarted by Ray (``max_learner_restarts``)
+and resumes from its last checkpoint: the driver snapshots every learner every ``learner_checkpoint_every``
+iterations and whenever a checkpoint is written, keeps the snapshot in the object store and registers it
+with a :class:`~orchestration.ray_learner.LearnerCheckpoints` actor (see :mod:`orchestration.ray_learner`).
+The driver notices the death at its next call to that learner, waits for the new incarnation, takes its
+weights and goes on; ``learners_restarted`` counts restarts.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -40,9 +49,11 @@ from orchestration.envs import make_run_env
 from orchestration.trainer import build_policies, episode_metrics
 from orchestration.learner import FixedLearner, PPOLearner
 from orchestration.ray_fleet import RayFleet, Weights
-from orchestration.ray_learner import LearnerMirrors, RemoteLearner, learner_options
+from orchestration.ray_learner import LearnerMirrors, RemoteLearner, RemoteLearnerCheckpoints, learner_options
 from orchestration.ray_stats import RemoteEpisodeStatistics, fragment_accounting, merge_monitors
 from orchestration.wire import from_wire, to_wire
+
+_log = logging.getLogger(__name__)
 
 
 def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) -> bool:
@@ -95,7 +106,7 @@ class RayTrainer:
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], fleet: RayFleet,
                  stats, eval_actor: Actor | None, tree, weights: Weights, owns_ray: bool,
-                 fixed: Mapping[str, GroupPolicy]) -> None:
+                 fixed: Mapping[str, GroupPolicy], checkpoints=None) -> None:
         self.config, self.ray_config, self.tree = config, ray_config, tree
         self.handles, self.fleet, self.stats, self.eval_actor = dict(learners), fleet, stats, eval_actor
         self.weights: dict[str, tuple[int, list]] = dict(weights)
@@ -110,6 +121,10 @@ class RayTrainer:
         self._owns_ray, self._started, self._closed = owns_ray, False, False
         self._mirrors = LearnerMirrors(config, tree, self.handles, fixed)
         self._final: dict[str, float] | None = None
+        self.checkpoints = checkpoints
+        """The :class:`~orchestration.ray_learner.LearnerCheckpoints` actor restarted learners resume from."""
+        self.learners_recovered = 0
+        """Learner deaths this driver noticed (and waited out); ``learners_restarted`` counts them all."""
 
     # -- one iteration -----------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -138,6 +153,9 @@ class RayTrainer:
                        time_iteration=wall, env_steps_per_s=(self.env_steps - steps_before) / max(wall, 1e-9))
         if self.eval_actor is not None and cfg.eval_every and self.iteration % cfg.eval_every == 0:
             metrics.update(self.evaluate())
+        every = self.ray_config.learner_checkpoint_every
+        if every and self.iteration % every == 0:
+            self.snapshot_learners()
         return metrics
 
     def _prefixed(self, pid: str, values: Mapping[str, float]) -> dict[str, float]:
@@ -146,18 +164,70 @@ class RayTrainer:
 
     def _train_sync(self, progress: float, lr: float | None):
         start = time.perf_counter()
+        recovered = self.learners_recovered
         reports = self.fleet.collect(self.config.steps_per_iteration, self.weights, self._new_steps)
+        if self.learners_recovered != recovered or any(r.get("push_failures") for r in reports):
+            self._settle()  # pushes that reached no learner (one was down): lost, so nothing stays in flight
         collected = time.perf_counter()
-        results = ray.get([h.train.remote(progress, lr, True) for h in self.handles.values()])
+        refs = {pid: h.train.remote(progress, lr, True) for pid, h in self.handles.items()}
         metrics: dict[str, float] = {}
-        for pid, result in zip(self.handles, results):
+        for pid, ref in refs.items():
+            result = self._get(pid, ref)  # None: not ready, or the learner died (its batch is lost)
             if result is not None:
                 self.weights[pid] = (result["version"], result["weights"])
                 metrics.update(self._prefixed(pid, result["metrics"]))
         return metrics, [r["monitor"] for r in reports], collected - start, time.perf_counter() - collected
 
     def _new_steps(self) -> int:
-        return min(ray.get([h.new_steps.remote() for h in self.handles.values()]))
+        return min(self._call(pid, "new_steps") for pid in self.handles)
+
+    # -- learner faults ----------------------------------------------------------------------------------
+    def _get(self, pid: str, ref):
+        """``ray.get(ref)`` of a call to learner ``pid``; None when the learner died (then waited out)."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            self._recover(pid, err)
+            return None
+
+    def _call(self, pid: str, method: str, *args):
+        """Calls a learner method; if the learner died, waits for its restart and calls the new incarnation."""
+        result = self._get(pid, getattr(self.handles[pid], method).remote(*args))
+        return result if result is not None else ray.get(getattr(self.handles[pid], method).remote(*args))
+
+    def _recover(self, pid: str, err: BaseException) -> None:
+        """Waits until Ray restarted learner ``pid`` (it resumed from its checkpoint); takes its weights."""
+        handle = self.handles[pid]
+        try:  # calls to a restarting actor fail; this one is retried until the actor is back
+            ray.get(handle.ping.options(max_task_retries=-1).remote(), timeout=self.ray_config.iteration_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as again:
+            raise RuntimeError(f"learner {pid!r} died and was not restarted (RayConfig.max_learner_restarts="
+                               f"{self.ray_config.max_learner_restarts})") from again
+        self.learners_recovered += 1
+        _log.warning("learner %r died (%s); it resumed from its last checkpoint", pid, type(err).__name__)
+        self.weights[pid] = ray.get(handle.published.remote())
+        if self._started:
+            self.fleet.broadcast({pid: self.weights[pid]})
+
+    def _settle(self) -> None:
+        """Counts as lost, at every learner, the fragments the workers delivered or failed to deliver that it
+        never got (call when every worker has flushed: after a synchronous collect, or after stopping)."""
+        produced = dict(self.fleet.reported)
+        for pid in self.handles:
+            self._call(pid, "settle", produced)
+
+    def snapshot_learners(self) -> dict[str, dict]:
+        """Takes every learner's checkpoint (state and ledger) and registers it for restarts; returns them.
+
+        The driver ``get``s each one and ``put``s its own copy: it lives on the driver's node and is owned by
+        the driver, so it outlives the learner and the learner's node.
+        """
+        out = {}
+        for pid in self.handles:
+            checkpoint = self._call(pid, "checkpoint")
+            self.checkpoints.save.remote(pid, [ray.put(checkpoint)], checkpoint["learner"]["version"])
+            out[pid] = checkpoint
+        return out
 
     def _train_async(self, progress: float, lr: float | None):
         rc = self.ray_config
@@ -173,7 +243,12 @@ class RayTrainer:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
             for ref in done:
                 pid = pending.pop(ref)
-                result = ray.get(ref)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayActorError as err:  # it died: wait for its restart, ask again
+                    self._recover(pid, err)
+                    pending[self.handles[pid].train.remote(progress, lr, False)] = pid
+                    continue
                 if result is None:  # not ready: ask again shortly (the learner serves pushes meanwhile)
                     if time.perf_counter() - last_progress > rc.iteration_timeout_s:
                         raise TimeoutError(f"learner {pid!r} got no trainable batch for {rc.iteration_timeout_s} s")
@@ -203,7 +278,9 @@ class RayTrainer:
 
     def learner_reports(self) -> dict[str, dict]:
         """Each learner's ledger and counters (:meth:`LearnerServer.report`)."""
-        return dict(zip(self.handles, ray.get([h.report.remote() for h in self.handles.values()])))
+        refs = {pid: h.report.remote() for pid, h in self.handles.items()}
+        return {pid: r if (r := self._get(pid, ref)) is not None else self._call(pid, "report")
+                for pid, ref in refs.items()}
 
     def accounting(self, reports: Mapping[str, dict] | None = None) -> dict[str, float]:
         """Fragment accounting (module docstring), restarts and weight serializations, as metrics."""
@@ -211,7 +288,8 @@ class RayTrainer:
             return dict(self._final)
         reports = reports if reports is not None else self.learner_reports()
         produced, per_learner = fragment_accounting(reports, self.fleet.reported, self.fleet.dead)
-        out: dict[str, float] = {"fragments_produced": produced, "workers_restarted": self.fleet.restarts}
+        out: dict[str, float] = {"fragments_produced": produced, "workers_restarted": self.fleet.restarts,
+                                 "learners_restarted": sum(r.get("restarts", 0) for r in reports.values())}
         for pid, values in per_learner.items():
             out.update(self._prefixed(pid, values))
         return out
@@ -237,13 +315,20 @@ class RayTrainer:
         """Local mirrors of the learners (weights, optimizer, generator, version, counters), fetched now.
 
         For :func:`orchestration.run_state.trainer_state` / ``restore_trainer_``: a mirror changed by a
-        restore is pushed back to its remote learner at the start of the next :meth:`train`.
+        restore is pushed back to its remote learner at the start of the next :meth:`train`. Fetching them
+        (writing a checkpoint) also makes them the checkpoint a dead learner resumes from.
         """
-        return self._mirrors.fetch(refresh=not self._closed)
+        if self._closed:
+            return self._mirrors.fetch(refresh=False)
+        snapshot = self.snapshot_learners()
+        return self._mirrors.fetch(states={pid: c["learner"] for pid, c in snapshot.items()})
 
     def _push_restored_mirrors(self) -> None:
-        for pid in self._mirrors.push_changed():
+        changed = self._mirrors.push_changed()
+        for pid in changed:
             self.weights[pid] = ray.get(self.handles[pid].published.remote())
+        if changed:
+            self.snapshot_learners()  # a crash from now on resumes the restored state
 
     @property
     def actors(self) -> list:
@@ -256,11 +341,12 @@ class RayTrainer:
             return
         if self._started:
             self.fleet.stop()
+        self._settle()  # every worker flushed: what a learner never got is lost (in flight only while running)
         self._final = self.accounting()
         self.learners  # noqa: B018 -- snapshot the mirrors while the learners are alive (checkpoint after close)
         self._closed = True
         self.fleet.shutdown()
-        for handle in [*self.handles.values(), self.stats]:
+        for handle in [*self.handles.values(), self.stats, self.checkpoints]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:
@@ -318,17 +404,21 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
                               dict(ray_config.learner_resources))
     tree_json = to_json(tree)
     wire = {pid: to_wire(TensorDict.from_module(p).detach()) for pid, p in policies.items()}
-    learners = {pid: RemoteLearner.options(**options).remote(
+    # Checkpoints (and statistics) live beside the learners when they are pinned, else near the driver.
+    placement = ({"resources": dict(ray_config.learner_resources)} if ray_config.learner_resources else
+                 {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                        soft=True)})
+    checkpoints = RemoteLearnerCheckpoints.options(max_restarts=-1, **placement).remote()
+    # A data-parallel rank 0 is not restarted: its peers' process group would not survive it.
+    restarts = ray_config.max_learner_restarts if ray_config.learners_per_policy == 1 else 0
+    learners = {pid: RemoteLearner.options(max_restarts=restarts, **options).remote(
         pid, config, tree_json, wire[pid], max_staleness=ray_config.max_staleness, reuse_limit=ray_config.reuse_limit,
-        resolve_timeout_s=ray_config.resolve_timeout_s, num_threads=ray_config.learner_threads) for pid in trained}
+        resolve_timeout_s=ray_config.resolve_timeout_s, num_threads=ray_config.learner_threads,
+        checkpoints=checkpoints) for pid in trained}
     if ray_config.learners_per_policy > 1:
         _add_data_parallel_ranks(config, ray_config, learners, policies, assignment, options)
     weights = dict(zip(trained, ray.get([learners[pid].published.remote() for pid in trained])))
     weights.update({pid: (0, [ray.put(wire[pid])]) for pid in fixed})  # frozen: one put for the whole run
-    # Statistics live beside the learners when they are pinned, else near the driver; restarted if lost.
-    placement = ({"resources": dict(ray_config.learner_resources)} if ray_config.learner_resources else
-                 {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                        soft=True)})
     stats = RemoteEpisodeStatistics.options(max_restarts=-1, **placement).remote()
     fleet = RayFleet(config, ray_config, learners, stats, weights)
     eval_actor = None
@@ -337,7 +427,7 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
         eval_actor = Actor(eval_env, policies, assignment, seed=config.seed + 10**6, deterministic=trained,
                            record=False)
     return RayTrainer(config, ray_config, learners, fleet, stats, eval_actor, tree, weights, owns_ray,
-                      {pid: policies[pid] for pid in fixed})
+                      {pid: policies[pid] for pid in fixed}, checkpoints)
 
 
 __all__ = ["RayConfig", "RayTrainer", "build_ray_trainer", "init_ray", "initial_policies"]

@@ -79,7 +79,7 @@ class RolloutWorker:
                            seed=worker_seed(config.seed, slot, incarnation), worker_id=self.worker_id)
         self.learners, self.stats = dict(learners), stats
         self.queue: queue.Queue = queue.Queue(maxsize=ray_config.queue_size)
-        self.produced = self.sent = 0
+        self.produced = self.sent = self.push_failures = 0
         self._latest: dict[str, tuple[int, list]] = {}
         self._lock, self._loading = threading.Lock(), threading.Lock()
         self._stop = threading.Event()
@@ -190,7 +190,9 @@ class RolloutWorker:
             item = self.queue.get()
             try:
                 if isinstance(item, threading.Event):
-                    ray.get(list(inflight) + side)
+                    for ref in inflight:
+                        self._acknowledged(ref)
+                    ray.get(side)
                     inflight.clear()
                     side = []
                     item.set()
@@ -203,7 +205,7 @@ class RolloutWorker:
                 if episodes and self.stats is not None:
                     side.append(self.stats.add.remote(self.worker_id, meta["sequence"], episodes))
                 while len(inflight) > limit:
-                    ray.get(inflight.popleft())
+                    self._acknowledged(inflight.popleft())
                 if len(side) > 8:
                     side = ray.wait(side, num_returns=len(side), timeout=0)[1]
                 self.sent += 1
@@ -215,11 +217,20 @@ class RolloutWorker:
                 if isinstance(item, threading.Event):
                     item.set()
 
+    def _acknowledged(self, ref) -> None:
+        """Waits for one push; a learner that died meanwhile did not get it (it counts the gap as lost when it
+        is back, see orchestration.ray_learner), so sampling goes on."""
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            self.push_failures += 1
+
     # -- reports and test hooks --------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """Fragments produced and sent by this incarnation, and the pipeline monitor's window (then reset)."""
         return {"worker_id": self.worker_id, "slot": self.slot, "incarnation": self.incarnation,
-                "produced": self.produced, "sent": self.sent, "monitor": self.monitor.snapshot(reset=True)}
+                "produced": self.produced, "sent": self.sent, "push_failures": self.push_failures,
+                "monitor": self.monitor.snapshot(reset=True)}
 
     def info(self) -> dict[str, Any]:
         """Where this worker runs: worker id, node id, process id."""

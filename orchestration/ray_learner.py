@@ -8,14 +8,27 @@ own (it survives the sender's death), and acknowledges. Every fragment id ends i
 - ``accepted``: in the training pool or trained (each fragment is trained at most ``reuse_limit`` times);
 - ``stale``: dropped, never trained, because its policy version lagged the learner's by more than
   ``max_staleness`` (checked on arrival and again before every training step);
-- ``lost``: announced but its data could not be fetched (the owning worker died first).
+- ``lost``: announced but its data could not be fetched (the owning worker died first), or never heard of
+  at all: a gap in a worker's sequence (its push failed while this learner was down), or data this learner
+  held when it died after its last checkpoint (see below).
 
 A worker's pushes arrive in its sequence order (one sender thread; Ray runs one caller's actor calls in
 order), so a delivery whose sequence number is not above the highest seen from that worker incarnation is a
-re-delivery (a retried call): counted as a duplicate and ignored, with O(1) memory per worker. Weights are
+re-delivery (a retried call): counted as a duplicate and ignored, with O(1) memory per worker; one above the
+next expected number means the ones between never arrived: they are counted lost. Weights are
 published once per version: one ``to_wire`` + ``ray.put`` by the learner, and every worker ``get``s the
 same ref. The server is single-threaded on purpose: pushes wait while it trains, which is the
 back-pressure that stops a fast fleet from flooding a slow learner.
+
+A dead learner resumes from its last checkpoint. Learner actors are created with Ray's ``max_restarts``;
+the driver keeps each learner's latest checkpoint (weights, optimizer, generator, version, counters *and*
+its ledger) in the object store and registers it with a :class:`LearnerCheckpoints` actor. Ray re-runs the
+constructor of a dead learner; the new incarnation loads that checkpoint before it serves any call, so
+pushes never reach a half-restored learner. Everything it had received since the checkpoint is then
+unknown (trained into weights that died with it, or still in its pool): the sequence-gap rule and
+:meth:`LearnerServer.settle` count those fragments lost, so the ledger stays exact. Versions keep rising
+across a restart (the new incarnation publishes above the highest version ever published), so workers
+always load its weights.
 """
 
 from __future__ import annotations
@@ -60,6 +73,38 @@ class _WorkerLedger:
     counts: dict[str, int] = field(default_factory=lambda: {ACCEPTED: 0, STALE: 0, LOST: 0})
 
 
+class LearnerCheckpoints:
+    """Per policy: the driver's latest learner checkpoint (a ref), the highest version published, restarts.
+
+    A small actor (no CPU) beside the driver; a restarted learner asks it where to resume (:meth:`resume`).
+    """
+
+    def __init__(self) -> None:
+        self.refs: dict[str, list] = {}
+        self.versions: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}
+
+    def save(self, policy_id: str, refs: Sequence[ray.ObjectRef], version: int) -> None:
+        """Registers ``[ref]`` of a :meth:`LearnerServer.checkpoint` taken at ``version`` (newest wins)."""
+        self.refs[policy_id] = list(refs)
+        self.published(policy_id, version)
+
+    def published(self, policy_id: str, version: int) -> None:
+        """Notes that ``version`` of ``policy_id`` was published."""
+        self.versions[policy_id] = max(self.versions.get(policy_id, 0), int(version))
+
+    def resume(self, policy_id: str) -> dict[str, Any]:
+        """Called by a restarted learner: its checkpoint refs (or None), the highest version published before,
+        and its restart count (this one included)."""
+        self.restarts[policy_id] = self.restarts.get(policy_id, 0) + 1
+        return {"refs": self.refs.get(policy_id), "version": self.versions.get(policy_id, 0),
+                "restarts": self.restarts[policy_id]}
+
+
+#: The checkpoint registry actor (no CPU reserved), made remote once.
+RemoteLearnerCheckpoints = ray.remote(num_cpus=0)(LearnerCheckpoints)
+
+
 class LearnerServer:
     """Trains one policy with PPO on fragments pushed by rollout workers.
 
@@ -73,11 +118,13 @@ class LearnerServer:
         reuse_limit: train on a fragment at most this many times (1: each fragment once).
         resolve_timeout_s: give up fetching a pushed fragment after this long (counted lost).
         num_threads: torch threads of this process.
+        checkpoints: a :class:`LearnerCheckpoints` actor: when Ray restarts this learner after a crash, it
+            resumes from the checkpoint registered there (else from ``initial_weights``).
     """
 
     def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping, *,
                  max_staleness: int, reuse_limit: int = 1, resolve_timeout_s: float = 30.0,
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1, checkpoints: Any = None) -> None:
         torch.set_num_threads(num_threads)
         tree = from_json(tree_json)
         assignment = assign(tree, dict(config.policy_mapping))
@@ -96,7 +143,25 @@ class LearnerServer:
                          "trained_fragments": 0}
         self._last: list[_Entry] = []
         self._peers: list = []
+        self._checkpoints = checkpoints
+        self.restarts, self.restored_version = 0, None
+        if checkpoints is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+            self._resume(ray.get(checkpoints.resume.remote(policy_id)))
         self._publish()
+
+    def _resume(self, info: Mapping[str, Any]) -> None:
+        """A restarted incarnation: loads the last checkpoint, then versions above anything published."""
+        self.restarts = int(info["restarts"])
+        if info["refs"] is not None:
+            checkpoint = ray.get(info["refs"][0])
+            load_learner_state_(self.learner, checkpoint["learner"])
+            for wid, w in checkpoint["ledger"].items():
+                counts = {k: int(w[k]) for k in (ACCEPTED, STALE, LOST)}
+                self.workers[int(wid)] = _WorkerLedger(int(w["max_seq"]), counts)
+            self.counters.update(checkpoint["counters"])
+            self.restored_version = self.learner.version
+        self.learner.version = max(self.learner.version, int(info["version"])) + 1
+        self.learner._published = self.learner._snapshot()
 
     # -- data-parallel training (RayConfig.learners_per_policy > 1) ---------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -152,6 +217,7 @@ class LearnerServer:
         if seq <= ledger.max_seq:  # a worker's pushes arrive in sequence order: an old one is a re-delivery
             self.counters["duplicates"] += 1
             return self.learner.version
+        ledger.counts[LOST] += seq - ledger.max_seq - 1  # a gap: those pushes never arrived (module doc)
         ledger.max_seq = seq
         try:
             fragment = from_wire(ray.get(refs[0], timeout=self.resolve_timeout_s), copy=True)
@@ -164,6 +230,18 @@ class LearnerServer:
             self._set(meta, ACCEPTED)
             self.pool[fid] = _Entry(fragment, dict(meta), fragment.batch_size.numel())
         return self.learner.version
+
+    def settle(self, produced: Mapping[int, int]) -> int:
+        """Counts as lost every fragment of ``produced`` (worker id -> fragments it made, all delivered or
+        failed by now: the workers flushed) that never arrived here; returns how many."""
+        lost = 0
+        for wid, made in produced.items():
+            ledger = self.workers.setdefault(int(wid), _WorkerLedger())
+            if made - 1 > ledger.max_seq:
+                ledger.counts[LOST] += made - 1 - ledger.max_seq
+                lost += made - 1 - ledger.max_seq
+                ledger.max_seq = made - 1
+        return lost
 
     def _set(self, meta: Mapping, state: str, previous: str | None = None) -> None:
         counts = self.workers[int(meta["worker_id"])].counts
@@ -251,6 +329,8 @@ class LearnerServer:
         version, weights = self.learner.published()
         self._weights = ray.put(to_wire(weights, {"version": version, "policy_id": self.policy_id}))
         self.counters["serializations"] += 1
+        if self._checkpoints is not None:  # fire and forget: the version watermark for a restart
+            self._checkpoints.published.remote(self.policy_id, version)
 
     def published(self) -> tuple[int, list[ray.ObjectRef]]:
         """``(version, [ref])`` of the newest weights (the ref nested so callers pass it on unresolved)."""
@@ -261,9 +341,11 @@ class LearnerServer:
         """Ledger totals, per-worker ledgers, counters and the PPO learner's counters."""
         totals = {s: sum(w.counts[s] for w in self.workers.values()) for s in (ACCEPTED, STALE, LOST)}
         return {"totals": totals, "pending_fragments": sum(1 for e in self.pool.values() if e.uses == 0),
-                "workers": {wid: {"max_seq": w.max_seq, **w.counts} for wid, w in self.workers.items()},
-                "counters": dict(self.counters), "learner": dict(self.learner.counters),
-                "version": self.learner.version}
+                "workers": self._ledger(), "counters": dict(self.counters), "learner": dict(self.learner.counters),
+                "version": self.learner.version, "restarts": self.restarts, "restored_version": self.restored_version}
+
+    def _ledger(self) -> dict[int, dict[str, int]]:
+        return {wid: {"max_seq": w.max_seq, **w.counts} for wid, w in self.workers.items()}
 
     def trained_counts(self) -> dict[int, int]:
         """Fragment id -> times trained on (the newest 100k fragments trained)."""
@@ -276,6 +358,11 @@ class LearnerServer:
     def state(self) -> dict[str, Any]:
         """Everything a checkpoint needs of this learner (:func:`learner_state`)."""
         return learner_state(self.learner)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What a restarted incarnation resumes from: :meth:`state`, the ledger and the inbox counters, taken
+        together (one call: no push lands between them)."""
+        return {"learner": learner_state(self.learner), "ledger": self._ledger(), "counters": dict(self.counters)}
 
     def load_state(self, state: Mapping[str, Any]) -> int:
         """Inverse of :meth:`state`; republishes the weights. Returns the version."""
@@ -340,8 +427,12 @@ class LearnerMirrors:
         self.mirrors: dict[str, PPOLearner | FixedLearner] = {}
         self.versions: dict[str, int] = {}
 
-    def fetch(self, refresh: bool = True) -> dict[str, PPOLearner | FixedLearner]:
-        """The mirrors, refreshed from the remote learners unless ``refresh`` is False (they were released)."""
+    def fetch(self, refresh: bool = True,
+              states: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, PPOLearner | FixedLearner]:
+        """The mirrors, refreshed from the remote learners unless ``refresh`` is False (they were released).
+
+        ``states``: policy id -> :func:`learner_state` already fetched (else fetched here).
+        """
         if not self.mirrors:
             config, assignment = self.config, assign(self.tree, dict(self.config.policy_mapping))
             for pid in self.handles:
@@ -350,7 +441,9 @@ class LearnerMirrors:
                                                batch_steps=config.steps_per_iteration, seed=config.seed)
             self.mirrors.update({pid: FixedLearner(policy) for pid, policy in self.fixed.items()})
         if refresh:
-            for pid, state in zip(self.handles, ray.get([h.state.remote() for h in self.handles.values()])):
+            if states is None:
+                states = dict(zip(self.handles, ray.get([h.state.remote() for h in self.handles.values()])))
+            for pid, state in states.items():
                 load_learner_state_(self.mirrors[pid], state)
                 self.versions[pid] = self.mirrors[pid].version
         return dict(self.mirrors)
@@ -380,5 +473,6 @@ def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int,
     return options
 
 
-__all__ = ["ACCEPTED", "LOST", "STALE", "LearnerMirrors", "LearnerServer", "RemoteLearner", "learner_options",
-           "learner_state", "load_learner_state_", "policy_module"]
+__all__ = ["ACCEPTED", "LOST", "STALE", "LearnerCheckpoints", "LearnerMirrors", "LearnerServer",
+           "RemoteLearner", "RemoteLearnerCheckpoints", "learner_options", "learner_state", "load_learner_state_",
+           "policy_module"]

@@ -3,8 +3,9 @@
 - parity: the same synchronous run on both backends gives the same fragments and the same weights;
 - learner inbox: duplicate deliveries are ignored, stale data never enters the pool;
 - staleness: with one slow worker nothing older than ``max_staleness`` is trained on, drops are counted;
-- chaos: workers killed during a streaming run are re-created; every produced fragment is accepted, stale
-  or lost (exact accounting); no fragment is trained twice;
+- chaos: workers killed during a streaming run are re-created, a killed learner resumes from its last
+  checkpoint; every produced fragment is accepted, stale or lost (exact accounting); no fragment is
+  trained twice;
 - Tune: trials of a parameter grid run as parallel experiments (skipped without ``ray[tune]``).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -85,6 +87,14 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
         assert ray_metrics[f"{prefix}weights_serializations"] == version + 1  # one put per version
         if not overrides:
             assert _identity(ray_metrics)
+            # A learner crash in synchronous mode: it resumes from the checkpoint just taken (the learners
+            # were fetched above), the data it lost is re-collected, and the iteration settles exactly.
+            (handle,) = remote.handles.values()
+            ray_session.kill(handle, no_restart=False)
+            for _ in range(2):
+                after = remote.train()
+            assert after["learners_restarted"] == 1 and after["policy_version"] == version + 3
+            assert after["fragments_in_flight"] == 0 and _identity(after)
     finally:
         remote.close()
 
@@ -125,14 +135,20 @@ def _meta(pid: str, fid: int, version: int = 0) -> dict:
 def test_learner_inbox_is_idempotent_and_drops_stale_data(ray_session):
     server, pid, fragment = _server(_config(train_batch_size=64), max_staleness=0)
     ref = ray_session.put(to_wire(fragment))
-    server.push(_meta(pid, 7), [ref])
-    server.push(_meta(pid, 7), [ref])  # a retried delivery
+    server.push(_meta(pid, 0), [ref])
+    server.push(_meta(pid, 0), [ref])  # a retried delivery
     assert server.report()["counters"]["duplicates"] == 1 and server.new_steps() == fragment.numel()
     assert server.train() is not None and server.learner.version == 1
-    server.push(_meta(pid, 8), [ref])  # acted with version 0, the learner is at 1
+    server.push(_meta(pid, 1), [ref])  # acted with version 0, the learner is at 1
     report = server.report()
     assert report["totals"] == {"accepted": 1, "stale": 1, "lost": 0} and server.new_steps() == 0
-    assert server.trained_counts() == {7: 1}
+    assert server.trained_counts() == {0: 1}
+    # a gap in a worker's sequence: pushes 2 and 3 never arrived (e.g. this learner was down): lost
+    server.push(_meta(pid, 4, server.learner.version), [ref])
+    assert server.report()["totals"] == {"accepted": 2, "stale": 1, "lost": 2}
+    # settling with what the workers produced (all flushed): 5 and 6 never came, worker 9 was never heard
+    assert server.settle({0: 7, 9: 3}) == 5
+    assert server.report()["totals"] == {"accepted": 2, "stale": 1, "lost": 7} and server.settle({0: 7}) == 0
 
 
 def test_reuse_limit_bounds_how_often_a_fragment_is_trained(ray_session):
@@ -191,13 +207,27 @@ def test_killed_workers_are_replaced_and_accounting_is_exact(streaming, ray_sess
         metrics = streaming.train()
     assert fleet.restarts == 3 and metrics["workers_restarted"] == 3
     assert fleet.alive() == 2
+    # The learner crashes (workers streaming): Ray restarts it and it resumes from its last checkpoint.
+    checkpoint = streaming.snapshot_learners()[pid]
+    before = streaming.accounting()
+    ray_session.kill(learner, no_restart=False)
+    report = streaming.learner_reports()[pid]  # the driver waits out the restart if it sees it
+    assert report["restarts"] == 1 and report["restored_version"] == checkpoint["learner"]["version"]
+    assert report["version"] > before["policy_version"]  # versions keep rising: workers load its weights
+    restored = ray_session.get(learner.state.remote())["weights"]
+    assert all(np.array_equal(restored[k], v) for k, v in checkpoint["learner"]["weights"].items())
+    for _ in range(3):
+        metrics = streaming.train()  # training goes on
+    assert metrics["learners_restarted"] == 1 and metrics["policy_version"] == report["version"] + 3
+    assert _identity(metrics)
     trained = ray_session.get(learner.trained_counts.remote())
     assert set(trained.values()) == {1}  # no fragment trained twice
     assert any(fid >> 48 for fid in trained)  # re-created workers (incarnation >= 1) delivered data
     streaming.close()
     final = streaming.accounting()
     assert _identity(final) and final["fragments_in_flight"] == 0
-    assert final["fragments_lost"] >= 1  # what the first killed worker had in flight
+    # lost: what the first killed worker had in flight and what the learner got after its checkpoint
+    assert final["fragments_lost"] >= before["fragments_lost"] + 1
     assert final["fragments_duplicate"] == 0 and final["fragments_max_uses"] == 1
 
 
