@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from core.layout import ACTION_MASK, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
+from core.layout import (ACTION_MASK, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED,
+                         all_true)
 from core.specs import GroupSpec, Leaf, Node, Tree, groups, iter_leaves, shared_observations
 
 _new_unsafe = getattr(TensorDict, "_new_unsafe", None)
@@ -87,10 +88,10 @@ class StepLayout:
         self._env_batch = torch.Size([num_envs])
         self._group_batch = {name: torch.Size([num_envs, g.capacity]) for name, g in self.groups.items()}
         # constant all-True masks, shared by every step (module doc)
-        self._all_present = {name: torch.ones(b, dtype=torch.bool) for name, b in self._group_batch.items()}
+        self._all_present = {name: all_true(*b) for name, b in self._group_batch.items()}
         self._none_ended = {name: torch.zeros(*b, 1, dtype=torch.bool) for name, b in self._group_batch.items()}
         self._no_env_ended = torch.zeros(num_envs, 1, dtype=torch.bool)
-        self._all_legal = {name: torch.ones(*self._group_batch[name], n, dtype=torch.bool)
+        self._all_legal = {name: all_true(*self._group_batch[name], n)
                            for name, g in self.groups.items() if (n := action_mask_size(g)) is not None}
 
     def obs_leaves(self, name: str) -> list[tuple[tuple[str, ...], Leaf]]:

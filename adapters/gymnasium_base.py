@@ -92,8 +92,8 @@ class _GymnasiumBase(AdapterBase):
     def _finish(self, nxt, reward, term, trunc, root, auto) -> TensorDict:
         e = self._num_envs
         nxt = self._agent_view(nxt)
-        with np.errstate(over="ignore"):  # a reward beyond float32 becomes Inf and fails the check below
-            reward = np.asarray(reward, dtype=np.float32).reshape(e, 1)
+        # a reward beyond float32 becomes Inf (numpy warns) and fails the check below
+        reward = np.asarray(reward, dtype=np.float32).reshape(e, 1)
         self._check_obs(nxt, (NEXT, AGENT, OBSERVATION))
         self._checker.values(self._reward_check, reward, 2, (NEXT, AGENT, REWARD), self._names)
         errors = self._checker.take()
@@ -106,8 +106,9 @@ class _GymnasiumBase(AdapterBase):
             trunc = trunc | bad
             self._checker.count_truncations(bad.sum())
         done = term | trunc
+        any_done = bool(done.any())
         need_reset = done if auto is None else done & ~auto
-        if need_reset.any():  # rows of the other envs come back unchanged (gymnasium's reset_mask)
+        if any_done and (auto is None or need_reset.any()):  # rows of the other envs come back unchanged (gymnasium's reset_mask)
             root = self._reset_checked(need_reset, None)
         elif root is None:
             root = nxt  # nothing reset: the root is "next" (never written again: resets copy, see _reset_envs)
@@ -121,7 +122,7 @@ class _GymnasiumBase(AdapterBase):
                     again[[err.env_index for err in errors]] = True
                     root = self._reset_checked(again, None)
         self._root = root
-        if done.any():
+        if any_done:
             step = GroupNext(nxt, reward, term.reshape(e, 1), trunc.reshape(e, 1), None)
             return self._layout.build([self._root_step(root)], nxt=[step], env_terminated=term.copy(),
                                       env_truncated=trunc.copy())

@@ -36,6 +36,8 @@ trailing 1. Functions check shapes on entry instead of broadcasting.
 
 from __future__ import annotations
 
+import torch
+
 NEXT = "next"
 OBSERVATION = "observation"
 ACTION = "action"
@@ -63,6 +65,26 @@ ENV_ID = "env_id"
 RESERVED_ROOT_KEYS = frozenset(
     {NEXT, SHARED, POLICY_VERSION, WORKER_ID, FRAGMENT_ID, EPISODE_ID, ENV_ID, DONE, TERMINATED, TRUNCATED}
 )
+
+
+_ALL_TRUE = "_shoal_all_true"
+
+
+def all_true(*shape: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """A bool tensor of ``True`` marked as known all-True (:func:`is_all_true`).
+
+    Envs hand one such constant to every step for masks that allow everything ("every action legal", "every
+    agent present"); a policy then skips masking, which saves tensor ops on every acting step. Step tensors
+    are read-only to consumers, so the mark stays true; copies (stacked fragments) carry no mark.
+    """
+    out = torch.ones(*shape, dtype=torch.bool, device=device)
+    setattr(out, _ALL_TRUE, True)
+    return out
+
+
+def is_all_true(t) -> bool:
+    """Whether ``t`` is a tensor made by :func:`all_true` (a cheap attribute test, no tensor op)."""
+    return getattr(t, _ALL_TRUE, False)
 
 
 def group_names(td) -> list[str]:

@@ -36,7 +36,8 @@ class WeightSource(Protocol):
 
 def _plain(td: TensorDictBase) -> dict:
     """A TensorDict as nested plain dicts (what FragmentBuilder stores per step: ~8 µs, no TensorDict built)."""
-    return {k: _plain(v) if isinstance(v, TensorDictBase) else v for k, v in td.items()}
+    items = td._tensordict.items() if type(td) is TensorDict else td.items()  # a plain one's own dict: ~3x faster
+    return {k: _plain(v) if isinstance(v, TensorDictBase) else v for k, v in items}
 
 
 class Actor:
@@ -77,22 +78,26 @@ class Actor:
     # -- acting ------------------------------------------------------------------------------------------
     def _act(self, obs: TensorDictBase) -> tuple[dict, TensorDict]:
         """One batched forward per group: the step entries to record and the actions to send."""
-        shared = obs.get(SHARED, None)
+        shared = _get(obs, SHARED)
         entries, actions = {}, {}
         for group, assigned in self.assignment.items():
-            g_obs = obs.get(group)
-            out = self._forward(group, assigned, g_obs, shared)
-            entry = {OBSERVATION: _maybe_plain(g_obs.get(OBSERVATION)), MASK: g_obs.get(MASK),
-                     ACTION: out[ACTION], LOG_PROB: out[LOG_PROB]}
-            if ACTION_MASK in g_obs.keys():
-                entry[ACTION_MASK] = g_obs.get(ACTION_MASK)
+            g_obs = _get(obs, group)
+            observation, mask, action_mask = (_get(g_obs, k) for k in (OBSERVATION, MASK, ACTION_MASK))
+            inputs = {OBSERVATION: observation, MASK: mask}  # a plain dict: the policy reads it ~10x faster
+            if action_mask is not None:
+                inputs[ACTION_MASK] = action_mask
+            out = self._forward(group, assigned, inputs, shared)
+            entry = {OBSERVATION: _maybe_plain(observation), MASK: mask, ACTION: out[ACTION], LOG_PROB: out[LOG_PROB]}
+            if action_mask is not None:
+                entry[ACTION_MASK] = action_mask
             if RECURRENT_STATE in out:
                 entry[RECURRENT_STATE] = out[RECURRENT_STATE]
             entries[group] = entry
+            batch = g_obs.batch_size
             action = out[ACTION]
             if isinstance(action, dict):
-                action = make_td(action, g_obs.batch_size)
-            actions[group] = make_td({ACTION: action}, g_obs.batch_size)
+                action = make_td(action, batch)
+            actions[group] = make_td({ACTION: action}, batch)
         if shared is not None:
             entries[SHARED] = _maybe_plain(shared)
         return entries, make_td(actions, obs.batch_size)
@@ -119,11 +124,11 @@ class Actor:
         """Acts once in every env; records the transition; returns the env's output (``"next"`` + next obs)."""
         entries, actions = self._act(self._obs)
         out = self.env.step(actions)
-        nxt = out.get(NEXT)
+        nxt = _get(out, NEXT)
         if self.record:
             entries[NEXT] = _plain(nxt)
             self.builder.add_step_(entries)
-        self._episode_start = nxt.get(DONE).reshape(-1)
+        self._episode_start = _get(nxt, DONE).reshape(-1)
         self._obs = out  # the next step to act on; "next" rides along unread (cheaper than exclude)
         self.env_steps += self.env.num_envs
         return out
@@ -215,6 +220,13 @@ def _where_slots(slots: torch.Tensor, new, old):
     if isinstance(new, dict):
         return {k: _where_slots(slots, new[k], old[k]) for k in new}
     return torch.where(slots.reshape(1, -1, *([1] * (new.dim() - 2))), new, old)
+
+
+def _get(td: TensorDictBase, key: str):
+    """``td.get(key, None)`` for a string key; a plain TensorDict's private accessor is ~10x cheaper."""
+    if type(td) is TensorDict:
+        return td._get_str(key, None)
+    return td.get(key, None)
 
 
 def _maybe_plain(value):

@@ -138,7 +138,7 @@ class PPOLearner:
             flat = self._drop_trivial_masks(flatten_transitions(batch), group)
 
             def evaluate(mb, group=group):
-                return self.policy.evaluate(mb.get(group), mb.get(SHARED, None))
+                return self.policy.evaluate_terms(mb.get(group), mb.get(SHARED, None))
 
             out = ppo_update_(self.policy, self.optimizer, flat, evaluate, self.ppo, self.generator, group=group)
             for k, v in out.items():

@@ -370,6 +370,12 @@ class LearnerServer:
         self._publish()
         return self.learner.version
 
+    def crash(self) -> None:
+        """Ends this process at once, as a fatal error would (tests of learner restarts)."""
+        import os
+
+        os._exit(1)
+
     def pause(self, seconds: float) -> None:
         """Blocks the learner for ``seconds`` (tests: a slow learner, pushes pile up behind it)."""
         time.sleep(seconds)

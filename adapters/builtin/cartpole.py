@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED
+from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED, all_true
 from core.specs import AgentNode, Leaf, Tree, groups
 
 from ._tensordicts import assemble_step, reset_output
@@ -127,6 +127,11 @@ class CartPole:
         self._seeded = False
         self._state = torch.zeros(4, n, dtype=self.config.dtype, device=self._device)
         self.steps = torch.zeros(n, dtype=torch.int64, device=self._device)
+        # Constant entries, one tensor shared by every step (step tensors are read-only to consumers, see
+        # adapters.protocol): a reward of 1, every env present, both actions legal.
+        self._reward = torch.ones(n, 1, 1, device=self._device)  # float32 whatever the dynamics dtype
+        self._present = all_true(n, 1, device=self._device)
+        self._legal = all_true(n, 1, 2, device=self._device)
 
     @property
     def tree(self) -> Tree:
@@ -176,15 +181,13 @@ class CartPole:
             self.steps.index_fill_(0, ended, 0)
         self._state = nxt
         flags = (terminated.unsqueeze(1), truncated.unsqueeze(1), done.unsqueeze(1))
-        nxt_group = {OBSERVATION: final_obs, REWARD: torch.ones(n, 1, 1, device=self._device),
+        nxt_group = {OBSERVATION: final_obs, REWARD: self._reward,
                      TERMINATED: flags[0].unsqueeze(2), TRUNCATED: flags[1].unsqueeze(2), DONE: flags[2].unsqueeze(2),
-                     MASK: torch.ones(n, 1, dtype=torch.bool, device=self._device)}
+                     MASK: self._present}
         return assemble_step(self._group, self._root(), nxt_group, flags, self._env_batch, self._group_batch)
 
     def _root(self) -> dict:
-        n = self.num_envs
-        return {OBSERVATION: observations(self._state), MASK: torch.ones(n, 1, dtype=torch.bool, device=self._device),
-                ACTION_MASK: torch.ones(n, 1, 2, dtype=torch.bool, device=self._device)}
+        return {OBSERVATION: observations(self._state), MASK: self._present, ACTION_MASK: self._legal}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Everything that decides the future of the batch (checkpoints resume it exactly)."""

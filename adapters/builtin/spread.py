@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED
+from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED, all_true
 from core.specs import AgentNode, ArrayPopulation, Leaf, Tree, groups
 
 from ._tensordicts import assemble_step, reset_output
@@ -94,6 +94,8 @@ class Spread:
         self._device = torch.device(c.device)
         n, k = c.num_envs, c.capacity
         self._env_batch, self._group_batch = torch.Size([n]), torch.Size([n, k])
+        # every move is always legal: one constant tensor shared by every step (read-only, adapters.protocol)
+        self._legal = all_true(*self._group_batch, 5, device=self._device)
         self._generator = torch.Generator(device=self._device)
         self._seeded = False
         self._directions = torch.tensor(_DIRECTIONS, device=self._device)
@@ -195,7 +197,7 @@ class Spread:
     def _root(self) -> dict:
         present = self.status == ACTIVE
         return {OBSERVATION: self._observe(present), MASK: present,
-                ACTION_MASK: torch.ones(*self._group_batch, 5, dtype=torch.bool, device=self._device)}
+                ACTION_MASK: self._legal}
 
 
 __all__ = ["Spread", "SpreadConfig", "spread_tree"]

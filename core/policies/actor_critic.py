@@ -30,7 +30,7 @@ from core.specs import GroupSpec, Node, Tree, groups, shared_observations
 
 from .composite import ActionHeads
 from .config import PolicyConfig
-from .networks import ObservationEncoder, Path, SharedEncoder, init_linear_, mlp, read_path
+from .networks import ObservationEncoder, Path, SharedEncoder, init_linear_, mlp, read_path, run_layers
 
 
 class GroupPolicy(nn.Module):
@@ -104,20 +104,20 @@ class GroupPolicy(nn.Module):
             features: ``self.actor_encoder(leaves)``, ``[*B, A, F]``.
             state: GRU state ``[*B, A, H]`` (required when recurrent).
         """
-        h = self.actor_trunk(self._with_ids(features))
+        h = run_layers(self.actor_trunk, self._with_ids(features))
         if self.gru is not None:
             if state is None:
                 raise ValueError("a recurrent policy needs a recurrent_state [*B, A, H]")
             lead = h.shape[:-1]
             state = self.gru(h.reshape(-1, h.shape[-1]), state.reshape(-1, state.shape[-1])).reshape(*lead, -1)
             h = state
-        return self.actor_out(h), state
+        return self.actor_out.forward(h), state
 
     def _value(self, obs, shared, actor_features: Tensor | None) -> Tensor:
         if actor_features is not None and self._critic_reuses_actor_input:
             own = actor_features
         else:
-            own = self.critic_encoder(self.critic_encoder.read(obs[OBSERVATION]))
+            own = self.critic_encoder.encode(obs[OBSERVATION])
         parts = [own]
         if self.config.critic == "central":
             mask = obs.get(MASK, None)
@@ -129,10 +129,10 @@ class GroupPolicy(nn.Module):
                 s = self.shared_encoder(shared)
                 parts.append(s.unsqueeze(-2).expand(*own.shape[:-1], -1))
         x = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
-        return self.critic_out(self.critic_trunk(self._with_ids(x)))
+        return self.critic_out.forward(run_layers(self.critic_trunk, self._with_ids(x)))
 
     def _features(self, obs) -> Tensor:
-        x = self.actor_encoder(self.actor_encoder.read(obs[OBSERVATION]))
+        x = self.actor_encoder.encode(obs[OBSERVATION])
         if x.dim() < 2 or x.shape[-2] != self.num_agents:
             raise ValueError(f"group {self.group_name}: observation batch {tuple(x.shape[:-1])} must end with "
                              f"the agent dim {self.num_agents}")
@@ -154,7 +154,6 @@ class GroupPolicy(nn.Module):
         return torch.zeros(*batch, self.num_agents, self.config.recurrent_size, device=self.actor_out.weight.device)
 
     # ------------------------------------------------------------------------------------------ public API
-    @torch.no_grad()
     def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,
                  recurrent_state: Tensor | None = None, episode_start: Tensor | None = None,
                  with_value: bool = True) -> dict:
@@ -162,7 +161,12 @@ class GroupPolicy(nn.Module):
 
         ``obs`` may be a TensorDict or a nested dict of tensors with the same keys. ``with_value=False`` skips
         the critic (a learner that evaluates values for the whole batch at once does not need them per step).
+        Runs without gradients (a caller already in ``torch.no_grad()`` saves entering it again per step).
         """
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.act_step(obs, shared, generator, deterministic, recurrent_state, episode_start,
+                                     with_value)
         x = self._features(obs)
         state = None
         if self.gru is not None:
@@ -223,6 +227,11 @@ class GroupPolicy(nn.Module):
         Returns:
             TensorDict ``[N, A]`` with ``"log_prob"``, ``"entropy"``, ``"state_value"``, each ``[N, A, 1]``.
         """
+        out = self.evaluate_terms(batch, shared)
+        return TensorDict(out, batch_size=out[LOG_PROB].shape[:-1])
+
+    def evaluate_terms(self, batch, shared=None) -> dict[str, Tensor]:
+        """:meth:`evaluate` as a plain dict (the learner's per-minibatch path: no container built)."""
         x = self._features(batch)
         lead = x.shape[:-1]
         state = batch.get(RECURRENT_STATE, None) if self.gru is not None else None
@@ -231,10 +240,8 @@ class GroupPolicy(nn.Module):
         for path, a in zip(self.heads.paths, actions):
             if a.shape[: len(lead)] != lead:
                 raise ValueError(f"action {'/'.join(path) or '<leaf>'} {tuple(a.shape)} must start with {tuple(lead)}")
-        mask = batch.get(ACTION_MASK, None)
-        out = {LOG_PROB: self.heads.log_prob(params, actions, mask), ENTROPY: self.heads.entropy(params, mask),
-               STATE_VALUE: self._value(batch, shared, x)}
-        return TensorDict(out, batch_size=lead)
+        log_prob, entropy = self.heads.log_prob_entropy(params, actions, batch.get(ACTION_MASK, None))
+        return {LOG_PROB: log_prob, ENTROPY: entropy, STATE_VALUE: self._value(batch, shared, x)}
 
     @torch.no_grad()
     def value(self, obs, shared=None) -> Tensor:

@@ -64,6 +64,16 @@ class ActionHeads(nn.Module):
         parts = [h.log_prob(p, a, mask) for h, p, a in zip(self.heads, self._split(params, mask), actions)]
         return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
+    def log_prob_entropy(self, params: Tensor, actions: Sequence[Tensor],
+                         mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(log_prob(params, actions, mask), entropy(params, mask))``, sharing each head's work."""
+        if len(actions) != len(self.heads):
+            raise ValueError(f"{len(actions)} action tensors for {len(self.heads)} action leaves")
+        parts = [h.log_prob_entropy(p, a, mask) for h, p, a in zip(self.heads, self._split(params, mask), actions)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.stack([lp for lp, _ in parts]).sum(0), torch.stack([h for _, h in parts]).sum(0)
+
     def entropy(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
         """Joint entropy ``[*B, 1]`` (sum over leaves)."""
         parts = [h.entropy(p, mask) for h, p in zip(self.heads, self._split(params, mask))]

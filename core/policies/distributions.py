@@ -25,25 +25,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core.layout import is_all_true
 from core.specs import Leaf, leaf_bounds
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 _TANH_EDGE = 1e-6  # squashed actions are read back inside (-1 + e, 1 - e) so atanh stays finite
 
 
-def gumbel_argmax(logits: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Samples ``argmax(logits - log(-log U))``, ``U ~ Uniform(0, 1)``: a draw of ``Categorical(logits)``.
+def gumbel_argmax(logits: Tensor, generator: torch.Generator | None, mask: Tensor | None = None) -> Tensor:
+    """Samples ``argmax(logits - log E)``, ``E ~ Exponential(1)`` (``-log E`` is Gumbel noise): a draw of
+    ``Categorical(logits)`` in four tensor ops (``-log(-log U)`` from a uniform takes six).
 
     Args:
         logits: ``[*B, n]`` unnormalised log-probabilities.
-        generator: source of ``U`` (on the device of ``logits``).
+        generator: source of ``E`` (on the device of ``logits``).
+        mask: ``[*B, n]`` bool legal actions, or None. Applied after the noise (``-inf`` where illegal), so
+            an ``E`` of exactly 0 (infinite noise) can only ever pick a legal action.
 
     Returns:
         int64 indices ``[*B]``.
     """
-    u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
-    noise = u.clamp_(min=torch.finfo(logits.dtype).tiny).log_().neg_().log_()  # log(-log U), U > 0
-    return (logits - noise).argmax(-1)
+    noisy = logits - torch.empty_like(logits).exponential_(generator=generator).log_()
+    if mask is not None:
+        noisy = torch.where(mask, noisy, -torch.inf)
+    return noisy.argmax(-1)
 
 
 def _masked(logits: Tensor, mask: Tensor | None) -> Tensor:
@@ -51,7 +56,12 @@ def _masked(logits: Tensor, mask: Tensor | None) -> Tensor:
         return logits
     if mask.shape != logits.shape or mask.dtype != torch.bool:
         raise ValueError(f"action mask {tuple(mask.shape)} {mask.dtype} must be bool {tuple(logits.shape)}")
-    return logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+    return torch.where(mask, logits, torch.finfo(logits.dtype).min)
+
+
+def _live(mask: Tensor | None) -> Tensor | None:
+    """``mask``, or None when it is a known all-True constant (:func:`core.layout.all_true`): nothing to mask."""
+    return None if mask is None or is_all_true(mask) else mask
 
 
 def _categorical_entropy(logits: Tensor) -> Tensor:
@@ -73,6 +83,10 @@ class Head(nn.Module):
         if mask is not None:
             raise ValueError(f"a {self.leaf.kind} action leaf takes no action mask")
 
+    def log_prob_entropy(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(log_prob, entropy)`` of one evaluation (heads override it to share work between the two)."""
+        return self.log_prob(params, action, mask), self.entropy(params, mask)
+
 
 class CategoricalHead(Head):
     """``Discrete(n, start)``: logits ``[*B, n]``; optional bool mask ``[*B, n]`` (True = legal)."""
@@ -82,8 +96,9 @@ class CategoricalHead(Head):
         self.num_params = leaf.n
 
     def sample(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None):
+        mask = _live(mask)
         logits = _masked(params, mask)
-        index = gumbel_argmax(logits, generator)
+        index = gumbel_argmax(logits, generator, mask)
         log_prob = logits.log_softmax(-1).gather(-1, index.unsqueeze(-1))
         return self._action(index), log_prob
 
@@ -92,13 +107,19 @@ class CategoricalHead(Head):
 
     def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
         index = (action.long() - self.leaf.start).unsqueeze(-1)
-        return _masked(params, mask).log_softmax(-1).gather(-1, index)
+        return _masked(params, _live(mask)).log_softmax(-1).gather(-1, index)
 
     def entropy(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
-        return _categorical_entropy(_masked(params, mask)).unsqueeze(-1)
+        return _categorical_entropy(_masked(params, _live(mask))).unsqueeze(-1)
+
+    def log_prob_entropy(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """One masked ``log_softmax`` serves both (the training forward pass of every minibatch)."""
+        logp = _masked(params, _live(mask)).log_softmax(-1)
+        index = (action.long() - self.leaf.start).unsqueeze(-1)
+        return logp.gather(-1, index), -(logp.exp() * logp).sum(-1, keepdim=True)
 
     def mode(self, params: Tensor, mask: Tensor | None = None) -> Tensor:
-        return self._action(_masked(params, mask).argmax(-1))
+        return self._action(_masked(params, _live(mask)).argmax(-1))
 
 
 class MultiCategoricalHead(Head):
@@ -123,6 +144,7 @@ class MultiCategoricalHead(Head):
         return x.unflatten(-1, (self.k, self.width))
 
     def _logits(self, params: Tensor, mask: Tensor | None) -> Tensor:
+        mask = _live(mask)
         logits = self._pad(params, torch.finfo(params.dtype).min)
         if mask is not None:
             if mask.shape != params.shape or mask.dtype != torch.bool:
@@ -132,7 +154,8 @@ class MultiCategoricalHead(Head):
 
     def sample(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None):
         logits = self._logits(params, mask)
-        index = gumbel_argmax(logits, generator)
+        # padded and masked entries sit at the dtype's minimum: excluded after the noise as well
+        index = gumbel_argmax(logits, generator, logits > torch.finfo(logits.dtype).min)
         log_prob = logits.log_softmax(-1).gather(-1, index.unsqueeze(-1)).sum(-2)
         return index.to(self.leaf.dtype), log_prob
 

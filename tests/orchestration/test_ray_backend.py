@@ -90,7 +90,7 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
             # A learner crash in synchronous mode: it resumes from the checkpoint just taken (the learners
             # were fetched above), the data it lost is re-collected, and the iteration settles exactly.
             (handle,) = remote.handles.values()
-            ray_session.kill(handle, no_restart=False)
+            handle.crash.remote()  # ordered before the next calls: the next iteration meets a dead learner
             for _ in range(2):
                 after = remote.train()
             assert after["learners_restarted"] == 1 and after["policy_version"] == version + 3
@@ -210,8 +210,8 @@ def test_killed_workers_are_replaced_and_accounting_is_exact(streaming, ray_sess
     # The learner crashes (workers streaming): Ray restarts it and it resumes from its last checkpoint.
     checkpoint = streaming.snapshot_learners()[pid]
     before = streaming.accounting()
-    ray_session.kill(learner, no_restart=False)
-    report = streaming.learner_reports()[pid]  # the driver waits out the restart if it sees it
+    learner.crash.remote()  # the process exits; Ray restarts it
+    report = streaming.learner_reports()[pid]  # after the crash (calls are ordered): the driver waits it out
     assert report["restarts"] == 1 and report["restored_version"] == checkpoint["learner"]["version"]
     assert report["version"] > before["policy_version"]  # versions keep rising: workers load its weights
     restored = ray_session.get(learner.state.remote())["weights"]
