@@ -102,7 +102,7 @@ class LeafCheck:
         """
         if self.skip or arr.size == 0:
             return None
-        if arr.size <= _SMALL:  # Python floats: ~1 µs per 20 values against ~5-20 µs per numpy call
+        if arr.size <= (_SMALL_SCALAR if self.scalar else _SMALL):  # Python beats numpy's per-call cost here
             if self._small_ok(arr.ravel().tolist()):
                 return None
         elif self.unbounded:  # a float64 sum is finite iff no NaN/Inf (float32 values cannot overflow it)
@@ -141,8 +141,9 @@ class LeafCheck:
         return f"value {sample[tuple(where)]} at {tuple(int(i) for i in where)} outside bounds [{low}, {high}]"
 
 
-_SMALL = 256
-"""Arrays up to this many values are checked in Python (cheaper than a few numpy calls at this size)."""
+_SMALL_SCALAR, _SMALL = 64, 16
+"""Arrays up to this many values are checked in Python (measured: ``min``/``max``/``sum`` of 64 floats ~3 µs
+against ~5 µs of numpy calls; per-element bounds cost ~160 ns a value in Python, break-even near 50)."""
 
 
 def _numpy_float(dtype: torch.dtype) -> np.dtype:
@@ -196,13 +197,17 @@ class Checker:
         self.counters["invalid_output_truncations"] += int(n)
 
     def values(self, check: LeafCheck, arr: np.ndarray, batch_ndim: int, key: tuple[str, ...],
-               agent_names: tuple[str, ...] | None, what: str = "") -> np.ndarray | None:
-        """Vectorised value check of ``arr`` ``[E, (A), *leaf]``; reports each bad (env, agent); returns the mask."""
+               agent_names: tuple[str, ...] | None, what: str = "",
+               env_rows: np.ndarray | None = None) -> np.ndarray | None:
+        """Vectorised value check of ``arr`` ``[E, (A), *leaf]``; reports each bad (env, agent); returns the mask.
+
+        ``env_rows``: ``arr`` holds only these envs' rows (their indices, for the error reports).
+        """
         bad = check.bad(arr, batch_ndim)
         if bad is None:
             return None
         for idx in np.argwhere(bad):
-            env = int(idx[0])
+            env = int(idx[0]) if env_rows is None else int(env_rows[idx[0]])
             agent = agent_names[int(idx[1])] if agent_names is not None else None
             self.report(EnvOutputError(f"{what}{check.describe(arr[tuple(idx)])}", env_index=env, agent=agent,
                                        key=key))

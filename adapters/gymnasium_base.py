@@ -73,14 +73,17 @@ class _GymnasiumBase(AdapterBase):
     def _agent_view(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return [a.reshape(self._num_envs, 1, *c.leaf.shape) for a, c in zip(arrays, self._obs.leaves)]
 
-    def _check_obs(self, arrays: list[np.ndarray], prefix: tuple[str, ...]) -> None:
+    def _check_obs(self, arrays: list[np.ndarray], prefix: tuple[str, ...], rows: np.ndarray | None = None) -> None:
+        """Checks every env's observation, or only those of ``rows`` (env indices)."""
         for c, check, arr in zip(self._obs.leaves, self._checks, arrays):
-            self._checker.values(check, arr, 2, (*prefix, *c.key), self._names)
+            self._checker.values(check, arr if rows is None else arr[rows], 2, (*prefix, *c.key), self._names,
+                                 env_rows=rows)
 
     def _reset_checked(self, mask: np.ndarray | None, seed: int | None) -> list[np.ndarray]:
         for _ in range(_RESET_TRIES):
             root = self._agent_view(self._reset_envs(mask, seed))
-            self._check_obs(root, (AGENT, OBSERVATION))
+            # only the reset rows are new (the others were checked as "next" already)
+            self._check_obs(root, (AGENT, OBSERVATION), None if mask is None else np.flatnonzero(mask))
             errors = self._checker.take()
             if not errors:
                 return root
@@ -108,8 +111,8 @@ class _GymnasiumBase(AdapterBase):
         done = term | trunc
         any_done = bool(done.any())
         need_reset = done if auto is None else done & ~auto
-        if any_done and (auto is None or need_reset.any()):  # rows of the other envs come back unchanged (gymnasium's reset_mask)
-            root = self._reset_checked(need_reset, None)
+        if any_done and (auto is None or need_reset.any()):
+            root = self._reset_checked(need_reset, None)  # other envs' rows come back unchanged (reset_mask)
         elif root is None:
             root = nxt  # nothing reset: the root is "next" (never written again: resets copy, see _reset_envs)
         else:

@@ -7,9 +7,10 @@ warm-up. The workers' pipeline monitors give the per-stage times (ms per fragmen
 assembly, waiting on a full queue, serialize+put, waiting for acknowledgements, and the queue depth.
 Target: Ray with 1 worker >= 0.8 x local. Variants alternate per repeat so machine drift hits all alike.
 
-Ray starts its worker processes with niceness 15 (``RAY_worker_niceness``) and this driver at 0: on a machine
-shared with other busy processes the workers lose CPU to them and the local run does not, which skews the
-comparison. ``--worker-niceness 0`` levels it (the environment variable must be set before Ray starts).
+Ray on its own starts its worker processes with niceness 15 (``RAY_worker_niceness``) and this driver at 0:
+on a machine shared with other busy processes the workers lose CPU to them and the local run does not.
+Shoal starts a local Ray with ``RayConfig.worker_niceness`` (0 by default), as this script does;
+``--worker-niceness 15`` measures Ray's own default (the variable must be set before Ray starts).
 
     python benchmarks/ray_sampling.py [--env builtin:cartpole] [--num-envs 64] [--fragment-length 128]
                                       [--seconds 6] [--repeats 3] [--worker-niceness N]
@@ -75,7 +76,8 @@ def main() -> None:
     parser.add_argument("--fragment-length", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--worker-niceness", type=int, default=None, help="Ray's default: 15")
+    parser.add_argument("--worker-niceness", type=int, default=None,
+                        help="niceness of Ray's workers (default: RayConfig.worker_niceness, 0; Ray's own: 15)")
     args = parser.parse_args()
     if args.worker_niceness is not None:
         os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
@@ -97,7 +99,7 @@ def main() -> None:
     medians = {k: statistics.median(v) for k, v in runs.items()}
     pipeline = {name: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for name, ms in stages.items()}
     print(json.dumps({"benchmark": "ray_sampling", "env": args.env, "num_envs": args.num_envs,
-                      "worker_niceness": os.environ.get("RAY_worker_niceness", "15 (Ray default)"),
+                      "worker_niceness": os.environ.get("RAY_worker_niceness", "15 (Ray's default)"),
                       "fragment_length": args.fragment_length, "seconds": args.seconds, "repeats": args.repeats,
                       "env_steps_per_s": medians, "runs": runs,
                       "ratio_ray_1_worker_vs_local": medians["ray_1_worker"] / medians["local"],

@@ -75,6 +75,11 @@ class RayConfig:
     """A learner gives up fetching a pushed fragment after this long (counted lost)."""
     worker_threads: int = 1
     """torch threads per rollout worker."""
+    worker_niceness: int | None = 0
+    """Niceness of Ray's worker processes when this backend starts a local Ray (``RAY_worker_niceness``, unless
+    already set). Ray's own default, 15, lets any busy process on the machine take the CPU from the rollout
+    workers and learners, which do all of the run's work (measured: 0.64x of local sampling, 0.85x at 0).
+    None keeps Ray's default. A joined cluster keeps its own setting."""
     learner_threads: int = 1
     """torch threads per learner."""
     poll_interval_s: float = 0.002

@@ -62,7 +62,7 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
     Order: an already initialised Ray (a test session, a Tune trial) is reused; else ``config.address``,
     else ``RAY_ADDRESS`` is joined; else a local instance starts with ``ray_config.num_cpus`` CPUs (default:
     ``os.cpu_count()``, raised to ``min_cpus``: Ray's CPUs are scheduling slots, and a local run should not
-    fail because its reservations exceed the cores).
+    fail because its reservations exceed the cores) and ``ray_config.worker_niceness``.
     """
     if ray.is_initialized():
         return False
@@ -71,6 +71,8 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
         ray.init(address=address, configure_logging=False)
     else:
         num_cpus = ray_config.num_cpus or max(os.cpu_count() or 1, math.ceil(min_cpus))
+        if ray_config.worker_niceness is not None:  # read by Ray when it starts its worker processes
+            os.environ.setdefault("RAY_worker_niceness", str(ray_config.worker_niceness))
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     return True
 
@@ -404,11 +406,12 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
                               dict(ray_config.learner_resources))
     tree_json = to_json(tree)
     wire = {pid: to_wire(TensorDict.from_module(p).detach()) for pid, p in policies.items()}
-    # Checkpoints (and statistics) live beside the learners when they are pinned, else near the driver.
-    placement = ({"resources": dict(ray_config.learner_resources)} if ray_config.learner_resources else
-                 {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                        soft=True)})
-    checkpoints = RemoteLearnerCheckpoints.options(max_restarts=-1, **placement).remote()
+    # The checkpoint registry stays near the driver (it reserves nothing, so it never competes with the
+    # learners for pinned resources); statistics live beside the learners when they are pinned.
+    near_driver = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                         soft=True)}
+    placement = {"resources": dict(ray_config.learner_resources)} if ray_config.learner_resources else near_driver
+    checkpoints = RemoteLearnerCheckpoints.options(max_restarts=-1, **near_driver).remote()
     # A data-parallel rank 0 is not restarted: its peers' process group would not survive it.
     restarts = ray_config.max_learner_restarts if ray_config.learners_per_policy == 1 else 0
     learners = {pid: RemoteLearner.options(max_restarts=restarts, **options).remote(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -145,7 +146,7 @@ class LearnerServer:
         self._peers: list = []
         self._checkpoints = checkpoints
         self.restarts, self.restored_version = 0, None
-        if checkpoints is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+        if checkpoints is not None and _reconstructed():
             self._resume(ray.get(checkpoints.resume.remote(policy_id)))
         self._publish()
 
@@ -383,6 +384,13 @@ class LearnerServer:
     def ping(self) -> str:
         """Liveness probe; returns the node id."""
         return ray.get_runtime_context().get_node_id()
+
+
+def _reconstructed() -> bool:
+    """Whether this actor process is a restart (Ray 2.x reads a deprecated attribute inside: silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def policy_module(tree: Tree, config: TrainConfig, assignment: Mapping[str, GroupAssignment],
