@@ -3,8 +3,8 @@
 Cases (each prints raw and adapter env-steps/s, medians over interleaved repeats, and their ratio):
 
 - ``gym_cartpole_sync64``: ``SyncVectorEnv`` of 64 ``CartPole-v1``. Raw: gymnasium's default NEXT_STEP loop
-  (``raw``) and the SAME_STEP loop the adapter runs on (``raw_same_step``). Adapter:
-  ``make_gymnasium("CartPole-v1", 64)``.
+  (``raw``; its dummy reset calls are not counted as env steps) and a SAME_STEP loop (``raw_same_step``).
+  Adapter: ``make_gymnasium("CartPole-v1", 64)`` (NEXT_STEP, finished sub-envs reset in the same step).
 - ``mpe2_simple_spread_x1`` / ``_x8``: raw ``parallel_env`` loops (dict actions, reset when ``agents`` is empty)
   over 1 and 8 instances vs ``PettingZooParallelEnv`` with 1 and 8 copies as a run builds it
   (``adapter``: no ``state()``, which only a central critic reads) and with the shared ``state()``
@@ -37,11 +37,11 @@ from adapters.gymnasium_env import make_gymnasium
 from adapters.pettingzoo_env import PettingZooParallelEnv
 
 
-def timed(fn) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of one call."""
+def timed(fn) -> tuple[float, float, int | None]:
+    """(wall seconds, CPU seconds of this process, what ``fn`` returned) of one call."""
     wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    out = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, out
 
 
 class EnvClock:
@@ -80,7 +80,7 @@ def overhead(make_adapter, env_objects, tds, repeats: int = 3) -> dict:
 
     for _ in range(repeats):
         clock.cpu = 0.0
-        _, cpu = timed(run)
+        _, cpu, _ = timed(run)
         own.append((cpu - clock.cpu) / len(tds) * 1e6)
         env.append(clock.cpu / len(tds) * 1e6)
     adapter.close()
@@ -98,10 +98,13 @@ def gym_case(steps: int, num_envs: int = 64) -> dict:
     adapter = make_gymnasium("CartPole-v1", num_envs)
 
     def loop(env):
-        def go():
+        def go() -> int:
+            """Real transitions: in NEXT_STEP mode a sub-env that finished spends its next call resetting
+            (its action ignored), which is no env step (the adapter never makes that dummy step)."""
             env.reset(seed=0)
-            for a in acts:
-                env.step(a)
+            flags = [env.step(a)[2:4] for a in acts]
+            dummy = sum(int((t | u).sum()) for t, u in flags[:-1]) if env.autoreset_mode.name == "NEXT_STEP" else 0
+            return len(acts) * num_envs - dummy
         return go
 
     def run_adapter():
@@ -163,9 +166,10 @@ def measure(case: dict, repeats: int) -> dict:
     cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            w, c = timed(case["variants"][name])
-            wall[name].append(case["env_steps"] / w)
-            cpu[name].append(case["env_steps"] / max(c, 1e-9))
+            w, c, steps = timed(case["variants"][name])
+            steps = case["env_steps"] if steps is None else steps
+            wall[name].append(steps / w)
+            cpu[name].append(steps / max(c, 1e-9))
     for close in case["close"]:
         close()
     out: dict = {}
