@@ -224,11 +224,12 @@ class RayTrainer:
         The driver ``get``s each one and ``put``s its own copy: it lives on the driver's node and is owned by
         the driver, so it outlives the learner and the learner's node.
         """
-        out = {}
+        out, saves = {}, []
         for pid in self.handles:
             checkpoint = self._call(pid, "checkpoint")
-            self.checkpoints.save.remote(pid, [ray.put(checkpoint)], checkpoint["learner"]["version"])
+            saves.append(self.checkpoints.save.remote(pid, [ray.put(checkpoint)], checkpoint["learner"]["version"]))
             out[pid] = checkpoint
+        ray.get(saves)  # registered before anything else happens: a learner that dies next resumes from these
         return out
 
     def _train_async(self, progress: float, lr: float | None):
