@@ -232,3 +232,26 @@ def test_same_generator_seed_same_samples():
     a2, _ = head.sample(logits, _gen(42))
     a3, _ = head.sample(logits, _gen(43))
     assert torch.equal(a1, a2) and not torch.equal(a1, a3)
+
+
+def test_masked_sampling_never_picks_an_illegal_action_even_with_infinite_noise(monkeypatch):
+    # Exponential noise of exactly 0 (log -> -inf, an infinitely large Gumbel draw) on every entry: the mask
+    # applied after the noise must still exclude illegal actions.
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, generator=None: self.zero_())
+    logits = torch.tensor([[5.0, 0.0, -1.0], [0.0, 3.0, 1.0]])
+    mask = torch.tensor([[False, True, True], [True, False, False]])
+    index = gumbel_argmax(logits, _gen(), mask)
+    assert mask.gather(-1, index.unsqueeze(-1)).all()
+
+
+def test_a_known_all_true_mask_skips_masking_and_a_copy_of_it_is_still_applied():
+    from core.layout import all_true, is_all_true
+
+    head = CategoricalHead(Leaf.discrete(3))
+    logits = torch.tensor([[0.2, -0.4, 1.0]])
+    marked = all_true(1, 3)
+    assert is_all_true(marked) and not is_all_true(marked.clone()) and not is_all_true(torch.ones(1, 3).bool())
+    assert torch.equal(head.log_prob(logits, torch.tensor([2]), marked), head.log_prob(logits, torch.tensor([2])))
+    partial = marked.clone()
+    partial[0, 2] = False  # an unmarked mask is applied
+    assert head.log_prob(logits, torch.tensor([2]), partial).item() < -1e30

@@ -182,3 +182,18 @@ def test_gae_bootstraps_at_a_fragment_boundary_without_a_flag(stream):
     expected = last[NEXT, GROUP, REWARD][:, -1] + 0.9 * bootstrap_step(last)[GROUP, OBSERVATION][..., :1] * 0.01 * (
         ~last[NEXT, GROUP, TERMINATED][:, -1]) - last[GROUP, OBSERVATION][:, -1, :, :1] * 0.01
     torch.testing.assert_close(td0(last)[:, -1], expected)
+
+
+def test_a_tensor_shared_by_every_step_is_stacked_as_a_copy():
+    # Envs hand one constant tensor to every step (masks, flags); the fragment must equal a plain stack and
+    # own its memory: writing into it (as the episode-end cut does) leaves the env's tensor untouched.
+    builder = FragmentBuilder(2)
+    constant = torch.zeros(2, 1, dtype=torch.bool)
+    for t in (1, 3):  # one step, then several
+        for _ in range(t):
+            builder.add_step_({GROUP: {OBSERVATION: torch.rand(2, 1, 3)}, NEXT: {DONE: constant}})
+        fragment = builder.build({GROUP: 0})
+        done = fragment.get((NEXT, DONE))
+        assert torch.equal(done, torch.stack([constant] * t, 1))
+        done.fill_(True)
+        assert not constant.any()
