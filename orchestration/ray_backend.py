@@ -20,7 +20,7 @@ learner had received after its last checkpoint.
 A dead learner (its process crashed, or its node went away) is restarted by Ray (``max_learner_restarts``)
 and resumes from its last checkpoint: the driver snapshots every learner every ``learner_checkpoint_every``
 iterations and whenever a checkpoint is written, keeps the snapshot in the object store and registers it
-with a :class:`~orchestration.ray_learner.LearnerCheckpoints` actor (see :mod:`orchestration.ray_learner`).
+with a :class:`~orchestration.ray_learner_state.LearnerCheckpoints` actor (see :mod:`orchestration.ray_learner`).
 The driver notices the death at its next call to that learner, waits for the new incarnation, takes its
 weights and goes on; ``learners_restarted`` counts restarts.
 """
@@ -124,7 +124,7 @@ class RayTrainer:
         self._mirrors = LearnerMirrors(config, tree, self.handles, fixed)
         self._final: dict[str, float] | None = None
         self.checkpoints = checkpoints
-        """The :class:`~orchestration.ray_learner.LearnerCheckpoints` actor restarted learners resume from."""
+        """The :class:`~orchestration.ray_learner_state.LearnerCheckpoints` actor restarted learners resume from."""
         self.learners_recovered = 0
         """Learner deaths this driver noticed (and waited out); ``learners_restarted`` counts them all."""
 
