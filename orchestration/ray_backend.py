@@ -1,4 +1,4 @@
-"""The composition root of a Ray run: the only place that calls ``ray.init`` and wires the Ray actors.
+"""The composition root of a Ray run: wires the Ray actors (``ray.init`` itself is in :mod:`orchestration.ray_session`).
 
 :func:`build_ray_trainer` joins ``config.address`` (else ``RAY_ADDRESS``) or starts a local Ray instance
 with an explicit CPU count, seeds the initial weights exactly as the local backend does, and builds:
@@ -28,10 +28,8 @@ weights and goes on; ``learners_restarted`` counts restarts.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-import warnings
 from collections import deque
 from typing import Any, Mapping
 
@@ -49,49 +47,12 @@ from orchestration.envs import make_run_env
 from orchestration.trainer import build_policies, episode_metrics
 from orchestration.learner import FixedLearner, PPOLearner
 from orchestration.ray_fleet import RayFleet, Weights
+from orchestration.ray_session import check_resources, cpus_needed, init_ray
 from orchestration.ray_learner import LearnerMirrors, RemoteLearner, RemoteLearnerCheckpoints, learner_options
 from orchestration.ray_stats import RemoteEpisodeStatistics, fragment_accounting, merge_monitors
 from orchestration.wire import from_wire, to_wire
 
 _log = logging.getLogger(__name__)
-
-
-def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) -> bool:
-    """Connects this process to Ray; returns True when this call started or joined it (and owns shutdown).
-
-    Order: an already initialised Ray (a test session, a Tune trial) is reused; else ``config.address``,
-    else ``RAY_ADDRESS`` is joined; else a local instance starts with ``ray_config.num_cpus`` CPUs (default:
-    ``os.cpu_count()``, raised to ``min_cpus``: Ray's CPUs are scheduling slots, and a local run should not
-    fail because its reservations exceed the cores) and ``ray_config.worker_niceness``.
-    """
-    if ray.is_initialized():
-        return False
-    address = config.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, configure_logging=False)
-    else:
-        num_cpus = ray_config.num_cpus or max(os.cpu_count() or 1, math.ceil(min_cpus))
-        if ray_config.worker_niceness is not None:  # read by Ray when it starts its worker processes
-            os.environ.setdefault("RAY_worker_niceness", str(ray_config.worker_niceness))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
-    return True
-
-
-def _cpus_needed(config: TrainConfig, ray_config: RayConfig, num_learners: int) -> float:
-    return (config.rollout.num_workers * ray_config.worker_num_cpus
-            + num_learners * ray_config.learners_per_policy * ray_config.learner_num_cpus)
-
-
-def _check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool) -> None:
-    need = _cpus_needed(config, ray_config, num_learners)
-    have = ray.cluster_resources().get("CPU", 0.0)
-    if need > have + 1e-9:
-        message = (f"the Ray backend reserves {need:g} CPUs ({config.rollout.num_workers} workers x "
-                   f"{ray_config.worker_num_cpus:g} + {num_learners} learners x {ray_config.learner_num_cpus:g}) "
-                   f"but the cluster has {have:g}: lower RayConfig.worker_num_cpus / learner_num_cpus")
-        if strict:
-            raise ValueError(message)
-        warnings.warn(message, stacklevel=3)
 
 
 class RayTrainer:
@@ -400,9 +361,9 @@ def build_ray_trainer(config: TrainConfig, ray_config: RayConfig | None = None) 
     probe.close()
     assignment, policies, fixed = initial_policies(config, tree)
     trained = [pid for pid in policies if pid not in fixed]
-    owns_ray = init_ray(config, ray_config, _cpus_needed(config, ray_config, len(trained)))
+    owns_ray = init_ray(config, ray_config, cpus_needed(config, ray_config, len(trained)))
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
-    _check_resources(config, ray_config, len(trained), strict=owns_ray and not joined)
+    check_resources(config, ray_config, len(trained), strict=owns_ray and not joined)
     options = learner_options(ray_config.learner_num_cpus, ray_config.learner_num_gpus, len(trained),
                               dict(ray_config.learner_resources))
     tree_json = to_json(tree)

@@ -34,7 +34,7 @@ _TANH_EDGE = 1e-6  # squashed actions are read back inside (-1 + e, 1 - e) so at
 
 def gumbel_argmax(logits: Tensor, generator: torch.Generator | None, mask: Tensor | None = None) -> Tensor:
     """Samples ``argmax(logits - log E)``, ``E ~ Exponential(1)`` (``-log E`` is Gumbel noise): a draw of
-    ``Categorical(logits)`` in four tensor ops (``-log(-log U)`` from a uniform takes six).
+    ``Categorical(logits)`` in five tensor ops (``-log(-log U)`` from a uniform takes seven).
 
     Args:
         logits: ``[*B, n]`` unnormalised log-probabilities.
