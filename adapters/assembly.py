@@ -25,11 +25,38 @@ from core.layout import (ACTION_MASK, DONE, MASK, NEXT, OBSERVATION, REWARD, SHA
 from core.specs import GroupSpec, Leaf, Node, Tree, groups, iter_leaves, shared_observations
 
 _new_unsafe = getattr(TensorDict, "_new_unsafe", None)
+_FIELDS = ("_device", "_tensordict", "_batch_size", "_td_dim_names")
+
+
+def _direct_ok() -> bool:
+    """Whether a TensorDict is exactly the four fields that :func:`make_td` sets (true for tensordict 0.14)."""
+    if _new_unsafe is None:
+        return False
+    probe = _new_unsafe({"x": torch.zeros(1)}, batch_size=torch.Size([1]))
+    return tuple(sorted(vars(probe))) == tuple(sorted(_FIELDS)) and type(probe._tensordict) is dict
+
+
+_DIRECT = _direct_ok()
 
 
 def make_td(source: dict, batch: torch.Size) -> TensorDict:
-    """A TensorDict of ``source`` (tensors / TensorDicts whose leading dims already equal ``batch``)."""
+    """A TensorDict of ``source`` (tensors / TensorDicts whose leading dims already equal ``batch``).
+
+    ``source`` must hold no plain dicts (see :func:`nested_td`) and must not be used by the caller afterwards
+    (it may become the TensorDict's own storage).
+    """
+    if _DIRECT:  # the fields _new_unsafe sets, without its per-key loop: ~0.7 µs instead of ~2.3 µs
+        td = object.__new__(TensorDict)
+        td._device, td._tensordict, td._batch_size, td._td_dim_names = None, source, batch, None
+        return td
     if _new_unsafe is not None:  # private in tensordict 0.14: ~5 µs instead of ~40 µs for the checked one
+        return _new_unsafe(source, batch_size=batch)
+    return TensorDict(source, batch_size=batch)
+
+
+def nested_td(source: dict, batch: torch.Size) -> TensorDict:
+    """Like :func:`make_td`, but plain dicts in ``source`` (at any depth) become TensorDicts; ``source`` is not kept."""
+    if _new_unsafe is not None:
         return _new_unsafe(source, batch_size=batch)
     return TensorDict(source, batch_size=batch)
 
@@ -67,6 +94,8 @@ class GroupNext:
     """``[E, A]`` bool; None (with ``terminated`` None): no agent of the group ended at this step."""
     mask: np.ndarray | None
     """``[E, A]`` bool: agent present at the step (the root mask of the input step); None: every agent."""
+    done: np.ndarray | None = None
+    """``terminated | truncated`` when the adapter has it already (else computed here)."""
 
 
 def action_mask_size(spec: GroupSpec) -> int | None:
@@ -141,16 +170,26 @@ class StepLayout:
 
     def _build_next(self, nxt, next_shared, env_terminated, env_truncated) -> TensorDict:
         e = self.num_envs
+        if env_terminated is None and env_truncated is None:
+            env_term = env_trunc = env_done = self._no_env_ended
+        else:
+            env_term = torch.from_numpy(env_terminated.reshape(e, 1))
+            env_trunc = torch.from_numpy(env_truncated.reshape(e, 1))
+            done = nxt[0].done if len(nxt) == 1 and nxt[0].terminated is env_terminated else None
+            env_done = torch.from_numpy((env_terminated | env_truncated if done is None else done).reshape(e, 1))
         out = {}
         for (name, spec), g in zip(self.groups.items(), nxt):
             batch = self._group_batch[name]
             a = batch[1]
             if g.terminated is None and g.truncated is None:
                 term = trunc = done = self._none_ended[name]
+            elif a == 1 and g.terminated is env_terminated and g.truncated is env_truncated:
+                # one agent per env whose flags are the env's: the same memory, viewed [E, 1, 1]
+                term, trunc, done = env_term[..., None], env_trunc[..., None], env_done[..., None]
             else:
                 term = torch.from_numpy(g.terminated.reshape(e, a, 1))
                 trunc = torch.from_numpy(g.truncated.reshape(e, a, 1))
-                done = torch.from_numpy((g.terminated | g.truncated).reshape(e, a, 1))
+                done = torch.from_numpy((g.terminated | g.truncated if g.done is None else g.done).reshape(e, a, 1))
             out[name] = make_td({
                 OBSERVATION: self._observation(spec.agent.observation, g.observation, batch),
                 REWARD: torch.from_numpy(g.reward.reshape(e, a, 1)),
@@ -159,12 +198,7 @@ class StepLayout:
             }, batch)
         if self.shared is not None:
             out[SHARED] = self._observation(self.shared, next_shared, self._env_batch)
-        if env_terminated is None and env_truncated is None:
-            out[TERMINATED] = out[TRUNCATED] = out[DONE] = self._no_env_ended
-        else:
-            out[TERMINATED] = torch.from_numpy(env_terminated.reshape(e, 1))
-            out[TRUNCATED] = torch.from_numpy(env_truncated.reshape(e, 1))
-            out[DONE] = torch.from_numpy((env_terminated | env_truncated).reshape(e, 1))
+        out[TERMINATED], out[TRUNCATED], out[DONE] = env_term, env_trunc, env_done
         return make_td(out, self._env_batch)
 
 
@@ -195,4 +229,4 @@ class AdapterBase:
         return list(self._checker.recent)
 
 
-__all__ = ["AdapterBase", "GroupNext", "GroupStep", "StepLayout", "action_mask_size", "make_td"]
+__all__ = ["AdapterBase", "GroupNext", "GroupStep", "StepLayout", "action_mask_size", "make_td", "nested_td"]

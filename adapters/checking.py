@@ -91,27 +91,35 @@ class LeafCheck:
         # turn the largest float64 into inf and let inf values through).
         self._lo = np.float64(low.flat[0] if low.size else 0.0)
         self._hi = np.float64(high.flat[0] if high.size else 0.0)
-        self._small_int = not floating and self.scalar
         # per-element bounds as Python floats, for the small-array path of bad()
         self._low_list, self._high_list = low.ravel().tolist() or [0.0], high.ravel().tolist() or [0.0]
+        #: float bounds with ``low == -high``: one ``abs`` and one comparison test both (ints: abs can overflow)
+        self._symmetric = floating and bool(np.array_equal(low, -high))
 
     def bad(self, arr: np.ndarray, batch_ndim: int) -> np.ndarray | None:
         """None when every value is fine; else a bool mask over the ``batch_ndim`` leading dims.
 
-        The good case costs one or two reductions (numpy calls cost microseconds each; they dominate here).
+        The good case costs one or two reductions (numpy calls cost microseconds each; they dominate here):
+        a float64 sum is finite iff no value is NaN/Inf (float32 values cannot overflow it; a float64 leaf
+        whose sum overflows is re-checked exactly below), and ``np.count_nonzero`` of a bool array is ~3x
+        cheaper than ``.all()`` (measured: 0.9 µs against 2.4 µs for 256 values).
         """
-        if self.skip or arr.size == 0:
+        if self.skip or (size := arr.size) == 0:
             return None
-        if arr.size <= (_SMALL_SCALAR if self.scalar else _SMALL):  # Python beats numpy's per-call cost here
-            if self._small_ok(arr.ravel().tolist()):
+        if self.unbounded:
+            if math.isfinite(sum(arr.ravel().tolist()) if size <= _SMALL_SCALAR
+                             else np.add.reduce(arr, axis=None, dtype=np.float64)):
                 return None
-        elif self.unbounded:  # a float64 sum is finite iff no NaN/Inf (float32 values cannot overflow it)
-            if math.isfinite(np.add.reduce(arr, axis=None, dtype=np.float64)):
+        elif size <= (_SMALL_SCALAR if self.scalar else _SMALL):  # Python beats numpy's per-call cost here
+            if self._small_ok(arr.ravel().tolist()):
                 return None
         elif self.scalar:
             if arr.min() >= self._lo and arr.max() <= self._hi:  # NaN fails both comparisons
                 return None
-        elif ((arr >= self.low) & (arr <= self.high)).all():
+        elif self._symmetric:
+            if np.count_nonzero(np.abs(arr) <= self.high) == size:  # NaN fails the comparison
+                return None
+        elif np.count_nonzero((arr >= self.low) & (arr <= self.high)) == size:
             return None
         bad = ~((arr >= self.low) & (arr <= self.high))
         bad = bad.reshape(*arr.shape[:batch_ndim], -1).any(-1)
@@ -217,61 +225,79 @@ class Checker:
 class ActionCheck:
     """Checks and converts the actions of one group (``[E, A, *leaf]`` tensors) before they are sent."""
 
-    def __init__(self, spec: GroupSpec) -> None:
+    def __init__(self, spec: GroupSpec, num_envs: int) -> None:
         self.spec = spec
         self.leaves = list(iter_leaves(spec.agent.action))
         self.checks = [LeafCheck(leaf, finite_only=leaf.kind == "box" and leaf.dtype.is_floating_point)
                        for _, leaf in self.leaves]
-        self._row_index = np.arange(0)
         self._keys = [(spec.name, ACTION, *path) for path, _ in self.leaves]
-        self._shapes: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+        self._batch = (num_envs, spec.capacity)
+        self._shapes = [torch.Size((*self._batch, *leaf.shape)) for _, leaf in self.leaves]
+        self._rows = np.arange(num_envs * spec.capacity)
+        leaf = self.leaves[0][1]
+        if len(self.leaves) == 1 and leaf.kind == "discrete":  # bounds for int_lists
+            self._int_low, self._int_high = leaf.start, leaf.start + leaf.n - 1
 
-    def _rows(self, size: int) -> np.ndarray:
-        if self._row_index.size != size:
-            self._row_index = np.arange(size)
-        return self._row_index
-
-    def arrays(self, actions: TensorDictBase, present: np.ndarray,
+    def arrays(self, actions: TensorDictBase, present: np.ndarray | None,
                action_mask: np.ndarray | None) -> list[np.ndarray] | None:
         """One numpy array per action leaf, ``[E, A, *leaf.shape]``; None when the group is absent everywhere.
 
-        ``action_mask`` None skips the mask check (the adapter passes None when no env gave a mask).
+        ``present`` ``[E, A]`` bool, None: every agent is present. ``action_mask`` ``[E, A, n]``, None skips the
+        mask check (the adapter passes None when no env gave a mask).
 
         Raises:
             IllegalActionError: missing, wrong shape or dtype, out of range, non-finite or masked actions of
-                present agents (``present`` ``[E, A]``); ``action_mask`` ``[E, A, n]`` or None.
+                present agents.
         """
-        e, a = present.shape
-        if (shapes := self._shapes.get((e, a))) is None:
-            shapes = self._shapes[(e, a)] = [(e, a, *leaf.shape) for _, leaf in self.leaves]
         out = []
-        for (path, leaf), check, key, shape in zip(self.leaves, self.checks, self._keys, shapes):
+        for (path, leaf), check, key, shape in zip(self.leaves, self.checks, self._keys, self._shapes):
             t = _get(actions, key)
             if t is None:
-                if not present.any():
+                if present is not None and not present.any():
                     return None
                 raise IllegalActionError("action missing", env_index=None, agent=None, key=key)
             if t.shape != shape or t.dtype != leaf.dtype:
-                self._raise_layout(key, t, shape, leaf)
+                self._raise_layout(key, t, tuple(shape), leaf)
             try:
                 arr = t.numpy()
             except (RuntimeError, TypeError):  # requires grad, or not on the CPU
                 arr = t.detach().cpu().numpy()
             bad = check.bad(arr, 2)
-            if bad is not None and (bad := bad & present).any():
+            if bad is not None and present is not None:
+                bad &= present
+            if bad is not None and bad.any():
                 env, slot = (int(i) for i in np.argwhere(bad)[0])
                 raise IllegalActionError(f"illegal action: {check.describe(arr[env, slot])}", env_index=env,
                                          agent=self.spec.agent_names[slot], key=key)
             if action_mask is not None and leaf.kind == "discrete":
                 n = leaf.n
                 idx = np.clip(arr.reshape(-1) - leaf.start, 0, n - 1)
-                legal = action_mask.reshape(-1, n)[self._rows(idx.size), idx].reshape(e, a)
-                if not legal[present].all():
-                    env, slot = (int(i) for i in np.argwhere(present & ~legal)[0])
+                legal = action_mask.reshape(-1, n)[self._rows, idx].reshape(self._batch)
+                illegal = ~legal if present is None else present & ~legal
+                if illegal.any():
+                    env, slot = (int(i) for i in np.argwhere(illegal)[0])
                     raise IllegalActionError(f"action {arr[env, slot]} is masked (illegal here)", env_index=env,
                                              agent=self.spec.agent_names[slot], key=key)
             out.append(arr)
         return out
+
+    def int_lists(self, actions: TensorDictBase, present: np.ndarray | None,
+                  action_mask: np.ndarray | None) -> list[list[int]] | None:
+        """For a group whose action is one discrete leaf: the checked actions as a ``[E][A]`` list of ints.
+
+        Same checks and errors as :meth:`arrays`; the usual case (no action mask, every value in range) reads
+        the tensor with one ``tolist()`` and checks it in Python (measured ~4x cheaper than ``numpy()`` plus
+        the array check for a few agents).
+        """
+        (_, leaf), key = self.leaves[0], self._keys[0]
+        t = _get(actions, key)
+        if t is not None and action_mask is None and t.shape == self._shapes[0] and t.dtype == leaf.dtype:
+            values = t.tolist()
+            flat = values[0] if len(values) == 1 else [v for row in values for v in row]
+            if flat and self._int_low <= min(flat) and max(flat) <= self._int_high:
+                return values
+        arrays = self.arrays(actions, present, action_mask)  # the full check, and its errors
+        return None if arrays is None else arrays[0].tolist()
 
     @staticmethod
     def _raise_layout(key, t, shape, leaf) -> None:

@@ -36,12 +36,13 @@ class _GymnasiumBase(AdapterBase):
         self._names = self._group.agent_names
         self._checks = [LeafCheck(c.leaf) for c in self._obs.leaves]
         self._reward_check = LeafCheck(Leaf.box(()), finite_only=True)
-        self._action_check = ActionCheck(self._group)
+        self._action_check = ActionCheck(self._group, num_envs)
         self._checker = Checker(check)
         self._counters = self._checker.counters
         self._closed = False
         self._root: list[np.ndarray] | None = None  # last root observation, [E, 1, *leaf] per leaf
-        self._present = np.ones((num_envs, 1), dtype=bool)
+        self._views = [(num_envs, 1, *c.leaf.shape) for c in self._obs.leaves]
+        self._obs_keys = [((AGENT, OBSERVATION, *c.key), (NEXT, AGENT, OBSERVATION, *c.key)) for c in self._obs.leaves]
 
     def reset(self, seed: int | None = None) -> TensorDict:
         """Resets every env (env ``i`` seeded ``seed + i``); batch ``[env]``."""
@@ -52,7 +53,7 @@ class _GymnasiumBase(AdapterBase):
         """Applies ``actions[("agent", "action")]`` ``[env, 1, *act]``; see :mod:`adapters.protocol`."""
         if self._root is None:
             raise RuntimeError("call reset() before step()")
-        arrays = self._action_check.arrays(actions, self._present, None)
+        arrays = self._action_check.arrays(actions, None, None)  # every env present, no masks
         nxt, reward, term, trunc, root, auto = self._env_step([a[:, 0] for a in arrays])
         return self._finish(nxt, reward, term, trunc, root, auto)
 
@@ -71,19 +72,22 @@ class _GymnasiumBase(AdapterBase):
 
     # -- shared ---------------------------------------------------------------------------------------------
     def _agent_view(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [a.reshape(self._num_envs, 1, *c.leaf.shape) for a, c in zip(arrays, self._obs.leaves)]
+        return [a.reshape(shape) for a, shape in zip(arrays, self._views)]
 
-    def _check_obs(self, arrays: list[np.ndarray], prefix: tuple[str, ...], rows: np.ndarray | None = None) -> None:
-        """Checks every env's observation, or only those of ``rows`` (env indices)."""
-        for c, check, arr in zip(self._obs.leaves, self._checks, arrays):
-            self._checker.values(check, arr if rows is None else arr[rows], 2, (*prefix, *c.key), self._names,
-                                 env_rows=rows)
+    def _check_obs(self, arrays: list[np.ndarray], after_step: bool, rows: np.ndarray | None = None) -> None:
+        """Checks every env's observation (``"next"`` ones when ``after_step``), or only those of ``rows``."""
+        for (root_key, next_key), check, arr in zip(self._obs_keys, self._checks, arrays):
+            if rows is not None:
+                arr = arr[rows]
+            if check.bad(arr, 2) is not None:  # locate and report (values() checks again: the rare path)
+                self._checker.values(check, arr, 2, next_key if after_step else root_key, self._names,
+                                     env_rows=rows)
 
     def _reset_checked(self, mask: np.ndarray | None, seed: int | None) -> list[np.ndarray]:
         for _ in range(_RESET_TRIES):
             root = self._agent_view(self._reset_envs(mask, seed))
             # only the reset rows are new (the others were checked as "next" already)
-            self._check_obs(root, (AGENT, OBSERVATION), None if mask is None else np.flatnonzero(mask))
+            self._check_obs(root, False, None if mask is None else np.flatnonzero(mask))
             errors = self._checker.take()
             if not errors:
                 return root
@@ -97,10 +101,11 @@ class _GymnasiumBase(AdapterBase):
         nxt = self._agent_view(nxt)
         # a reward beyond float32 becomes Inf (numpy warns) and fails the check below
         reward = np.asarray(reward, dtype=np.float32).reshape(e, 1)
-        self._check_obs(nxt, (NEXT, AGENT, OBSERVATION))
-        self._checker.values(self._reward_check, reward, 2, (NEXT, AGENT, REWARD), self._names)
-        errors = self._checker.take()
-        if errors:  # lenient (strict raised already): repair, truncate, count
+        self._check_obs(nxt, True)
+        if self._reward_check.bad(reward, 2) is not None:
+            self._checker.values(self._reward_check, reward, 2, (NEXT, AGENT, REWARD), self._names)
+        if self._checker.pending:  # lenient (strict raised already): repair, truncate, count
+            errors = self._checker.take()
             bad = np.zeros(e, dtype=bool)
             bad[[err.env_index for err in errors]] = True
             keep = bad.reshape(e, 1)
@@ -109,7 +114,7 @@ class _GymnasiumBase(AdapterBase):
             trunc = trunc | bad
             self._checker.count_truncations(bad.sum())
         done = term | trunc
-        any_done = bool(done.any())
+        any_done = np.count_nonzero(done) > 0  # ~3x cheaper than done.any()
         need_reset = done if auto is None else done & ~auto
         if any_done and (auto is None or need_reset.any()):
             root = self._reset_checked(need_reset, None)  # other envs' rows come back unchanged (reset_mask)
@@ -118,17 +123,16 @@ class _GymnasiumBase(AdapterBase):
         else:
             root = self._agent_view(root)
             if auto.any():  # reset observations the vector env produced itself
-                self._check_obs(root, (AGENT, OBSERVATION))
+                self._check_obs(root, False)
                 if errors := self._checker.take():
                     self._counters["invalid_reset_retries"] += 1
                     again = np.zeros(e, dtype=bool)
                     again[[err.env_index for err in errors]] = True
                     root = self._reset_checked(again, None)
         self._root = root
-        if any_done:
-            step = GroupNext(nxt, reward, term.reshape(e, 1), trunc.reshape(e, 1), None)
-            return self._layout.build([self._root_step(root)], nxt=[step], env_terminated=term.copy(),
-                                      env_truncated=trunc.copy())
+        if any_done:  # one agent per env: the env flags are the agent's (one tensor each, see StepLayout.build)
+            step = GroupNext(nxt, reward, term, trunc, None, done)
+            return self._layout.build([self._root_step(root)], nxt=[step], env_terminated=term, env_truncated=trunc)
         step = GroupNext(nxt, reward, None, None, None)  # nothing ended: constant flags (adapters.assembly)
         return self._layout.build([self._root_step(root)], nxt=[step])
 

@@ -13,7 +13,7 @@ import numpy as np
 from gymnasium import spaces
 from tensordict import TensorDict, TensorDictBase
 
-from core.layout import ACTION_MASK, NEXT, OBSERVATION, REWARD, SHARED
+from core.layout import ACTION_MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
 from core.specs import AgentNode, DictPopulation, Leaf, Payoff
 
 from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout, action_mask_size
@@ -76,6 +76,7 @@ class _PettingZooBase(AdapterBase):
             raise ValueError(f"action_mask must be auto, observation, info or none, got {action_mask!r}")
         self.envs = [env_fn() for _ in range(num_envs)]
         env0, self._num_envs = self.envs[0], num_envs
+        self._possible = list(env0.possible_agents)
         members, parts = {}, {}
         for agent in env0.possible_agents:
             obs_space, in_obs = _split_mask(env0.observation_space(agent), action_mask)
@@ -97,7 +98,19 @@ class _PettingZooBase(AdapterBase):
         self._int_groups = [self._slots[spec.agent_names[0]].int_act for spec in self._specs]
         self._checks = [[LeafCheck(c.leaf) for c in codec.leaves] for codec in self._group_codec]
         self._mask_n = [action_mask_size(spec) for spec in self._specs]
-        self._action_checks = [ActionCheck(spec) for spec in self._specs]
+        self._action_checks = [ActionCheck(spec, num_envs) for spec in self._specs]
+        self._batch_shapes = [(num_envs, spec.capacity) for spec in self._specs]
+        self._no_masks = [None] * len(self._specs)  # "every agent present", per group
+        # (shape, dtype, padding or None for zeros) of every observation leaf, per group
+        self._obs_buffers = [[((num_envs, spec.capacity, *c.leaf.shape), c.np_dtype, None if not pad.any() else pad)
+                              for c, pad in zip(codec.leaves, codec.pads)]
+                             for spec, codec in zip(self._specs, self._group_codec)]
+        # (group, leaf, check, key after a step, key at a reset, agent names) of every observation leaf
+        self._obs_checks = [(gi, li, check, (NEXT, spec.name, OBSERVATION, *c.key), (spec.name, OBSERVATION, *c.key),
+                             spec.agent_names)
+                            for gi, (spec, codec, checks) in enumerate(zip(self._specs, self._group_codec, self._checks))
+                            for li, (c, check) in enumerate(zip(codec.leaves, checks))]
+        self._reward_keys = [((NEXT, spec.name, REWARD), spec.agent_names) for spec in self._specs]
         self._info_mask = action_mask in ("auto", "info")
         self._state = SpaceCodec(state_space, SHARED) if state_space is not None else None
         self._state_checks = [LeafCheck(c.leaf) for c in self._state.leaves] if self._state else []
@@ -129,29 +142,48 @@ class _PettingZooBase(AdapterBase):
 
     # -- buffers --------------------------------------------------------------------------------------------
     def _new_obs(self) -> list[list[np.ndarray]]:
-        return [codec.buffers((self._num_envs, spec.capacity)) for codec, spec in zip(self._group_codec,
-                                                                                     self._specs)]
+        """Fresh observation buffers ``[E, A, *leaf]`` per group and leaf, filled with the padding."""
+        return [[np.zeros(shape, dtype) if pad is None else np.full(shape, pad, dtype) for shape, dtype, pad in group]
+                for group in self._obs_buffers]
 
-    def _new_root(self, obs: bool = True) -> dict:
-        """Fresh root buffers; ``amask[g]`` stays None (all legal) until an env gives group ``g`` a mask."""
-        e = self._num_envs
+    def _new_root(self, obs: bool = True, mask: bool = True) -> dict:
+        """Fresh root buffers.
+
+        ``mask`` None (with ``mask=False``) says every agent of every copy is present; ``amask[g]`` stays None
+        (all legal) until an env gives group ``g`` a mask.
+        """
         return {"obs": self._new_obs() if obs else None,
-                "mask": [np.zeros((e, spec.capacity), dtype=bool) for spec in self._specs],
+                "mask": [np.zeros(s, dtype=bool) for s in self._batch_shapes] if mask else None,
                 "amask": [None] * len(self._specs),
-                "shared": self._state.buffers((e,)) if self._state else None}
+                "shared": self._state.buffers((self._num_envs,)) if self._state else None}
 
     def _new_next(self) -> dict:
-        e = self._num_envs
-        shape = [(e, spec.capacity) for spec in self._specs]
-        return {"obs": self._new_obs(), "reward": [np.zeros(s, dtype=np.float32) for s in shape],
-                "terminated": [np.zeros(s, dtype=bool) for s in shape],
-                "truncated": [np.zeros(s, dtype=bool) for s in shape],
-                "shared": self._state.buffers((e,)) if self._state else None}
+        """Fresh buffers of a step's consequences; the flags stay None until an agent ends (see :meth:`_flags`)."""
+        return {"obs": self._new_obs(), "reward": [np.zeros(s, dtype=np.float32) for s in self._batch_shapes],
+                "terminated": None, "truncated": None,
+                "shared": self._state.buffers((self._num_envs,)) if self._state else None}
 
-    def _clear_row(self, root: dict, e: int) -> None:
+    def _flags(self, nxt: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The per-agent ``(terminated, truncated)`` buffers of ``nxt``, allocated on first use."""
+        if nxt["terminated"] is None:
+            nxt["terminated"] = [np.zeros(s, dtype=bool) for s in self._batch_shapes]
+            nxt["truncated"] = [np.zeros(s, dtype=bool) for s in self._batch_shapes]
+        return nxt["terminated"], nxt["truncated"]
+
+    def _write_flags(self, e: int, nxt: dict, terms: dict, truncs: dict) -> None:
+        """Sets the per-agent flags of copy ``e`` from PettingZoo's ``terminations`` / ``truncations`` dicts."""
+        for flags, buf, name in zip((terms, truncs), self._flags(nxt), (TERMINATED, TRUNCATED)):
+            for agent, value in flags.items():
+                if value and (slot := self._slot(e, agent, (NEXT, name))) is not None:
+                    buf[slot.group][e, slot.slot] = True
+
+    def _clear_row(self, root: dict, e: int, obs: bool = True) -> None:
+        if root["mask"] is None:  # every agent was present: the row about to change needs real masks
+            root["mask"] = [np.ones(s, dtype=bool) for s in self._batch_shapes]
         for gi, codec in enumerate(self._group_codec):
-            for buf, pad in zip(root["obs"][gi], codec.pads):
-                buf[e] = pad
+            if obs:
+                for buf, pad in zip(root["obs"][gi], codec.pads):
+                    buf[e] = pad
             root["mask"][gi][e] = False
             if root["amask"][gi] is not None:
                 root["amask"][gi][e] = True
@@ -210,16 +242,22 @@ class _PettingZooBase(AdapterBase):
 
     # -- checks and assembly --------------------------------------------------------------------------------
     def _check_obs(self, obs: list[list[np.ndarray]], shared, prefix: tuple[str, ...]) -> None:
-        for spec, codec, checks, arrays in zip(self._specs, self._group_codec, self._checks, obs):
-            for c, check, arr in zip(codec.leaves, checks, arrays):
-                self._checker.values(check, arr, 2, (*prefix, spec.name, OBSERVATION, *c.key), spec.agent_names)
+        after_step = prefix == (NEXT,)
+        for gi, li, check, next_key, root_key, names in self._obs_checks:
+            arr = obs[gi][li]
+            if check.bad(arr, 2) is not None:  # locate and report (values() checks again: the rare path)
+                self._checker.values(check, arr, 2, next_key if after_step else root_key, names)
         if shared is not None:
             for c, check, arr in zip(self._state.leaves, self._state_checks, shared):
                 self._checker.values(check, arr[:, None], 2, (*prefix, SHARED, *c.key), (None,))
 
     def _check_legal(self, root: dict) -> None:
-        for spec, mask, amask in zip(self._specs, root["mask"], root["amask"]):
-            if amask is not None and (stuck := mask & ~amask.any(-1)).any():
+        masks = root["mask"] or self._no_masks
+        for spec, mask, amask in zip(self._specs, masks, root["amask"]):
+            if amask is None:
+                continue
+            stuck = ~amask.any(-1) if mask is None else mask & ~amask.any(-1)
+            if stuck.any():
                 for e, s in np.argwhere(stuck):
                     self._checker.report(EnvOutputError("action mask allows no action", env_index=int(e),
                                                         agent=spec.agent_names[s], key=(spec.name, ACTION_MASK)))
@@ -231,22 +269,34 @@ class _PettingZooBase(AdapterBase):
             self._check_legal(root)
             errors = self._checker.take()
             if not errors:
+                if root["mask"] is not None and all(m.all() for m in root["mask"]):
+                    root["mask"] = None  # every agent present: constant masks (adapters.assembly)
                 return root
             self._counters["invalid_reset_retries"] += 1
             for e in sorted({err.env_index for err in errors if err.env_index is not None}):
                 self._reset_one(e, None, root)
         raise errors[0]
 
-    def _actions(self, actions: TensorDictBase) -> list[list[np.ndarray] | None]:
+    def _actions(self, actions: TensorDictBase) -> tuple[list, list]:
+        """Checked actions per group: ``(arrays, ints)``.
+
+        ``arrays[g]``: one numpy array per action leaf (None for a ``Discrete`` group, or one absent everywhere);
+        ``ints[g]``: for a ``Discrete`` group, the ``[E][A]`` nested list of Python ints, sent as they are
+        (PettingZoo's bounds check, ``Discrete.contains``, takes an int without numpy's dtype tests), else None.
+        """
         root = self._root
         if root is None:
             raise RuntimeError("call reset() before step()")
-        return [check.arrays(actions, mask, amask)
-                for check, mask, amask in zip(self._action_checks, root["mask"], root["amask"])]
-
-    def _int_actions(self, arrays) -> list[list | None]:
-        """Per group: the ``[E][A]`` nested list of Python ints of a ``Discrete`` action (one ``tolist``), else None."""
-        return [a[0].tolist() if a is not None and is_int else None for a, is_int in zip(arrays, self._int_groups)]
+        arrays, ints = [], []
+        for check, mask, amask, is_int in zip(self._action_checks, root["mask"] or self._no_masks, root["amask"],
+                                              self._int_groups):
+            if is_int:
+                arrays.append(None)
+                ints.append(check.int_lists(actions, mask, amask))
+            else:
+                arrays.append(check.arrays(actions, mask, amask))
+                ints.append(None)
+        return arrays, ints
 
     def _action_of(self, slot: _AgentSlot, e: int, arrays, ints=None):
         if ints is not None and slot.int_act:
@@ -256,7 +306,7 @@ class _PettingZooBase(AdapterBase):
             return leaves[0][e, slot.slot]
         return slot.act.unflatten([a[e, slot.slot] for a in leaves], ())
 
-    def _repair(self, nxt: dict, errors: list[EnvOutputError], present: list[np.ndarray]) -> np.ndarray:
+    def _repair(self, nxt: dict, errors: list[EnvOutputError], present: list[np.ndarray] | None) -> np.ndarray:
         """Lenient repair (module doc of adapters.checking); returns the ``[E]`` mask of truncated copies."""
         bad = np.zeros(self._num_envs, dtype=bool)
         for err in errors:
@@ -271,48 +321,56 @@ class _PettingZooBase(AdapterBase):
             elif err.key[:2] == (NEXT, SHARED) and nxt["shared"] is not None:
                 for buf, prev in zip(nxt["shared"], self._root["shared"]):
                     buf[e] = prev[e]
+        _, truncated = self._flags(nxt)
         for gi, reward in enumerate(nxt["reward"]):
             np.copyto(reward, 0.0, where=~np.isfinite(reward))
-            nxt["truncated"][gi][bad] |= present[gi][bad]
+            truncated[gi][bad] |= True if present is None else present[gi][bad]
         self._checker.count_truncations(bad.sum())
         return bad
 
-    def _finish(self, nxt: dict, root: dict, present: list[np.ndarray], ended: np.ndarray,
-                env_trunc: np.ndarray, flagged: bool = True) -> TensorDict:
+    def _finish(self, nxt: dict, root: dict, present: list[np.ndarray] | None, ended: list[int]) -> TensorDict:
         """Checks, repairs, resets ended copies and assembles the step (shared by Parallel and AEC).
 
-        ``flagged`` False says no per-agent terminated/truncated flag was set at this step.
+        ``present``: the root masks of the input step (None: every agent); ``ended``: copies whose episode ended.
         """
         self._check_obs(nxt["obs"], nxt["shared"], (NEXT,))
         self._check_legal(root)
-        for spec, reward in zip(self._specs, nxt["reward"]):
-            self._checker.values(self._reward_check, reward, 2, (NEXT, spec.name, REWARD), spec.agent_names)
-        errors = self._checker.take()
-        if errors:
-            bad = self._repair(nxt, errors, present)
-            ended, env_trunc, flagged = ended | bad, env_trunc | bad, True
-        any_ended = ended.any()
+        for reward, (key, names) in zip(nxt["reward"], self._reward_keys):
+            if self._reward_check.bad(reward, 2) is not None:
+                self._checker.values(self._reward_check, reward, 2, key, names)
+        env_ended = env_trunc = None
+        if ended:
+            env_ended = np.zeros(self._num_envs, dtype=bool)
+            env_ended[ended] = True
+            env_trunc = env_ended & np.any([t.any(-1) for t in nxt[TRUNCATED]], axis=0) \
+                if nxt[TRUNCATED] is not None else np.zeros_like(env_ended)
+        if self._checker.pending:
+            bad = self._repair(nxt, self._checker.take(), present)
+            if env_ended is None:
+                env_ended, env_trunc = bad, bad.copy()
+            else:
+                env_ended, env_trunc = env_ended | bad, env_trunc | bad
         if root["obs"] is None:  # observations after the step are the root ones (Parallel envs)
             # share "next"'s arrays unless a reset is about to write root rows
-            root["obs"] = [[a.copy() for a in g] for g in nxt["obs"]] if any_ended else nxt["obs"]
+            root["obs"] = [[a.copy() for a in g] for g in nxt["obs"]] if env_ended is not None else nxt["obs"]
             if self._state is not None:
-                root["shared"] = [a.copy() for a in nxt["shared"]] if any_ended else nxt["shared"]
-        if any_ended:
-            for e in np.flatnonzero(ended):
+                root["shared"] = [a.copy() for a in nxt["shared"]] if env_ended is not None else nxt["shared"]
+        if env_ended is not None:
+            for e in np.flatnonzero(env_ended):
                 self._reset_one(int(e), None, root)
-            self._root = self._checked_root(root)
-        else:
-            self._root = root
-        if flagged:
-            groups_next = [GroupNext(obs, reward, term, trunc, mask)
-                           for obs, reward, term, trunc, mask in zip(nxt["obs"], nxt["reward"], nxt["terminated"],
-                                                                      nxt["truncated"], present)]
-        else:  # no agent ended: constant flags (adapters.assembly)
+            root = self._checked_root(root)
+        self._root = root
+        masks = present or self._no_masks
+        if nxt[TERMINATED] is None:  # no agent ended: constant flags (adapters.assembly)
             groups_next = [GroupNext(obs, reward, None, None, mask)
-                           for obs, reward, mask in zip(nxt["obs"], nxt["reward"], present)]
-        env_flags = (ended & ~env_trunc, ended & env_trunc) if any_ended else (None, None)
-        return self._layout.build(self._group_steps(self._root), self._root["shared"], groups_next,
-                                  nxt["shared"], *env_flags)
+                           for obs, reward, mask in zip(nxt["obs"], nxt["reward"], masks)]
+        else:
+            groups_next = [GroupNext(obs, reward, term, trunc, mask)
+                           for obs, reward, term, trunc, mask in zip(nxt["obs"], nxt["reward"], nxt[TERMINATED],
+                                                                      nxt[TRUNCATED], masks)]
+        env_flags = (env_ended & ~env_trunc, env_trunc) if env_ended is not None else (None, None)
+        return self._layout.build(self._group_steps(root), root["shared"], groups_next, nxt["shared"], *env_flags)
 
     def _group_steps(self, root: dict) -> list[GroupStep]:
-        return [GroupStep(obs, mask, amask) for obs, mask, amask in zip(root["obs"], root["mask"], root["amask"])]
+        masks = root["mask"] or self._no_masks
+        return [GroupStep(obs, mask, amask) for obs, mask, amask in zip(root["obs"], masks, root["amask"])]

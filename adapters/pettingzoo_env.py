@@ -75,14 +75,12 @@ class PettingZooParallelEnv(_PettingZooBase):
 
     def step(self, actions: TensorDictBase) -> TensorDict:
         """Applies ``actions`` (batch ``[env]``) to every copy; see :mod:`adapters.protocol`."""
-        arrays = self._actions(actions)
-        ints = self._int_actions(arrays)
         present = self._root["mask"]  # never written again: resets write the new root's buffers
-        nxt, root = self._new_next(), self._new_root(obs=False)  # root observations: see _finish
-        ended = np.zeros(self._num_envs, dtype=bool)
-        flagged = False  # some agent terminated or truncated
-        slots, reward, term_buf, trunc_buf = self._slots, nxt["reward"], nxt[TERMINATED], nxt[TRUNCATED]
-        obs_bufs, info_mask, root_mask = nxt["obs"], self._info_mask, root["mask"]
+        arrays, ints = self._actions(actions)
+        nxt, root = self._new_next(), self._new_root(obs=False, mask=False)  # root observations: see _finish
+        slots, possible, reward, obs_bufs = self._slots, self._possible, nxt["reward"], nxt["obs"]
+        info_mask = self._info_mask
+        partial = []  # (copy, its live agents) where not every possible agent is live after the step
         for e, env in enumerate(self.envs):
             act = {}
             for agent in env.agents:
@@ -102,23 +100,31 @@ class PettingZooParallelEnv(_PettingZooBase):
                     reward[slot.group][e, slot.slot] = value
                 else:
                     self._write_reward(e, agent, value, nxt)
-            for flags, buf, name in ((terms, term_buf, TERMINATED), (truncs, trunc_buf, TRUNCATED)):
-                for agent, value in flags.items():
-                    if value and (slot := self._slot(e, agent, (NEXT, name))) is not None:
-                        buf[slot.group][e, slot.slot] = flagged = True
+            if any(terms.values()) or any(truncs.values()):
+                self._write_flags(e, nxt, terms, truncs)
             if self._state is not None:
                 self._write_state(e, env, nxt["shared"], (NEXT, SHARED))
             live = env.agents
-            if not live:
-                ended[e] = True
-            for agent in live:
-                if (slot := slots.get(agent)) is not None or (slot := self._slot(e, agent, (OBSERVATION,))):
-                    root_mask[slot.group][e, slot.slot] = True
+            if live != possible:
+                partial.append((e, list(live)))
             # usual case: the agents that acted are the live ones and each got an observation
-            if not (len(live) == len(act) and obs.keys() == act.keys() and all(a in act for a in live)):
+            if not ((len(live) == len(act) and (live == possible or all(a in act for a in live)))
+                    and obs.keys() == act.keys()):
                 self._check_presence(e, obs, act, live, terms, truncs)
-        env_trunc = ended & np.any([t.any(-1) for t in trunc_buf], axis=0) if ended.any() else ended
-        return self._finish(nxt, root, present, ended, env_trunc, flagged)
+        self._mark_live(root, partial)
+        ended = [e for e, live in partial if not live]
+        return self._finish(nxt, root, present, ended)
+
+    def _mark_live(self, root: dict, partial: list) -> None:
+        """Root masks of the copies in ``partial`` (``(copy, live agents)``); the others have every agent."""
+        for e, live in partial:
+            if root["mask"] is None:  # real masks only now: every other copy has every agent
+                root["mask"] = [np.ones(s, dtype=bool) for s in self._batch_shapes]
+            for mask in root["mask"]:
+                mask[e] = False
+            for agent in live:
+                if (slot := self._slot(e, agent, (OBSERVATION,))) is not None:
+                    root["mask"][slot.group][e, slot.slot] = True
 
     def _check_presence(self, e: int, obs, act, live, terms, truncs) -> None:
         """The slow path, when some agent acted or is present without an observation, or left."""
@@ -190,11 +196,10 @@ class PettingZooAECEnv(_PettingZooBase):
 
     def step(self, actions: TensorDictBase) -> TensorDict:
         """Plays the present agent's action in every copy; see the class doc and :mod:`adapters.protocol`."""
-        arrays = self._actions(actions)
-        ints = self._int_actions(arrays)
+        arrays, ints = self._actions(actions)
         present = self._root["mask"]  # never written again: resets write the new root's buffers
         nxt, root = self._new_next(), self._new_root()
-        ended = np.zeros(self._num_envs, dtype=bool)
+        ended = []
         slots, reward = self._slots, nxt["reward"]
         for e, env in enumerate(self.envs):
             slot = slots[env.agent_selection]
@@ -211,18 +216,18 @@ class PettingZooAECEnv(_PettingZooBase):
                 if (term or trunc) and agent not in done:
                     done.add(agent)
                     if (other := self._slot(e, agent, (NEXT, TERMINATED))) is not None:
-                        nxt[TERMINATED][other.group][e, other.slot] = bool(term)
-                        nxt[TRUNCATED][other.group][e, other.slot] = bool(trunc)
+                        term_buf, trunc_buf = self._flags(nxt)
+                        term_buf[other.group][e, other.slot] = bool(term)
+                        trunc_buf[other.group][e, other.slot] = bool(trunc)
             if self._state is not None:
                 self._write_state(e, env, nxt["shared"], (NEXT, SHARED))
             if self._advance(env):
-                ended[e] = True
+                ended.append(e)
             else:
                 self._write_turn(e, env, root)
         if self._state is not None:
             root["shared"] = [a.copy() for a in nxt["shared"]]  # dead-agent steps do not change the state
-        env_trunc = ended & np.any([t.any(-1) for t in nxt[TRUNCATED]], axis=0) if ended.any() else ended
-        return self._finish(nxt, root, present, ended, env_trunc)
+        return self._finish(nxt, root, present, ended)
 
 
 __all__ = ["PettingZooAECEnv", "PettingZooParallelEnv"]

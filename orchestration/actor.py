@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import FragmentBuilder
-from adapters.assembly import make_td
+from adapters.assembly import make_td, nested_td
 from core.layout import ACTION, ACTION_MASK, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SHARED
 from core.policies import GroupPolicy
 from core.specs import groups
@@ -96,7 +96,7 @@ class Actor:
             batch = g_obs.batch_size
             action = out[ACTION]
             if isinstance(action, dict):
-                action = make_td(action, batch)
+                action = nested_td(action, batch)  # composite actions: nested dicts
             actions[group] = make_td({ACTION: action}, batch)
         if shared is not None:
             entries[SHARED] = _maybe_plain(shared)

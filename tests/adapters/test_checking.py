@@ -8,6 +8,8 @@ from functools import partial
 import gymnasium as gym
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
@@ -220,3 +222,55 @@ def test_leaf_check_finds_nan_inf_and_bounds_per_env_and_agent():
     assert check.describe(x[0, 0]) == "Inf value"
     assert "outside bounds [0.0, 1.0]" in check.describe(x[2, 1])
     assert LeafCheck(Leaf.box((), dtype=torch.float32)).bad(np.array([[np.float32(3e38)]]), 2) is None
+
+
+BOUNDS = {  # name -> (low, high) of a 3-value float32 leaf
+    "symmetric": ([-4.8, -np.inf, -0.4], [4.8, np.inf, 0.4]),
+    "asymmetric": ([0.0, -1.0, -np.inf], [1.0, 2.0, 5.0]),
+    "unbounded": ([-np.inf] * 3, [np.inf] * 3),
+    "scalar": ([-1.0] * 3, [1.0] * 3),
+}
+
+
+@settings(max_examples=40)
+@given(bounds=st.sampled_from(list(BOUNDS)), rows=st.sampled_from([1, 2, 7, 40]),
+       faults=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 2),
+                                 st.sampled_from([np.nan, np.inf, -np.inf, 1e3, -1e3, 0.5])), max_size=4),
+       seed=st.integers(0, 2**16))
+def test_leaf_check_agrees_with_an_elementwise_reference(bounds, rows, faults, seed):
+    """Every path of LeafCheck.bad (Python for small arrays; sum, abs or two comparisons for large ones) flags
+    exactly the (env, agent) rows that hold a NaN, an Inf or a value outside the bounds."""
+    low, high = (np.array(b, np.float32) for b in BOUNDS[bounds])
+    check = LeafCheck(Leaf.box((3,), low=low.tolist(), high=high.tolist()))
+    x = np.random.default_rng(seed).uniform(-0.3, 0.3, (rows, 2, 3)).astype(np.float32)
+    for index, column, value in faults:
+        x.reshape(-1, 3)[index % (rows * 2), column] = value
+    expected = ~(np.isfinite(x) & (x >= low) & (x <= high)).all(-1)
+    bad = check.bad(x, 2)
+    assert (np.zeros((rows, 2), bool) if bad is None else bad).tolist() == expected.tolist()
+
+
+def test_int_action_lists_check_present_agents_only():
+    """The int fast path gives the arrays path's values, ignores absent agents' actions, and raises naming the
+    env and agent of an out-of-range action of a present one."""
+    from adapters.checking import ActionCheck
+    from core.specs import AgentNode, DictPopulation, groups
+
+    agent = AgentNode(observation=Leaf.box((2,)), action=Leaf.discrete(5))
+    spec = groups(DictPopulation(members={"a_0": agent, "a_1": agent}))["a"]
+    check = ActionCheck(spec, num_envs=2)
+
+    def acts(values):
+        a = torch.tensor(values, dtype=torch.int64)
+        return TensorDict({"a": TensorDict({"action": a}, batch_size=(2, 2))}, batch_size=(2,))
+
+    assert check.int_lists(acts([[0, 4], [2, 3]]), None, None) == [[0, 4], [2, 3]]
+    present = np.array([[True, True], [True, False]])
+    assert check.int_lists(acts([[1, 2], [3, 9]]), present, None) == [[1, 2], [3, 9]]  # absent: not checked
+    with pytest.raises(IllegalActionError) as info:
+        check.int_lists(acts([[1, 2], [3, 9]]), None, None)
+    assert (info.value.env_index, info.value.agent) == (1, "a_1")
+    legal = np.ones((2, 2, 5), bool)
+    legal[0, 1, 2] = False
+    with pytest.raises(IllegalActionError, match="masked"):
+        check.int_lists(acts([[1, 2], [3, 4]]), None, legal)
