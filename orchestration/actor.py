@@ -126,7 +126,7 @@ class Actor:
         out = self.env.step(actions)
         nxt = _get(out, NEXT)
         if self.record:
-            entries[NEXT] = _plain(nxt)
+            entries[NEXT] = nxt if type(nxt) is TensorDict else _plain(nxt)  # the builder walks a plain one
             self.builder.add_step_(entries)
         self._episode_start = _get(nxt, DONE).reshape(-1)
         self._obs = out  # the next step to act on; "next" rides along unread (cheaper than exclude)

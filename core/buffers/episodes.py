@@ -76,43 +76,47 @@ def _scan_group(rollout: TensorDict, group: str, carry: TensorDict) -> tuple[Ten
     if tuple(present.shape) != (e, t, a):
         raise ValueError(f"({group!r}, {MASK!r}) must be [E, T, A] = {(e, t, a)}, got {tuple(present.shape)}")
     e_idx, t_idx = done.nonzero(as_tuple=True)  # row-major: by env, then time
+    flat = e_idx * t + t_idx  # 1-D gathers (index_select) are cheaper than 2-D advanced indexing
     same_env = torch.zeros_like(e_idx, dtype=torch.bool)
     same_env[1:] = e_idx[1:] == e_idx[:-1]
-    last = (done.long() * torch.arange(1, t + 1, device=done.device)).amax(1)  # [E] 1 + last end, 0 if none
-    ended, rows = last > 0, torch.arange(e, device=done.device)
+    last = torch.zeros(e, dtype=torch.int64, device=done.device).scatter_reduce_(0, e_idx, t_idx + 1, "amax")
+    ended = last > 0  # last: [E] 1 + the last end's step, 0 if none
+    last_flat = torch.arange(e, device=done.device) * t + (last - 1).clamp(min=0)
 
     def split(total: torch.Tensor, carried: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Running sums ``[E, T, A]`` -> per completed episode ``[K, A]`` and per open episode ``[E, A]``.
         The carried-in sums ``[E, A]`` join each env's first episode."""
-        at_end = total[e_idx, t_idx]
+        rows = total.reshape(e * t, a)
+        at_end = rows.index_select(0, flat)
         before = torch.zeros_like(at_end)
         before[1:] = at_end[:-1]
-        closed = at_end - torch.where(same_env.unsqueeze(-1), before, -carried[e_idx])
-        still_open = total[:, -1] - torch.where(ended.unsqueeze(-1), total[rows, (last - 1).clamp(min=0)], -carried)
+        closed = at_end - torch.where(same_env.unsqueeze(-1), before, -carried.index_select(0, e_idx))
+        still_open = total[:, -1] - torch.where(ended.unsqueeze(-1), rows.index_select(0, last_flat), -carried)
         return closed, still_open
 
     # float64 running sums, so a short episode after a large return in the same fragment stays exact
     # Rewards count whether or not the agent acts at that step: a turn-based game pays the waiting loser
     # after the winner's move. Adapters pad the rewards of agents that are not in the env with 0.
-    returns = split(torch.nan_to_num(reward.squeeze(-1).double(), nan=0.0).cumsum(1),
+    returns = split(torch.nan_to_num(reward.squeeze(-1), nan=0.0).cumsum(1, dtype=torch.float64),
                     carry.get((group, RETURN)).squeeze(-1).double())
-    agent_length = split(present.int().cumsum(1, dtype=torch.int32), carry.get((group, LENGTH)))
+    agent_length = split(present.cumsum(1, dtype=torch.int32), carry.get((group, LENGTH)))
     t_before = torch.zeros_like(t_idx)
     t_before[1:] = t_idx[:-1]
     carried_len = carry.get(LENGTH)
-    length = torch.where(same_env, t_idx - t_before, t_idx + 1 + carried_len[e_idx])
+    length = torch.where(same_env, t_idx - t_before, t_idx + 1 + carried_len.index_select(0, e_idx))
     open_len = torch.where(ended, t - last, t + carried_len)
     k = e_idx.shape[0]
 
     def meta(key):
         value = rollout.get(key, None)
-        return value[e_idx, t_idx] if value is not None else torch.full((k,), -1, device=done.device)
+        return value.reshape(e * t).index_select(0, flat) if value is not None else \
+            torch.full((k,), -1, device=done.device)
 
     env_id = rollout.get(ENV_ID, None)
     agent_return = returns[0].unsqueeze(-1).to(reward.dtype)
     records = TensorDict(
         {
-            ENV_ID: env_id[e_idx, t_idx] if env_id is not None else e_idx,
+            ENV_ID: meta(ENV_ID) if env_id is not None else e_idx,
             EPISODE_ID: meta(EPISODE_ID),
             WORKER_ID: meta(WORKER_ID),
             FRAGMENT_ID: meta(FRAGMENT_ID),

@@ -8,7 +8,9 @@ groups ``[env, agent]``), laid out as in :mod:`core.layout` minus the time dim, 
      "next": {"agents": {"observation", "reward", "terminated", "truncated", "done"},
               "done": [E, 1], "terminated": [E, 1], "truncated": [E, 1]}}
 
-No TensorDict is built per step: :class:`FragmentBuilder` appends the leaves to per-key lists and, at the
+A nested node may also be a plain ``TensorDict`` (e.g. an env's ``"next"`` output as it came): its own key
+dict is walked, nothing is converted. No TensorDict is built per step: :class:`FragmentBuilder` appends the
+leaves to per-key lists and, at the
 fragment boundary, runs one ``torch.stack(dim=1)`` per key and wraps the result once in a TensorDict with
 explicit group batch sizes (notes/tensordict-hot-paths.md, patterns 1-3). ``add_step_`` stores
 *references*: a caller must hand fresh tensors each step, not refill the same buffers in place.
@@ -107,7 +109,8 @@ class FragmentBuilder:
         only; a later shape change surfaces at :meth:`build`, naming the key.
         """
         if self._layout is None:
-            if not isinstance(step.get(NEXT), dict) or DONE not in step[NEXT]:
+            nxt = step.get(NEXT)
+            if not isinstance(nxt, dict) and type(nxt) is not TensorDict or DONE not in nxt.keys():
                 raise KeyError(f"a step needs the env-level ({NEXT!r}, {DONE!r}) flag [E, 1]")
             if METADATA_KEYS & set(step):
                 raise KeyError(f"step carries metadata keys {sorted(METADATA_KEYS & set(step))}: build sets them")

