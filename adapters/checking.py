@@ -84,6 +84,7 @@ class LeafCheck:
             # bounds in the leaf's own dtype: comparisons then need no casts
             low, high = np.maximum(low, -big).astype(dtype), np.minimum(high, big).astype(dtype)
         self.low, self.high = low, high
+        self._floating = floating
         self.skip = not floating and _covers_dtype(low, high, leaf.dtype)
         self.unbounded = floating and bool(np.all(low <= -big) and np.all(high >= big))
         self.scalar = low.size == 0 or (np.all(low == low.flat[0]) and np.all(high == high.flat[0]))
@@ -125,10 +126,18 @@ class LeafCheck:
         bad = bad.reshape(*arr.shape[:batch_ndim], -1).any(-1)
         return bad if bad.any() else None
 
+    def quick_ok(self, sample: np.ndarray) -> bool:
+        """True when ``sample`` (any shape) is small enough for the Python check and passes it; False means
+        "not known to be fine" (check it with :meth:`bad`). For one sample at a time (a reset observation)."""
+        if self.skip:
+            return True
+        return sample.size <= (_SMALL_SCALAR if self.scalar else _SMALL) and self._small_ok(sample.ravel().tolist())
+
     def _small_ok(self, values: list) -> bool:
         """Every value inside its bounds (NaN fails every comparison, so it is caught too)."""
         if self.scalar:  # the sum is NaN or Inf iff a value is (doubles: float32 values cannot overflow it)
-            return min(values) >= self._lo and max(values) <= self._hi and math.isfinite(sum(values))
+            return min(values) >= self._lo and max(values) <= self._hi and (
+                not self._floating or math.isfinite(sum(values)))
         n = len(self._low_list)
         if len(values) % n:
             return False

@@ -41,6 +41,8 @@ class _GymnasiumBase(AdapterBase):
         self._counters = self._checker.counters
         self._closed = False
         self._root: list[np.ndarray] | None = None  # last root observation, [E, 1, *leaf] per leaf
+        #: set by a subclass's _reset_envs: the reset rows whose values it did not check itself (None: all)
+        self._unchecked_rows: np.ndarray | None = None
         self._views = [(num_envs, 1, *c.leaf.shape) for c in self._obs.leaves]
         self._obs_keys = [((AGENT, OBSERVATION, *c.key), (NEXT, AGENT, OBSERVATION, *c.key)) for c in self._obs.leaves]
 
@@ -85,9 +87,15 @@ class _GymnasiumBase(AdapterBase):
 
     def _reset_checked(self, mask: np.ndarray | None, seed: int | None) -> list[np.ndarray]:
         for _ in range(_RESET_TRIES):
+            self._unchecked_rows = None
             root = self._agent_view(self._reset_envs(mask, seed))
-            # only the reset rows are new (the others were checked as "next" already)
-            self._check_obs(root, False, None if mask is None else np.flatnonzero(mask))
+            # only the reset rows are new (the others were checked as "next" already), minus those the
+            # subclass checked one by one while resetting
+            rows = None if mask is None else np.flatnonzero(mask)
+            if self._unchecked_rows is not None:
+                rows = self._unchecked_rows
+            if rows is None or rows.size:
+                self._check_obs(root, False, rows)
             errors = self._checker.take()
             if not errors:
                 return root

@@ -116,19 +116,26 @@ class GymnasiumVectorEnv(_GymnasiumBase):
     def _reset_envs(self, mask, seed):
         if mask is not None and seed is None and self._direct and self._current is not None:
             arrays = [a.copy() for a in self._current]
-            plain = self._obs.plain
+            plain, quick = self._obs.plain, self._checks[0].quick_ok
+            unchecked = []
             for i in np.flatnonzero(mask).tolist():
                 obs, _ = self._base.envs[i].reset()
                 self._base._autoreset_envs[i] = False  # no NEXT_STEP dummy step, no DISABLED assertion
                 self._base._env_obs[i] = obs
                 if plain is not None and type(obs) is np.ndarray and obs.shape == plain[0] and obs.dtype == plain[1]:
                     arrays[0][i] = obs  # the usual case: one array leaf of the right shape and dtype
-                elif (problem := self._obs.write(obs, arrays, i)) is not None:
+                    if not quick(obs):  # values not known to be fine: the batched check locates the problem
+                        unchecked.append(i)
+                    continue
+                unchecked.append(i)
+                if (problem := self._obs.write(obs, arrays, i)) is not None:
                     self._checker.report(EnvOutputError(problem[1], env_index=int(i), agent=AGENT,
                                                         key=(AGENT, OBSERVATION, *problem[0])))
+            self._unchecked_rows = np.array(unchecked, dtype=np.int64)
         else:
             options = None if mask is None else {"reset_mask": mask.copy()}
             arrays = self._flat(self.env.reset(seed=seed, options=options)[0])
+            self._unchecked_rows = None
         self._current = arrays
         return arrays
 

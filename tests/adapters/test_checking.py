@@ -274,3 +274,41 @@ def test_int_action_lists_check_present_agents_only():
     legal[0, 1, 2] = False
     with pytest.raises(IllegalActionError, match="masked"):
         check.int_lists(acts([[1, 2], [3, 4]]), None, legal)
+
+
+class BadResetEnv(gym.Env):
+    """Plain Box observations; its second reset (the first one inside a step) returns an out-of-bounds one."""
+
+    observation_space = spaces.Box(-1, 1, (3,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, bad: bool = False) -> None:
+        self.bad, self.resets, self.t = bad, 0, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.resets, self.t = self.resets + 1, 0
+        value = 2.0 if self.bad and self.resets == 2 else 0.5
+        return np.full(3, value, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(3, np.float32), 1.0, self.t >= 2, False, {}
+
+
+def test_bad_reset_observation_inside_a_step_is_named_or_retried():
+    """The sync vector env's direct resets check each reset observation: strict names the env, lenient resets
+    that env again and counts the retry; a good reset observation passes untouched."""
+    fns = [BadResetEnv, partial(BadResetEnv, True), BadResetEnv]
+    strict = GymnasiumVectorEnv(SyncVectorEnv(fns))
+    strict.reset(seed=0)
+    strict.step(actions(3))
+    with pytest.raises(EnvOutputError) as info:
+        strict.step(actions(3))  # every env ends: env 1's new observation is out of bounds
+    assert (info.value.env_index, info.value.key) == (1, ("agent", "observation"))
+    lenient = GymnasiumVectorEnv(SyncVectorEnv(fns), check="lenient")
+    lenient.reset(seed=0)
+    lenient.step(actions(3))
+    out = lenient.step(actions(3))
+    assert lenient.counters["invalid_reset_retries"] == 1
+    assert out["agent", "observation"][:, 0].tolist() == [[0.5] * 3] * 3

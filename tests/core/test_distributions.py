@@ -270,3 +270,18 @@ def test_log_softmax_matches_torch_values_and_gradients(shape):
     weights = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     (g_ours,), (g_ref,) = (torch.autograd.grad((y.clamp_min(-1e4) * weights).sum(), x) for y in (ours, ref))
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (1024, 1, 2), (600, 3, 5)])
+def test_log_prob_and_entropy_at_match_torch(shape):
+    """Both paths of log_prob_at / log_prob_entropy_at give Categorical's log_prob and entropy."""
+    from core.policies.distributions import log_prob_at, log_prob_entropy_at
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(shape, generator=gen) * 3
+    index = torch.randint(0, shape[-1], shape[:-1], generator=gen)
+    dist = D.Categorical(logits=logits)
+    torch.testing.assert_close(log_prob_at(logits, index), dist.log_prob(index).unsqueeze(-1))
+    lp, ent = log_prob_entropy_at(logits, index)
+    torch.testing.assert_close(lp, dist.log_prob(index).unsqueeze(-1))
+    torch.testing.assert_close(ent, dist.entropy().unsqueeze(-1))
