@@ -47,7 +47,7 @@ from orchestration.envs import make_run_env
 from orchestration.trainer import build_policies, episode_metrics
 from orchestration.learner import FixedLearner, PPOLearner
 from orchestration.ray_fleet import RayFleet, Weights
-from orchestration.ray_session import check_resources, cpus_needed, init_ray
+from orchestration.ray_session import check_resources, cpus_needed, init_ray, kill_actor
 from orchestration.ray_learner import LearnerMirrors, RemoteLearner, RemoteLearnerCheckpoints, learner_options
 from orchestration.ray_stats import RemoteEpisodeStatistics, fragment_accounting, merge_monitors
 from orchestration.wire import from_wire, to_wire
@@ -311,10 +311,7 @@ class RayTrainer:
         self._closed = True
         self.fleet.shutdown()
         for handle in [*self.handles.values(), self.stats, self.checkpoints]:
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:
-                pass
+            kill_actor(handle)
         if self._owns_ray:
             ray.shutdown()
 

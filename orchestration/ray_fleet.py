@@ -34,6 +34,7 @@ from orchestration.assignment import assign
 from orchestration.config import TrainConfig
 from orchestration.envs import make_run_env
 from orchestration.ray_learner import policy_module
+from orchestration.ray_session import kill_actor, try_get
 from orchestration.ray_stats import PipelineMonitor, TimedEnv, episode_arrays
 from orchestration.wire import from_wire, to_wire
 
@@ -286,7 +287,7 @@ class RayFleet:
         """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``."""
         old = self.slots[index]
         self.dead.add(old.worker_id)
-        _kill(old.handle)
+        kill_actor(old.handle)
         if self.restarts >= self.ray_config.max_worker_restarts:
             raise RuntimeError(f"rollout worker restarts exhausted ({self.restarts})") from cause
         self.restarts += 1
@@ -359,7 +360,7 @@ class RayFleet:
         """Reports of the workers answering within ``timeout`` (served beside sampling; others skipped)."""
         refs = [s.handle.report.remote() for s in self.slots]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        reports = [r for r in map(_try_get, ready) if r is not None]
+        reports = [r for r in map(try_get, ready) if r is not None]
         for report in reports:
             self._record(report)
         return reports
@@ -370,7 +371,7 @@ class RayFleet:
         for slot in running:
             slot.handle.stop.remote()
         for slot in running:
-            report = _try_get(slot.run_ref, timeout)
+            report = try_get(slot.run_ref, timeout)
             if report is None:
                 self.dead.add(slot.worker_id)
             else:
@@ -379,7 +380,7 @@ class RayFleet:
 
     def alive(self, timeout: float = 5.0) -> int:
         """How many workers answer a call within ``timeout``."""
-        return sum(_try_get(ref, timeout) is not None for ref in [s.handle.info.remote() for s in self.slots])
+        return sum(try_get(ref, timeout) is not None for ref in [s.handle.info.remote() for s in self.slots])
 
     def handles(self) -> list:
         """The current worker handles, by slot."""
@@ -388,22 +389,7 @@ class RayFleet:
     def shutdown(self) -> None:
         """Kills every worker."""
         for slot in self.slots:
-            _kill(slot.handle)
-
-
-def _try_get(ref, timeout: float | None = None):
-    """``ray.get``, or None when the actor died, the call failed or ``timeout`` passed."""
-    try:
-        return ray.get(ref, timeout=timeout)
-    except (ray.exceptions.RayError, TimeoutError):
-        return None
-
-
-def _kill(handle) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # already gone
-        pass
+            kill_actor(slot.handle)
 
 
 __all__ = ["RayFleet", "RemoteRolloutWorker", "RolloutWorker", "Weights", "worker_id_of", "worker_seed"]

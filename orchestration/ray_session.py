@@ -1,4 +1,5 @@
-"""Joining or starting Ray for a run, and checking that the run's reservations fit the cluster.
+"""Joining or starting Ray for a run, checking that the run's reservations fit the cluster, and the two
+tolerant calls on actor handles that may have died (:func:`try_get`, :func:`kill_actor`).
 
 :func:`init_ray` is the only ``ray.init`` of the project (the composition root,
 :func:`orchestration.ray_backend.build_ray_trainer`, calls it).
@@ -53,4 +54,20 @@ def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: in
         warnings.warn(message, stacklevel=3)
 
 
-__all__ = ["check_resources", "cpus_needed", "init_ray"]
+def try_get(ref, timeout: float | None = None):
+    """``ray.get``, or None when the actor died, the call failed or ``timeout`` passed."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except (ray.exceptions.RayError, TimeoutError):
+        return None
+
+
+def kill_actor(handle) -> None:
+    """``ray.kill`` without restart; an actor that is already gone is fine."""
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
+__all__ = ["check_resources", "cpus_needed", "init_ray", "kill_actor", "try_get"]
