@@ -175,8 +175,8 @@ class StepLayout:
         else:
             env_term = torch.from_numpy(env_terminated.reshape(e, 1))
             env_trunc = torch.from_numpy(env_truncated.reshape(e, 1))
-            done = nxt[0].done if len(nxt) == 1 and nxt[0].terminated is env_terminated else None
-            env_done = torch.from_numpy((env_terminated | env_truncated if done is None else done).reshape(e, 1))
+            given = nxt[0].done if len(nxt) == 1 and nxt[0].terminated is env_terminated else None
+            env_done = torch.from_numpy((env_terminated | env_truncated if given is None else given).reshape(e, 1))
         out = {}
         for (name, spec), g in zip(self.groups.items(), nxt):
             batch = self._group_batch[name]

@@ -244,8 +244,9 @@ class ActionCheck:
         self._shapes = [torch.Size((*self._batch, *leaf.shape)) for _, leaf in self.leaves]
         self._rows = np.arange(num_envs * spec.capacity)
         leaf = self.leaves[0][1]
-        if len(self.leaves) == 1 and leaf.kind == "discrete":  # bounds for int_lists
-            self._int_low, self._int_high = leaf.start, leaf.start + leaf.n - 1
+        #: ``(low, high)`` of a group whose action is one discrete leaf (:meth:`int_lists`), else None
+        one_discrete = len(self.leaves) == 1 and leaf.kind == "discrete"
+        self._int_bounds = (leaf.start, leaf.start + leaf.n - 1) if one_discrete else None
 
     def arrays(self, actions: TensorDictBase, present: np.ndarray | None,
                action_mask: np.ndarray | None) -> list[np.ndarray] | None:
@@ -298,12 +299,14 @@ class ActionCheck:
         the tensor with one ``tolist()`` and checks it in Python (measured ~4x cheaper than ``numpy()`` plus
         the array check for a few agents).
         """
-        (_, leaf), key = self.leaves[0], self._keys[0]
+        if self._int_bounds is None:
+            raise TypeError(f"group {self.spec.name!r}: int_lists needs one discrete action leaf")
+        (_, leaf), key, (low, high) = self.leaves[0], self._keys[0], self._int_bounds
         t = _get(actions, key)
         if t is not None and action_mask is None and t.shape == self._shapes[0] and t.dtype == leaf.dtype:
             values = t.tolist()
             flat = values[0] if len(values) == 1 else [v for row in values for v in row]
-            if flat and self._int_low <= min(flat) and max(flat) <= self._int_high:
+            if flat and low <= min(flat) and max(flat) <= high:
                 return values
         arrays = self.arrays(actions, present, action_mask)  # the full check, and its errors
         return None if arrays is None else arrays[0].tolist()

@@ -41,8 +41,6 @@ class _GymnasiumBase(AdapterBase):
         self._counters = self._checker.counters
         self._closed = False
         self._root: list[np.ndarray] | None = None  # last root observation, [E, 1, *leaf] per leaf
-        #: set by a subclass's _reset_envs: the reset rows whose values it did not check itself (None: all)
-        self._unchecked_rows: np.ndarray | None = None
         self._views = [(num_envs, 1, *c.leaf.shape) for c in self._obs.leaves]
         self._obs_keys = [((AGENT, OBSERVATION, *c.key), (NEXT, AGENT, OBSERVATION, *c.key)) for c in self._obs.leaves]
 
@@ -68,8 +66,13 @@ class _GymnasiumBase(AdapterBase):
         """
         raise NotImplementedError
 
-    def _reset_envs(self, mask: np.ndarray | None, seed: int | None) -> list[np.ndarray]:
-        """Resets the envs of ``mask`` (all when None); returns the observation of every env, ``[E, *leaf]``."""
+    def _reset_envs(self, mask: np.ndarray | None, seed: int | None) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Resets the envs of ``mask`` (all when None).
+
+        Returns:
+            The observation of every env (``[E, *leaf]`` per leaf), and the indices of the reset envs whose
+            values still need the batched check (None: every reset env; the others were checked one by one).
+        """
         raise NotImplementedError
 
     # -- shared ---------------------------------------------------------------------------------------------
@@ -87,13 +90,12 @@ class _GymnasiumBase(AdapterBase):
 
     def _reset_checked(self, mask: np.ndarray | None, seed: int | None) -> list[np.ndarray]:
         for _ in range(_RESET_TRIES):
-            self._unchecked_rows = None
-            root = self._agent_view(self._reset_envs(mask, seed))
+            arrays, rows = self._reset_envs(mask, seed)
+            root = self._agent_view(arrays)
             # only the reset rows are new (the others were checked as "next" already), minus those the
             # subclass checked one by one while resetting
-            rows = None if mask is None else np.flatnonzero(mask)
-            if self._unchecked_rows is not None:
-                rows = self._unchecked_rows
+            if rows is None and mask is not None:
+                rows = np.flatnonzero(mask)
             if rows is None or rows.size:
                 self._check_obs(root, False, rows)
             errors = self._checker.take()

@@ -49,7 +49,7 @@ class GymnasiumEnv(_GymnasiumBase):
 
     def _reset_envs(self, mask, seed):
         obs, _ = self.env.reset(seed=seed)
-        return self._sample(obs, (AGENT, OBSERVATION))
+        return self._sample(obs, (AGENT, OBSERVATION)), None
 
     def _env_step(self, actions):
         obs, reward, term, trunc, _ = self.env.step(self._act.unflatten([a[0] for a in actions], ()))
@@ -131,13 +131,13 @@ class GymnasiumVectorEnv(_GymnasiumBase):
                 if (problem := self._obs.write(obs, arrays, i)) is not None:
                     self._checker.report(EnvOutputError(problem[1], env_index=int(i), agent=AGENT,
                                                         key=(AGENT, OBSERVATION, *problem[0])))
-            self._unchecked_rows = np.array(unchecked, dtype=np.int64)
+            rows = np.array(unchecked, dtype=np.int64)
         else:
             options = None if mask is None else {"reset_mask": mask.copy()}
             arrays = self._flat(self.env.reset(seed=seed, options=options)[0])
-            self._unchecked_rows = None
+            rows = None
         self._current = arrays
-        return arrays
+        return arrays, rows
 
     def _env_step(self, actions):
         obs, reward, term, trunc, info = self.env.step(self._act.unflatten(actions, self._batch))

@@ -101,15 +101,11 @@ class _PettingZooBase(AdapterBase):
         self._action_checks = [ActionCheck(spec, num_envs) for spec in self._specs]
         self._batch_shapes = [(num_envs, spec.capacity) for spec in self._specs]
         self._no_masks = [None] * len(self._specs)  # "every agent present", per group
-        # (shape, dtype, padding or None for zeros) of every observation leaf, per group
-        self._obs_buffers = [[((num_envs, spec.capacity, *c.leaf.shape), c.np_dtype, None if not pad.any() else pad)
-                              for c, pad in zip(codec.leaves, codec.pads)]
-                             for spec, codec in zip(self._specs, self._group_codec)]
         # (group, leaf, check, key after a step, key at a reset, agent names) of every observation leaf
-        self._obs_checks = [(gi, li, check, (NEXT, spec.name, OBSERVATION, *c.key), (spec.name, OBSERVATION, *c.key),
-                             spec.agent_names)
-                            for gi, (spec, codec, checks) in enumerate(zip(self._specs, self._group_codec, self._checks))
-                            for li, (c, check) in enumerate(zip(codec.leaves, checks))]
+        self._obs_checks = [
+            (gi, li, check, (NEXT, spec.name, OBSERVATION, *c.key), (spec.name, OBSERVATION, *c.key), spec.agent_names)
+            for gi, (spec, codec, checks) in enumerate(zip(self._specs, self._group_codec, self._checks))
+            for li, (c, check) in enumerate(zip(codec.leaves, checks))]
         self._reward_keys = [((NEXT, spec.name, REWARD), spec.agent_names) for spec in self._specs]
         self._info_mask = action_mask in ("auto", "info")
         self._state = SpaceCodec(state_space, SHARED) if state_space is not None else None
@@ -143,8 +139,7 @@ class _PettingZooBase(AdapterBase):
     # -- buffers --------------------------------------------------------------------------------------------
     def _new_obs(self) -> list[list[np.ndarray]]:
         """Fresh observation buffers ``[E, A, *leaf]`` per group and leaf, filled with the padding."""
-        return [[np.zeros(shape, dtype) if pad is None else np.full(shape, pad, dtype) for shape, dtype, pad in group]
-                for group in self._obs_buffers]
+        return [codec.buffers(batch) for codec, batch in zip(self._group_codec, self._batch_shapes)]
 
     def _new_root(self, obs: bool = True, mask: bool = True) -> dict:
         """Fresh root buffers.
@@ -177,13 +172,12 @@ class _PettingZooBase(AdapterBase):
                 if value and (slot := self._slot(e, agent, (NEXT, name))) is not None:
                     buf[slot.group][e, slot.slot] = True
 
-    def _clear_row(self, root: dict, e: int, obs: bool = True) -> None:
+    def _clear_row(self, root: dict, e: int) -> None:
         if root["mask"] is None:  # every agent was present: the row about to change needs real masks
             root["mask"] = [np.ones(s, dtype=bool) for s in self._batch_shapes]
         for gi, codec in enumerate(self._group_codec):
-            if obs:
-                for buf, pad in zip(root["obs"][gi], codec.pads):
-                    buf[e] = pad
+            for buf, pad in zip(root["obs"][gi], codec.pads):
+                buf[e] = pad
             root["mask"][gi][e] = False
             if root["amask"][gi] is not None:
                 root["amask"][gi][e] = True

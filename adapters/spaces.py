@@ -139,21 +139,21 @@ class SpaceCodec:
         self._plain = all(c.offset is None and c.gym_shape == c.leaf.shape for c in self.leaves)
         self.pads = [pad_value(c.leaf) for c in self.leaves]
         self._zero_pad = [not pad.any() for pad in self.pads]
+        self._layouts: dict[tuple[int, ...], list[tuple]] = {}  # batch -> (shape, dtype, pad or None) per leaf
         leaf = self.leaves[0]
         #: ``(shape, dtype)`` of a sample that can be written as is (one plain leaf), else None.
         self.plain = (leaf.gym_shape, leaf.np_dtype) if self._bare and self._plain else None
 
     def buffers(self, batch: tuple[int, ...]) -> list[np.ndarray]:
-        """Fresh arrays ``[*batch, *leaf.shape]``, one per leaf, filled with the padding value."""
-        out = []
-        for c, pad, zero in zip(self.leaves, self.pads, self._zero_pad):
-            if zero:
-                out.append(np.zeros((*batch, *c.leaf.shape), dtype=c.np_dtype))
-            else:
-                buf = np.empty((*batch, *c.leaf.shape), dtype=c.np_dtype)
-                buf[...] = pad
-                out.append(buf)
-        return out
+        """Fresh arrays ``[*batch, *leaf.shape]``, one per leaf, filled with the padding value.
+
+        The per-leaf shapes are worked out once per batch shape (adapters call this every step).
+        """
+        layout = self._layouts.get(batch)
+        if layout is None:
+            layout = self._layouts[batch] = [((*batch, *c.leaf.shape), c.np_dtype, None if zero else pad)
+                                             for c, pad, zero in zip(self.leaves, self.pads, self._zero_pad)]
+        return [np.zeros(shape, dtype) if pad is None else np.full(shape, pad, dtype) for shape, dtype, pad in layout]
 
     def write(self, sample, bufs: Sequence[np.ndarray], index) -> tuple[tuple[str, ...], str] | None:
         """Writes one sample (no batch dims) into ``bufs[i][index]``.

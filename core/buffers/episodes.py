@@ -112,11 +112,10 @@ def _scan_group(rollout: TensorDict, group: str, carry: TensorDict) -> tuple[Ten
         return value.reshape(e * t).index_select(0, flat) if value is not None else \
             torch.full((k,), -1, device=done.device)
 
-    env_id = rollout.get(ENV_ID, None)
     agent_return = returns[0].unsqueeze(-1).to(reward.dtype)
     records = TensorDict(
         {
-            ENV_ID: meta(ENV_ID) if env_id is not None else e_idx,
+            ENV_ID: meta(ENV_ID) if ENV_ID in rollout.keys() else e_idx,
             EPISODE_ID: meta(EPISODE_ID),
             WORKER_ID: meta(WORKER_ID),
             FRAGMENT_ID: meta(FRAGMENT_ID),

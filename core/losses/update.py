@@ -38,7 +38,8 @@ def ppo_update_(
     Data: ``batch`` is flat, batch ``[N]`` at the root (a rollout after ``reshape(-1)``), with ``batch[group]``
     of batch ``[N, A]`` holding ``advantage``, ``log_prob``, ``state_value``, ``value_target`` ``[N, A, 1]``
     and optionally ``mask`` ``[N, A]``. ``("next", ...)`` entries and the fragment metadata (policy version,
-    worker, fragment, episode and env ids) are dropped before minibatching (PPO does not read them). Each epoch draws one ``torch.randperm(N, generator=generator)``, indexes the batch once
+    worker, fragment, episode and env ids) are dropped before minibatching (PPO does not read them).
+    Each epoch draws one ``torch.randperm(N, generator=generator)``, indexes the batch once
     and splits it into minibatches of ``cfg.minibatch_size`` transitions (the last may be smaller): every
     transition is used once per epoch (detail 6), and the agents of a transition stay together.
 
