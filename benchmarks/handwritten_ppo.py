@@ -99,7 +99,8 @@ def run(hparams: Mapping[str, Any] = DEFAULT_HPARAMS, seed: int = 0, stop_return
     hp = {**DEFAULT_HPARAMS, **hparams}
     start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)  # initial weights (a script's entry point, as Shoal's build_trainer does)
-    gen = torch.Generator().manual_seed(seed)
+    sample_gen = torch.Generator().manual_seed(seed)  # action noise
+    perm_gen = torch.Generator().manual_seed(seed)  # minibatch order
     n_env, n_t = hp["num_envs"], hp["fragment_length"]
     envs = SyncVectorEnv([partial(gym.make, hp["env_id"])] * n_env, autoreset_mode=AutoresetMode.SAME_STEP)
     obs_dim = int(np.prod(envs.single_observation_space.shape))
@@ -141,7 +142,8 @@ def run(hparams: Mapping[str, Any] = DEFAULT_HPARAMS, seed: int = 0, stop_return
                 b_obs[t] = obs
                 logits = actor(obs)
                 log_p = logits.log_softmax(-1)
-                action = torch.multinomial(log_p.exp(), 1, generator=gen)  # [E, 1]
+                noise = torch.empty_like(logits).exponential_(generator=sample_gen).log_()
+                action = (logits - noise).argmax(-1, keepdim=True)  # [E, 1], Gumbel-max
                 b_act[t] = action[:, 0]
                 b_logp[t] = log_p.gather(-1, action)[:, 0]
                 b_val[t] = critic(obs)[:, 0]
@@ -175,11 +177,12 @@ def run(hparams: Mapping[str, Any] = DEFAULT_HPARAMS, seed: int = 0, stop_return
         t1 = time.perf_counter()
         t_sample += t1 - t0
 
-        f_obs, f_act, f_logp = b_obs.reshape(-1, obs_dim), b_act.reshape(-1), b_logp.reshape(-1)
-        f_adv, f_ret = adv.reshape(-1), ret.reshape(-1)
+        # env-major, as Shoal's flattened [E, T] batch
+        f_obs, f_act, f_logp = b_obs.transpose(0, 1).reshape(-1, obs_dim), b_act.t().reshape(-1), b_logp.t().reshape(-1)
+        f_adv, f_ret = adv.t().reshape(-1), ret.t().reshape(-1)
         n = f_obs.shape[0]
         for _ in range(hp["num_epochs"]):
-            perm = torch.randperm(n, generator=gen)
+            perm = torch.randperm(n, generator=perm_gen)
             for s in range(0, n, hp["minibatch_size"]):
                 idx = perm[s:s + hp["minibatch_size"]]
                 log_p = actor(f_obs[idx]).log_softmax(-1)

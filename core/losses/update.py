@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -132,10 +133,14 @@ def _clear_grads(params: list[torch.Tensor]) -> None:
 def _clip_grad_norm_(params: list[torch.Tensor], max_norm: float | None, loss: torch.Tensor) -> torch.Tensor | None:
     """Clips gradients to global norm ``max_norm``; returns the pre-clip norm, or None if it or the loss is not finite.
 
-    Same factor as ``torch.nn.utils.clip_grad_norm_``; nothing is clipped when None is returned. The norm
-    comes to the host anyway for the finite check (the one sync of a step), so the clip factor is a Python
-    float: about half the cost of ``clip_grad_norm_`` (~95 vs ~180 us here, 12 tensors). Assumes the
-    gradients share one device.
+    Bit for bit the factor of ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, evaluated as
+    torch evaluates it in the gradients' dtype); nothing is clipped when None is returned. The norm comes to
+    the host anyway for the finite check (the one sync of a step), so for float32 gradients the factor is
+    computed on the host in float32 arithmetic: about half the cost of ``clip_grad_norm_`` (~95 vs ~180 us
+    here, 12 tensors). Being bit-identical matters: Adam amplifies a last-bit difference in one step's
+    gradients ~10x per iteration, so two otherwise identical PPO runs drift apart within a dozen iterations
+    (``benchmarks/cartpole_time_to_450.py`` pairs ours and a hand-written PPO on the same random streams).
+    Assumes the gradients share one device.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -145,11 +150,29 @@ def _clip_grad_norm_(params: list[torch.Tensor], max_norm: float | None, loss: t
     norm_f = norm.item()
     if not (math.isfinite(norm_f) and math.isfinite(loss.item())):
         return None
-    if max_norm is not None:
-        coef = max_norm / (norm_f + 1e-6)  # the constant of torch.nn.utils.clip_grad_norm_
+    if max_norm is not None and grads:
+        coef = _clip_factor(norm, norm_f, max_norm)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
     return norm
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (a float32 operation is its exact result rounded once)."""
+    return _F32.unpack(_F32.pack(x))[0]
+
+
+_F32 = struct.Struct("f")
+
+
+def _clip_factor(norm: torch.Tensor, norm_f: float, max_norm: float) -> float:
+    """``max_norm / (norm + 1e-6)`` as ``clip_grad_norm_`` computes it: ``(norm + 1e-6).reciprocal() *
+    max_norm`` in ``norm``'s dtype (``Tensor.__rdiv__``), each step rounded to float32 for float32 norms."""
+    if norm.dtype == torch.float32:
+        return _f32(_f32(1.0 / _f32(norm_f + _f32(1e-6))) * _f32(max_norm))
+    if norm.dtype == torch.float64:
+        return (1.0 / (norm_f + 1e-6)) * max_norm
+    return float(max_norm / (norm + 1e-6))
 
 
 def _prepared(batch: TensorDictBase, group: str) -> tuple[TensorDictBase, int]:
