@@ -14,7 +14,11 @@ Departures from CleanRL, each to match Shoal's semantics (so the two measure the
 - Finished episodes are counted per iteration in env-then-time order (Shoal's ``FragmentBuilder`` scan order),
   then appended to a 100-long deque; the criterion is the mean of its last ``window`` entries, checked after
   each iteration (Shoal's ``Trainer`` reports per iteration).
-- Actions are drawn with ``torch.multinomial`` from a seeded generator (not ``Categorical``: cheaper).
+- Randomness is laid out as Shoal lays it out, so that one seed gives both the same run (see
+  ``cartpole_time_to_450.py``, "paired runs"): actions are drawn by Gumbel-max (``argmax(logits - log E)``,
+  ``E ~ Exp(1)``: a ``Categorical`` draw) from a generator seeded with ``seed`` (Shoal's actor), minibatch
+  permutations come from a second generator seeded with ``seed`` (Shoal's learner), and minibatches index the
+  rollout env-major (Shoal's flattened ``[E, T]`` batch).
 - Past the annealing horizon the learning rate stays 0 (Shoal's formula would go negative there).
 
     from benchmarks.handwritten_ppo import DEFAULT_HPARAMS, run
@@ -72,7 +76,8 @@ def _mlp(sizes: list[int], hidden_gain: float, out_gain: float) -> torch.nn.Sequ
 
 
 def run(hparams: Mapping[str, Any] = DEFAULT_HPARAMS, seed: int = 0, stop_return: float = 450.0,
-        max_steps: int = 300_000, window: int = 10, deadline_s: float | None = None) -> dict[str, Any]:
+        max_steps: int = 300_000, window: int = 10, deadline_s: float | None = None,
+        return_modules: bool = False) -> dict[str, Any]:
     """Trains until the mean return of the last ``window`` finished episodes reaches ``stop_return``.
 
     The clock starts before the envs and networks are built (the caller imports beforehand).
@@ -85,6 +90,7 @@ def run(hparams: Mapping[str, Any] = DEFAULT_HPARAMS, seed: int = 0, stop_return
         window: how many of the most recent finished episodes the criterion averages (10 or 100); the
             criterion needs at least ``window`` finished episodes.
         deadline_s: wall-clock cap in seconds (None: none).
+        return_modules: add the trained ``"actor"`` and ``"critic"`` modules to the result.
 
     Returns:
         ``time_s`` (to the end of the iteration meeting the criterion, or of the last one), ``cpu_s`` (this
@@ -216,7 +222,9 @@ def run(hparams: Mapping[str, Any] = DEFAULT_HPARAMS, seed: int = 0, stop_return
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     envs.close()
     r = list(returns)
+    modules = {"actor": actor, "critic": critic} if return_modules else {}
     return {
+        **modules,
         "time_s": elapsed, "cpu_s": cpu, "env_steps": env_steps, "reached": reached, "iterations": iteration,
         "episodes": episodes, "first": {str(w): v for w, v in sorted(first.items())},
         "return_mean_10": sum(r[-10:]) / len(r[-10:]) if r else math.nan,

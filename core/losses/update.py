@@ -11,6 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from core.layout import (ADVANTAGE, ENV_ID, EPISODE_ID, FRAGMENT_ID, LOG_PROB, MASK, NEXT, POLICY_VERSION,
                          STATE_VALUE, VALUE_TARGET, WORKER_ID)
+from core.losses.adam_step import OptimizerStep
 from core.losses.config import PPOConfig
 from core.losses.ppo import DIAGNOSTIC_KEYS, ENTROPY, LOSS_KEYS, check_shapes, diagnostics, loss_terms
 
@@ -89,6 +90,7 @@ def ppo_update_(
     stepped = (q for g in optimizer.param_groups for q in g["params"])
     owned = list({id(p): p for p in (*params, *stepped)}.values())
     data, n = _prepared(batch, group)
+    step = OptimizerStep(optimizer)  # optimizer.step(), or fused Adam's kernel called directly
     rows: list[torch.Tensor] = []  # per applied step: loss_policy, loss_value, loss_entropy, grad_norm
     kept: list[tuple] = []  # per applied step: inputs of the diagnostics, computed once at the end
     skipped = num_minibatches = epochs = 0
@@ -115,7 +117,7 @@ def ppo_update_(
                 _clear_grads(owned)
                 skipped += 1
                 continue
-            optimizer.step()
+            step()
             with torch.no_grad():
                 rows.append(torch.stack((loss_policy, loss_value, loss_entropy, grad_norm)))
             kept.append((log_ratio, value.detach(), target, entropy.detach(), mask))
