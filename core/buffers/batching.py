@@ -29,12 +29,18 @@ def _layout(td: TensorDict) -> dict:
 def concat_fragments(fragments: Sequence[TensorDict]) -> TensorDict:
     """Concatenates ``[E_i, T]`` fragments along ``env`` into one ``[sum E_i, T]`` train batch.
 
+    A single fragment comes back as a shallow copy (new TensorDict nodes, the same tensors): nothing to
+    concatenate, and copying its tensors cost ~0.5 ms per CartPole iteration. Entries added to the result do
+    not reach the fragment; the caller must not write into its tensors in place (nothing in core does).
+
     Raises:
         ValueError: no fragments, or a fragment whose keys, dtypes, or shapes (beyond the env dim, incl.
             group batch sizes) differ from the first one's; the message names the fragment and key.
     """
     if not fragments:
         raise ValueError("concat_fragments needs at least one fragment")
+    if len(fragments) == 1:
+        return fragments[0].copy()
     ref = _layout(fragments[0])
     for i, frag in enumerate(fragments[1:], 1):
         if tuple(frag.batch_size[1:]) != tuple(fragments[0].batch_size[1:]) or frag.batch_dims != fragments[0].batch_dims:

@@ -135,3 +135,11 @@ def test_is_fresh_boundaries():
     assert is_fresh(v, 3, 0).tolist() == [False, False, False, True, True]
     with pytest.raises(ValueError):
         is_fresh(v, 3, -1)
+
+
+def test_concat_of_one_fragment_is_a_shallow_copy():
+    a = TensorDict({GROUP: TensorDict({"x": torch.arange(6.0).reshape(2, 3, 1, 1)}, [2, 3, 1])}, [2, 3])
+    out = concat_fragments([a])
+    assert out is not a and out[GROUP] is not a[GROUP] and torch.equal(out[GROUP, "x"], a[GROUP, "x"])
+    out.get(GROUP).set("v", torch.zeros(2, 3, 1, 1))  # what a learner adds (values, advantages) ...
+    assert "v" not in a[GROUP].keys()  # ... does not reach the fragment other learners may share
