@@ -4,8 +4,12 @@ Shoal's trainer (gymnasium adapter, actor, fragment builder, learner, torchrl GA
 ``benchmarks/handwritten_ppo.py`` (CleanRL style, raw tensors) get the same seed and the same settings. They
 build the same initial weights, draw the same Gumbel-max noise from generators seeded alike and minibatch in the
 same (env-major) order, so unless some step differs in its arithmetic, every action, advantage and update is the
-same: after several iterations the parameters must be equal bit for bit. Any departure (a wrong flag, a GAE or
-loss detail, a grad-clip rounding, a skipped transition) makes the two runs drift apart within a few iterations.
+same. On this machine the parameters after five iterations are equal bit for bit; the test allows 1e-6, because a
+matrix product's rounding may depend on the batch size on another CPU (the reference runs its critic per step,
+Shoal on the whole batch), and such last-bit differences stay below 1e-6 for the first ~8 iterations. A real
+departure moves them far more: normalising advantages by the biased instead of the unbiased std (a 0.2% change)
+already leaves a 2e-4 difference after five iterations; a wrong flag, GAE detail, skipped transition or another
+minibatch order, more.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def one_thread():
 
 
 @pytest.mark.parametrize("seed", [0, 7])
-def test_trainer_matches_handwritten_ppo_bit_for_bit(seed, one_thread):
+def test_trainer_matches_handwritten_ppo(seed, one_thread):
     cfg = TrainConfig(seed=seed)  # gymnasium CartPole-v1, 16 envs x 64 steps, 4 epochs of minibatch 256
     trainer = build_trainer(cfg)
     for _ in range(ITERATIONS):
@@ -59,6 +63,7 @@ def test_trainer_matches_handwritten_ppo_bit_for_bit(seed, one_thread):
     for name, layer in pairs.items():
         for kind in ("weight", "bias"):
             ours_p, hand_p = ours[f"{name}.{kind}"], getattr(layer, kind)
-            assert torch.equal(ours_p, hand_p), f"{name}.{kind}: max diff {(ours_p - hand_p).abs().max().item():.3g}"
+            diff = (ours_p - hand_p).abs().max().item()
+            assert diff <= 1e-6, f"{name}.{kind}: max diff {diff:.3g}"
             moved |= bool(hand_p.abs().sum() > 0) and kind == "bias"  # biases start at zero: training happened
     assert moved
