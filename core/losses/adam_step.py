@@ -4,7 +4,7 @@
 the fused kernel is ~30 µs; the rest is Python around it (hook dispatch, ``_init_group`` rebuilding the
 state lists, grouping by device and dtype). PPO steps the same optimizer 16-100 times in a row on the same
 parameters, so :class:`OptimizerStep` builds those lists once and calls the kernel itself: ~60 µs saved
-per minibatch, bit for bit the same update (``tests/test_adam_step.py``). Anything it does not handle
+per minibatch, bit for bit the same update (``tests/core/test_adam_step.py``). Anything it does not handle
 (another optimizer, amsgrad, weight decay, hooks, several groups or devices, a parameter without a
 gradient this step) goes through ``optimizer.step()`` unchanged.
 """

@@ -59,7 +59,8 @@ def ppo_update_(
     steps. Reading loss and norm on the host is the one sync per minibatch; diagnostics are computed once at
     the end. Gradients of ``params`` and of the optimizer's parameters are reset to None before each backward
     and after a skipped step. Recommended optimizer (CPU, notes/tensordict-hot-paths.md pattern 6; detail 3):
-    ``torch.optim.Adam(params, lr=3e-4, eps=1e-5, fused=True)``.
+    ``torch.optim.Adam(params, lr=3e-4, eps=1e-5, fused=True)``, whose kernel is then called directly after
+    the first step (:class:`core.losses.adam_step.OptimizerStep`: the same update, ~60 µs less per step).
 
     Args:
         params: the trained parameters (a module or an iterable of tensors): clipped and checked.
