@@ -70,6 +70,7 @@ def train(argv: Sequence[str]) -> dict[str, float]:
         default = load_config(load_checkpoint(ckpt_root)[2])
     config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train",
                       description="Train with PPO. ENV may be given as the first argument.")
+    torch.set_num_threads(config.threads)
     run_dir = Path(config.run_dir)
     ckpt_root = run_dir / "checkpoints"
     if config.backend == "ray":
