@@ -47,32 +47,11 @@ from orchestration.config import TrainConfig
 from orchestration.trainer import build_trainer
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module from the repository root
-    from handwritten_ppo import run as hand_run
+    from handwritten_ppo import hparams_from_config, run as hand_run
 except ImportError:  # pragma: no cover
-    from benchmarks.handwritten_ppo import run as hand_run
+    from benchmarks.handwritten_ppo import hparams_from_config, run as hand_run
 
 WINDOWS = (10, 100)
-
-
-def hand_hparams(cfg: TrainConfig) -> dict[str, Any]:
-    """The hand-written PPO's hyper-parameters, read from ``cfg`` (refuses settings it does not implement)."""
-    pol, ppo, rc = cfg.policy, cfg.ppo, cfg.rollout
-    unsupported = {"activation": pol.activation != "tanh", "recurrent": pol.recurrent,
-                   "agent_id_input": pol.agent_id_input, "value_clip_eps": ppo.value_clip_eps is not None,
-                   "target_kl": ppo.target_kl is not None, "normalize_advantage": not ppo.normalize_advantage,
-                   "num_workers": rc.num_workers != 1, "train_batch_size": cfg.steps_per_iteration !=
-                   rc.num_envs * rc.fragment_length, "max_grad_norm": ppo.max_grad_norm is None}
-    if bad := [k for k, v in unsupported.items() if v]:
-        raise ValueError(f"the hand-written PPO does not implement these settings: {bad}")
-    return {
-        "env_id": cfg.env, "num_envs": rc.num_envs, "fragment_length": rc.fragment_length, "lr": cfg.lr,
-        "anneal_lr": cfg.anneal_lr, "iterations": cfg.iterations, "num_epochs": ppo.num_epochs,
-        "minibatch_size": ppo.minibatch_size, "gamma": ppo.gamma, "gae_lambda": ppo.gae_lambda,
-        "clip_eps": ppo.clip_eps, "value_coef": ppo.value_coef, "entropy_coef": ppo.entropy_coef,
-        "max_grad_norm": ppo.max_grad_norm, "advantage_eps": ppo.advantage_eps, "hidden_sizes": pol.hidden_sizes,
-        "hidden_gain": pol.hidden_gain, "actor_output_gain": pol.actor_output_gain,
-        "critic_output_gain": pol.critic_output_gain,
-    }
 
 
 def ours_run(cfg: TrainConfig, stop_return: float, max_steps: int, deadline_s: float | None) -> dict[str, Any]:
@@ -181,7 +160,7 @@ def main() -> None:
                                                                                   args.max_steps)
     base = TrainConfig() if args.iterations is None else TrainConfig(iterations=args.iterations)
     cap = min(max_steps, base.iterations * base.steps_per_iteration) if base.anneal_lr else max_steps
-    hp = hand_hparams(base)
+    hp = hparams_from_config(base)
 
     # Warm-up (untimed): first calls load kernels and lazily imported modules on both sides.
     ours_run(replace(base, seed=10**6), math.inf, 2 * base.steps_per_iteration, None)

@@ -75,6 +75,28 @@ def _mlp(sizes: list[int], hidden_gain: float, out_gain: float) -> torch.nn.Sequ
     return torch.nn.Sequential(*layers)
 
 
+def hparams_from_config(cfg: Any) -> dict[str, Any]:
+    """The hyper-parameters of :func:`run` read from a Shoal ``TrainConfig`` (attribute access only, so this file
+    imports nothing of Shoal's); refuses settings the hand-written PPO does not implement."""
+    pol, ppo, rc = cfg.policy, cfg.ppo, cfg.rollout
+    unsupported = {"activation": pol.activation != "tanh", "recurrent": pol.recurrent,
+                   "agent_id_input": pol.agent_id_input, "value_clip_eps": ppo.value_clip_eps is not None,
+                   "target_kl": ppo.target_kl is not None, "normalize_advantage": not ppo.normalize_advantage,
+                   "num_workers": rc.num_workers != 1, "train_batch_size": cfg.steps_per_iteration !=
+                   rc.num_envs * rc.fragment_length, "max_grad_norm": ppo.max_grad_norm is None}
+    if bad := [k for k, v in unsupported.items() if v]:
+        raise ValueError(f"the hand-written PPO does not implement these settings: {bad}")
+    return {
+        "env_id": cfg.env, "num_envs": rc.num_envs, "fragment_length": rc.fragment_length, "lr": cfg.lr,
+        "anneal_lr": cfg.anneal_lr, "iterations": cfg.iterations, "num_epochs": ppo.num_epochs,
+        "minibatch_size": ppo.minibatch_size, "gamma": ppo.gamma, "gae_lambda": ppo.gae_lambda,
+        "clip_eps": ppo.clip_eps, "value_coef": ppo.value_coef, "entropy_coef": ppo.entropy_coef,
+        "max_grad_norm": ppo.max_grad_norm, "advantage_eps": ppo.advantage_eps, "hidden_sizes": pol.hidden_sizes,
+        "hidden_gain": pol.hidden_gain, "actor_output_gain": pol.actor_output_gain,
+        "critic_output_gain": pol.critic_output_gain,
+    }
+
+
 def run(hparams: Mapping[str, Any] = DEFAULT_HPARAMS, seed: int = 0, stop_return: float = 450.0,
         max_steps: int = 300_000, window: int = 10, deadline_s: float | None = None,
         return_modules: bool = False) -> dict[str, Any]:

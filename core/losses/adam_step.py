@@ -29,18 +29,19 @@ class OptimizerStep:
         self._eligible = _plain_fused_adam(optimizer)
 
     def __call__(self) -> None:
-        lists = self._lists
-        if lists is None or _global_optimizer_pre_hooks or _global_optimizer_post_hooks:
-            self.optimizer.step()
+        lists, opt = self._lists, self.optimizer
+        if (lists is None or _global_optimizer_pre_hooks or _global_optimizer_post_hooks
+                or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks):  # hooks may come later
+            opt.step()
             if self._eligible and lists is None:
-                self._lists = _state_lists(self.optimizer)
+                self._lists = _state_lists(opt)
             return
         params, exp_avgs, exp_avg_sqs, steps = lists
         grads = [p.grad for p in params]
         if any(g is None for g in grads):  # Adam skips such parameters: let it
-            self.optimizer.step()
+            opt.step()
             return
-        group = self.optimizer.param_groups[0]
+        group = opt.param_groups[0]
         beta1, beta2 = group["betas"]
         torch._foreach_add_(steps, 1)
         torch._fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],
@@ -53,11 +54,9 @@ def _plain_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
     if type(optimizer) is not torch.optim.Adam or len(optimizer.param_groups) != 1:
         return False
     g = optimizer.param_groups[0]
-    plain = (g.get("fused") and not g.get("amsgrad") and not g.get("maximize") and not g.get("weight_decay")
+    return bool(g.get("fused") and not g.get("amsgrad") and not g.get("maximize") and not g.get("weight_decay")
              and not g.get("differentiable") and not g.get("capturable") and not g.get("decoupled_weight_decay")
              and not isinstance(g["lr"], torch.Tensor) and all(not isinstance(b, torch.Tensor) for b in g["betas"]))
-    hooks = optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-    return bool(plain) and not hooks
 
 
 def _state_lists(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], ...] | None:

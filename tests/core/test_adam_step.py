@@ -48,12 +48,15 @@ def test_hooks_and_other_optimizers_use_optimizer_step():
     net = _net(0)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=True)
     calls = []
-    opt.register_step_post_hook(lambda *_: calls.append(1))
     step = OptimizerStep(opt)
+    for k in range(3):  # the direct path is in use after the first step ...
+        _grads_(net, k)
+        step()
+    opt.register_step_post_hook(lambda *_: calls.append(1))  # ... and a hook registered now still runs
     for k in range(3):
         _grads_(net, k)
         step()
-    assert len(calls) == 3  # every step ran through optimizer.step(), hooks included
+    assert len(calls) == 3  # every step after the hook ran through optimizer.step()
     sgd = torch.optim.SGD(net.parameters(), lr=0.1)
     before = [p.detach().clone() for p in net.parameters()]
     step = OptimizerStep(sgd)
