@@ -176,7 +176,8 @@ class StepLayout:
             env_term = torch.from_numpy(env_terminated.reshape(e, 1))
             env_trunc = torch.from_numpy(env_truncated.reshape(e, 1))
             given = nxt[0].done if len(nxt) == 1 and nxt[0].terminated is env_terminated else None
-            env_done = torch.from_numpy((env_terminated | env_truncated if given is None else given).reshape(e, 1))
+            env_done_array = env_terminated | env_truncated if given is None else given
+            env_done = torch.from_numpy(env_done_array.reshape(e, 1))
         out = {}
         for (name, spec), g in zip(self.groups.items(), nxt):
             batch = self._group_batch[name]
@@ -184,8 +185,11 @@ class StepLayout:
             if g.terminated is None and g.truncated is None:
                 term = trunc = done = self._none_ended[name]
             elif a == 1 and g.terminated is env_terminated and g.truncated is env_truncated:
-                # one agent per env whose flags are the env's: the same memory, viewed [E, 1, 1]
-                term, trunc, done = env_term[..., None], env_trunc[..., None], env_done[..., None]
+                # one agent per env whose flags are the env's: the same memory, viewed [E, 1, 1] (from_numpy of
+                # a reshaped array is cheaper than indexing the tensor)
+                term = torch.from_numpy(env_terminated.reshape(e, 1, 1))
+                trunc = torch.from_numpy(env_truncated.reshape(e, 1, 1))
+                done = torch.from_numpy(env_done_array.reshape(e, 1, 1))
             else:
                 term = torch.from_numpy(g.terminated.reshape(e, a, 1))
                 trunc = torch.from_numpy(g.truncated.reshape(e, a, 1))

@@ -54,6 +54,9 @@ ADVANTAGE = "advantage"
 VALUE_TARGET = "value_target"
 ENTROPY = "entropy"
 RECURRENT_STATE = "recurrent_state"
+#: Actor-side only: the action-head parameters an actor records per step instead of ``LOG_PROB`` when the
+#: heads can compute the log-probability from them afterwards; never part of a finished fragment.
+ACTION_PARAMS = "action_params"
 
 POLICY_VERSION = "policy_version"
 WORKER_ID = "worker_id"

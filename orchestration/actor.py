@@ -20,7 +20,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import FragmentBuilder
 from adapters.assembly import make_td, nested_td
-from core.layout import ACTION, ACTION_MASK, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SHARED
+from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE,
+                         SHARED)
 from core.policies import GroupPolicy
 from core.specs import groups
 from orchestration.assignment import GroupAssignment
@@ -73,7 +74,16 @@ class Actor:
         self.env_steps = 0
         self._obs = env.reset(seed=seed)
         self._rnn: dict[tuple[str, str], torch.Tensor | None] = {}
-        self._episode_start = torch.ones(env.num_envs, dtype=torch.bool)
+        self._done = torch.ones(env.num_envs, 1, dtype=torch.bool)  # every env starts an episode
+
+    @property
+    def _episode_start(self) -> torch.Tensor:
+        """``[E]`` bool: envs whose episode starts at the current step (their recurrent state is zeroed)."""
+        return self._done.reshape(-1)
+
+    @_episode_start.setter
+    def _episode_start(self, value: torch.Tensor) -> None:
+        self._done = value.reshape(-1, 1)
 
     # -- acting ------------------------------------------------------------------------------------------
     def _act(self, obs: TensorDictBase) -> tuple[dict, TensorDict]:
@@ -87,7 +97,11 @@ class Actor:
             if action_mask is not None:
                 inputs[ACTION_MASK] = action_mask
             out = self._forward(group, assigned, inputs, shared)
-            entry = {OBSERVATION: _maybe_plain(observation), MASK: mask, ACTION: out[ACTION], LOG_PROB: out[LOG_PROB]}
+            entry = {OBSERVATION: _maybe_plain(observation), MASK: mask, ACTION: out[ACTION]}
+            if LOG_PROB in out:
+                entry[LOG_PROB] = out[LOG_PROB]
+            else:  # filled in for the whole fragment by build_fragment()
+                entry[ACTION_PARAMS] = out[ACTION_PARAMS]
             if action_mask is not None:
                 entry[ACTION_MASK] = action_mask
             if RECURRENT_STATE in out:
@@ -105,10 +119,15 @@ class Actor:
     def _forward(self, group: str, assigned: GroupAssignment, g_obs, shared) -> dict:
         """The policies' outputs for one group; a split group keeps each policy's outputs on its slots."""
         outs = {}
+        # Log-probabilities are computed per fragment (build_fragment) where the heads allow it, and not at all
+        # when nothing is recorded; a group split between policies merges per-step log-probabilities instead.
+        with_log_prob = self.record and assigned.single is None
         for pid in assigned.policies:
             # No critic here: the learner evaluates state values for the whole batch in one call.
-            out = self.policies[pid].act_step(g_obs, shared, self.generator, pid in self.deterministic,
-                                              self._rnn.get((group, pid)), self._episode_start, with_value=False)
+            policy = self.policies[pid]
+            start = self._episode_start if policy.gru is not None else None  # read by recurrent policies only
+            out = policy.act_step(g_obs, shared, self.generator, pid in self.deterministic,
+                                  self._rnn.get((group, pid)), start, with_value=False, with_log_prob=with_log_prob)
             if RECURRENT_STATE in out:
                 self._rnn[(group, pid)] = out[NEXT][RECURRENT_STATE]
             outs[pid] = out
@@ -128,7 +147,7 @@ class Actor:
         if self.record:
             entries[NEXT] = nxt if type(nxt) is TensorDict else _plain(nxt)  # the builder walks a plain one
             self.builder.add_step_(entries)
-        self._episode_start = _get(nxt, DONE).reshape(-1)
+        self._done = _get(nxt, DONE)  # [E, 1]; reshaped only when a recurrent policy reads it (_episode_start)
         self._obs = out  # the next step to act on; "next" rides along unread (cheaper than exclude)
         self.env_steps += self.env.num_envs
         return out
@@ -138,8 +157,25 @@ class Actor:
         """Runs ``fragment_length`` steps and returns the fragment ``[env, T]`` (also put in the outbox)."""
         for _ in range(self.fragment_length):
             self.step()
-        fragment = self.builder.build({g: self.versions[a.main_policy] for g, a in self.assignment.items()})
+        fragment = self.build_fragment()
         self.outbox.append(fragment)
+        return fragment
+
+    def build_fragment(self) -> TensorDict:
+        """The steps recorded since the last fragment as a fragment ``[env, T]`` (``FragmentBuilder.build``).
+
+        Groups whose policy recorded action-head parameters instead of log-probabilities get their
+        ``"log_prob"`` here, computed for all ``T`` steps at once from the recorded params, actions and masks
+        (the same values, bit for bit, as computing them step by step; ``Head.exact_log_prob``).
+        """
+        fragment = self.builder.build({g: self.versions[a.main_policy] for g, a in self.assignment.items()})
+        for group, assigned in self.assignment.items():
+            g = fragment.get(group)
+            if ACTION_PARAMS in g.keys():
+                params = g.get(ACTION_PARAMS)
+                del g[ACTION_PARAMS]
+                g.set(LOG_PROB, self.policies[assigned.single].log_prob_from_params(
+                    params, g.get(ACTION), g.get(ACTION_MASK, None)))
         return fragment
 
     @torch.no_grad()

@@ -126,7 +126,7 @@ class RolloutWorker:
         if self._delay:
             time.sleep(self._delay)  # a slow environment (test hook)
         stepped = time.perf_counter()
-        fragment = actor.builder.build({g: actor.versions[a.main_policy] for g, a in actor.assignment.items()})
+        fragment = actor.build_fragment()
         episodes = episode_arrays(actor.builder.pop_completed_episodes(), actor.assignment)
         built = time.perf_counter()
         env_time = self.env.elapsed - env_before + self._delay

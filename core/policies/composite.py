@@ -39,6 +39,8 @@ class ActionHeads(nn.Module):
         self.sizes = [h.num_params for h in self.heads]
         self.num_params = sum(self.sizes)
         self.maskable = isinstance(node, Leaf) and node.kind in ("discrete", "multi_discrete")
+        #: every head recomputes a sampled action's log-probability exactly from its params (``Head.exact_log_prob``)
+        self.exact_log_prob = all(h.exact_log_prob for h in self.heads)
 
     def _split(self, params: Tensor, mask: Tensor | None) -> Sequence[Tensor]:
         if mask is not None and not self.maskable:
@@ -57,12 +59,23 @@ class ActionHeads(nn.Module):
             total = log_prob if total is None else total + log_prob
         return actions, total
 
+    def sample_actions(self, params: Tensor, generator: torch.Generator | None,
+                       mask: Tensor | None = None) -> tuple[list[Tensor], None]:
+        """:meth:`sample` without the log-probability (same random draws, same actions); ``(actions, None)``."""
+        return [head.sample_action(p, generator, mask) for head, p in zip(self.heads, self._split(params, mask))], None
+
     def log_prob(self, params: Tensor, actions: Sequence[Tensor], mask: Tensor | None = None) -> Tensor:
-        """Joint log-probability ``[*B, 1]`` of ``actions`` (one tensor per leaf, ``paths`` order)."""
+        """Joint log-probability ``[*B, 1]`` of ``actions`` (one tensor per leaf, ``paths`` order).
+
+        Summed leaf by leaf in order, as :meth:`sample` does, so a sampled action's value is the same bits.
+        """
         if len(actions) != len(self.heads):
             raise ValueError(f"{len(actions)} action tensors for {len(self.heads)} action leaves")
-        parts = [h.log_prob(p, a, mask) for h, p, a in zip(self.heads, self._split(params, mask), actions)]
-        return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+        total = None
+        for h, p, a in zip(self.heads, self._split(params, mask), actions):
+            part = h.log_prob(p, a, mask)
+            total = part if total is None else total + part
+        return total
 
     def log_prob_entropy(self, params: Tensor, actions: Sequence[Tensor],
                          mask: Tensor | None = None) -> tuple[Tensor, Tensor]:

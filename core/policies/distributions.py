@@ -119,6 +119,10 @@ class Head(nn.Module):
 
     num_params: int
     """Size of the last dim of ``params``."""
+    exact_log_prob: bool = False
+    """Whether :meth:`log_prob` of a sampled action, given the ``params`` and mask it was sampled with, equals the
+    log-probability :meth:`sample` returned bit for bit (at any batch size). Then an actor may record the
+    params and compute the log-probabilities of a whole fragment at once (:mod:`orchestration.actor`)."""
 
     def __init__(self, leaf: Leaf) -> None:
         super().__init__()
@@ -132,9 +136,15 @@ class Head(nn.Module):
         """``(log_prob, entropy)`` of one evaluation (heads override it to share work between the two)."""
         return self.log_prob(params, action, mask), self.entropy(params, mask)
 
+    def sample_action(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None) -> Tensor:
+        """The action of ``sample(params, generator, mask)`` (same draws), without its log-probability."""
+        return self.sample(params, generator, mask)[0]
+
 
 class CategoricalHead(Head):
     """``Discrete(n, start)``: logits ``[*B, n]``; optional bool mask ``[*B, n]`` (True = legal)."""
+
+    exact_log_prob = True  # sample and log_prob both take log_prob_at of the same masked logits
 
     def __init__(self, leaf: Leaf) -> None:
         super().__init__(leaf)
@@ -146,8 +156,15 @@ class CategoricalHead(Head):
         index = gumbel_argmax(logits, generator, mask)
         return self._action(index), log_prob_at(logits, index)
 
+    def sample_action(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None) -> Tensor:
+        mask = _live(mask)
+        return self._action(gumbel_argmax(_masked(params, mask), generator, mask))
+
     def _action(self, index: Tensor) -> Tensor:
-        return (index + self.leaf.start if self.leaf.start else index).to(self.leaf.dtype)
+        if self.leaf.start:
+            index = index + self.leaf.start
+        # argmax gives int64, the usual leaf dtype: skipping the no-op .to() saves a dispatch per acting step
+        return index if index.dtype == self.leaf.dtype else index.to(self.leaf.dtype)
 
     def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
         index = action.long() - self.leaf.start if self.leaf.start else action.long()
@@ -171,6 +188,8 @@ class MultiCategoricalHead(Head):
     Components of different sizes are padded to ``max(nvec)`` with impossible logits, so all ``K``
     components are sampled in one Gumbel-max over ``[*B, K, max(nvec)]``.
     """
+
+    exact_log_prob = True
 
     def __init__(self, leaf: Leaf) -> None:
         super().__init__(leaf)
@@ -202,6 +221,10 @@ class MultiCategoricalHead(Head):
         log_prob = log_softmax(logits).gather(-1, index.unsqueeze(-1)).sum(-2)
         return index.to(self.leaf.dtype), log_prob
 
+    def sample_action(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None) -> Tensor:
+        logits = self._logits(params, mask)
+        return gumbel_argmax(logits, generator, logits > torch.finfo(logits.dtype).min).to(self.leaf.dtype)
+
     def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
         logp = log_softmax(self._logits(params, mask))
         return logp.gather(-1, action.long().unsqueeze(-1)).sum(-2)
@@ -215,6 +238,8 @@ class MultiCategoricalHead(Head):
 
 class BernoulliHead(Head):
     """``MultiBinary(n)``: independent Bernoulli bits, logits ``[*B, n]``."""
+
+    exact_log_prob = True  # sample returns log_prob(params, bits) itself
 
     def __init__(self, leaf: Leaf) -> None:
         super().__init__(leaf)

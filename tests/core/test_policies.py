@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from core.layout import ACTION, ACTION_MASK, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SHARED, STATE_VALUE
+from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE,
+                         SHARED, STATE_VALUE)
 from core.policies import ENTROPY, GroupPolicy, PolicyConfig, make_policies
 from core.specs import AgentNode, ArrayPopulation, DictNode, DictPopulation, Leaf, groups, iter_leaves, rand
 
@@ -236,3 +237,66 @@ def test_errors_and_init():
     w = policy.actor_out.weight  # orthogonal rows with gain 0.01 (37 details, detail 2)
     torch.testing.assert_close(w @ w.T, 1e-4 * torch.eye(w.shape[0]), atol=1e-7, rtol=0)
     assert torch.equal(policy.critic_out.bias, torch.zeros(1))
+
+
+# Trees whose action heads recompute log-probabilities exactly (Head.exact_log_prob), with and without masks.
+EXACT_TREES = {
+    "discrete": _array(Leaf.box((4,)), Leaf.discrete(3, start=2)),
+    "multi_discrete": TREES["dict_evalonly_multidiscrete"],
+    "binary": _array(Leaf.box((4,)), Leaf.binary(3)),
+    "composite": _array(Leaf.box((4,)), DictNode({"move": Leaf.discrete(4), "fire": Leaf.binary(2),
+                                                  "pick": Leaf.multi_discrete((2, 3))})),
+}
+
+
+def _stack_steps(outs: list[dict], key: str, batch) -> torch.Tensor | TensorDict:
+    """Per-step outputs ``[E, A, ...]`` (tensors or action trees) stacked along a new time dim 1."""
+    values = [o[key] if isinstance(o[key], torch.Tensor) else TensorDict(o[key], batch) for o in outs]
+    return torch.stack(values, 1)
+
+
+def _random_mask(leaf: Leaf, shape, generator) -> torch.Tensor:
+    """A random action mask ``[*shape, n]`` with at least one legal action in every component."""
+    sizes = (leaf.n,) if leaf.kind == "discrete" else leaf.nvec
+    parts = []
+    for n in sizes:
+        m = torch.rand(*shape, n, generator=generator) < 0.5
+        m[..., 0] |= ~m.any(-1)
+        parts.append(m)
+    return torch.cat(parts, -1)
+
+
+@given(name=st.sampled_from(sorted(EXACT_TREES)), steps=st.integers(1, 5), envs=st.integers(1, 9),
+       seed=st.integers(0, 2**16), masked=st.booleans(), deterministic=st.booleans())
+def test_log_probs_recomputed_for_a_fragment_equal_the_per_step_ones_bit_for_bit(name, steps, envs, seed, masked,
+                                                                                 deterministic):
+    """An actor may record action params and compute a fragment's log-probs at once (orchestration.actor)."""
+    tree = EXACT_TREES[name]
+    torch.manual_seed(seed)
+    policy = make_policies(tree)["agents"]
+    assert policy.heads.exact_log_prob
+    obs_steps = [rand(tree, (envs,), _gen(seed + 1 + t))["agents"] for t in range(steps)]
+    has_mask = ACTION_MASK in obs_steps[0].keys()
+    if masked and has_mask:
+        for o in obs_steps:
+            o[ACTION_MASK] = _random_mask(tree.template.action, (envs, 3), _gen(seed))
+    direct_gen, deferred_gen = _gen(seed + 100), _gen(seed + 100)
+    direct = [policy.act_step(o, None, direct_gen, deterministic, with_value=False) for o in obs_steps]
+    deferred = [policy.act_step(o, None, deferred_gen, deterministic, with_value=False, with_log_prob=False)
+                for o in obs_steps]
+    assert all(LOG_PROB not in d and ACTION_PARAMS in d for d in deferred)
+    actions = _stack_steps(deferred, ACTION, [envs, 3])
+    assert (actions == _stack_steps(direct, ACTION, [envs, 3])).all()  # the same random draws
+    mask = torch.stack([o[ACTION_MASK] for o in obs_steps], 1) if has_mask else None
+    recomputed = policy.log_prob_from_params(_stack_steps(deferred, ACTION_PARAMS, None), actions, mask)
+    assert recomputed.shape == (envs, steps, 3, 1)
+    assert torch.equal(recomputed, _stack_steps(direct, LOG_PROB, None))
+
+
+def test_heads_that_cannot_recompute_log_probs_keep_returning_them():
+    policy, obs, _ = _setup(TREES["bounded_tanh"], PolicyConfig())
+    assert not policy.heads.exact_log_prob  # a tanh-squashed Gaussian: atanh of the action loses bits
+    out = policy.act_step(obs, generator=_gen(0), with_value=False, with_log_prob=False)
+    assert LOG_PROB in out and ACTION_PARAMS not in out
+    with pytest.raises(ValueError, match="cannot recompute"):
+        policy.log_prob_from_params(torch.zeros(E, 3, policy.heads.num_params), out[ACTION])
