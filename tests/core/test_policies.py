@@ -300,3 +300,22 @@ def test_heads_that_cannot_recompute_log_probs_keep_returning_them():
     assert LOG_PROB in out and ACTION_PARAMS not in out
     with pytest.raises(ValueError, match="cannot recompute"):
         policy.log_prob_from_params(torch.zeros(E, 3, policy.heads.num_params), out[ACTION])
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("with_log_prob", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_lean_acting_path_gives_what_the_general_one_gives(deterministic, with_log_prob, masked):
+    """act_step's shortcut for one flat observation and one discrete action (GroupPolicy._lean)."""
+    policy, obs, _ = _setup(EXACT_TREES["discrete"], PolicyConfig())
+    assert policy._lean is not None
+    assert all(make_policies(tree, config)["agents"]._lean is None for tree, config in [
+        (EXACT_TREES["discrete"], PolicyConfig(agent_id_input=True)), (EXACT_TREES["discrete"], CONFIGS[2]),
+        (EXACT_TREES["composite"], PolicyConfig()), (TREES["dict_evalonly_multidiscrete"], PolicyConfig())])
+    if masked:
+        obs[ACTION_MASK] = _random_mask(EXACT_TREES["discrete"].template.action, (E, 3), _gen(5))
+    lean = policy.act_step(obs, None, _gen(7), deterministic, with_value=False, with_log_prob=with_log_prob)
+    policy._lean = None
+    general = policy.act_step(obs, None, _gen(7), deterministic, with_value=False, with_log_prob=with_log_prob)
+    assert lean.keys() == general.keys()
+    assert all(torch.equal(lean[k], general[k]) for k in general)
