@@ -2,6 +2,10 @@
 
 One batched forward pass per group per step serves all envs and all agents of the group. Steps travel as
 plain dicts of tensors and become a TensorDict once per fragment (:class:`core.buffers.FragmentBuilder`).
+Behaviour log-probabilities are computed once per fragment where the action heads allow it exactly
+(``Head.exact_log_prob``: discrete, multi-discrete, binary): a step records the action-head parameters, and
+:meth:`Actor.build_fragment` turns them into ``"log_prob"`` for all ``T`` steps in one call, bit for bit the
+values a per-step computation gives. Evaluation actors (``record=False``) skip them altogether.
 Single-threaded; the Ray backend wraps the same class.
 
 Usage loop::

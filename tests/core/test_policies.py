@@ -175,6 +175,13 @@ def test_policies_pickle_and_deep_copy():
     policy, obs, shared = _setup(TREES["dict_evalonly_multidiscrete"], PolicyConfig(critic="central", recurrent=True))
     for clone in (copy.deepcopy(policy), pickle.loads(pickle.dumps(policy))):
         assert (clone.act(obs, shared, deterministic=True) == policy.act(obs, shared, deterministic=True)).all()
+    lean, obs, _ = _setup(TREES["box_discrete"], PolicyConfig())
+    for clone in (copy.deepcopy(lean), pickle.loads(pickle.dumps(lean))):
+        # the lean path's layer references follow the clone (new weights loaded into it act)
+        assert clone._lean[1][-1] is clone.actor_out and clone._lean[2] is clone.heads.heads[0]
+        with torch.no_grad():
+            clone.actor_out.bias.copy_(torch.tensor([50.0, -50.0]))
+        assert (clone.act(obs, deterministic=True)[ACTION] == 0).all()
 
 
 def test_deterministic_mode_and_seeding():
