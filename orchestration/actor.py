@@ -2,10 +2,11 @@
 
 One batched forward pass per group per step serves all envs and all agents of the group. Steps travel as
 plain dicts of tensors and become a TensorDict once per fragment (:class:`core.buffers.FragmentBuilder`).
-Behaviour log-probabilities are computed once per fragment where the action heads allow it exactly
-(``Head.exact_log_prob``: discrete, multi-discrete, binary): a step records the action-head parameters, and
-:meth:`Actor.build_fragment` turns them into ``"log_prob"`` for all ``T`` steps in one call, bit for bit the
-values a per-step computation gives. Evaluation actors (``record=False``) skip them altogether.
+Behaviour log-probabilities are computed once per fragment where the policy allows it exactly
+(``GroupPolicy.defers_log_prob``: discrete, multi-discrete and binary heads with few params): a step records
+the action-head parameters, and :meth:`Actor.build_fragment` turns them into ``"log_prob"`` for all ``T`` steps
+in one call, bit for bit the values a per-step computation gives. Evaluation actors (``record=False``) do not
+compute those at all.
 Single-threaded; the Ray backend wraps the same class.
 
 Usage loop::
@@ -82,7 +83,7 @@ class Actor:
         # fixed for the actor's lifetime: (group, assignment, its single policy or None) and which policies are
         # feed-forward (no recurrent state to carry), so that the acting step looks nothing up twice
         self._groups = [(group, assigned, assigned.single) for group, assigned in self.assignment.items()]
-        self._plain_policy = {pid: policy.gru is None for pid, policy in self.policies.items()}
+        self._feed_forward = {pid: policy.gru is None for pid, policy in self.policies.items()}
 
     @property
     def _episode_start(self) -> torch.Tensor:
@@ -106,7 +107,7 @@ class Actor:
             inputs = {OBSERVATION: observation, MASK: mask}  # a plain dict: the policy reads it ~10x faster
             if action_mask is not None:
                 inputs[ACTION_MASK] = action_mask
-            if single is not None and self._plain_policy[single]:  # one feed-forward policy: no merging
+            if single is not None and self._feed_forward[single]:  # one feed-forward policy: no merging
                 # log-probabilities: per fragment where the heads allow it (see _forward)
                 out = self.policies[single].act_step(inputs, shared, self.generator, single in self.deterministic,
                                                      with_value=False, with_log_prob=False)
@@ -186,10 +187,10 @@ class Actor:
         fragment = self.builder.build({g: self.versions[a.main_policy] for g, a in self.assignment.items()})
         for group, assigned in self.assignment.items():
             g = fragment.get(group)
-            if ACTION_PARAMS in g.keys():
+            if ACTION_PARAMS in g.keys():  # only single-policy groups record params (_forward)
                 params = g.get(ACTION_PARAMS)
                 del g[ACTION_PARAMS]
-                g.set(LOG_PROB, self.policies[assigned.single].log_prob_from_params(
+                g.set(LOG_PROB, self.policies[assigned.main_policy].log_prob_from_params(
                     params, g.get(ACTION), g.get(ACTION_MASK, None)))
         return fragment
 

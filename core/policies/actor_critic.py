@@ -35,6 +35,10 @@ from .distributions import CategoricalHead
 from .networks import ObservationEncoder, Path, SharedEncoder, init_linear_, mlp, read_path, run_layers
 
 
+#: Policies whose heads take more params than this compute log-probabilities per step (GroupPolicy.defers_log_prob).
+_DEFER_MAX_PARAMS = 64
+
+
 class GroupPolicy(nn.Module):
     """Actor-critic for one group (module docstring), built from its :class:`core.specs.GroupSpec`.
 
@@ -94,8 +98,13 @@ class GroupPolicy(nn.Module):
         self.critic_out = init_linear_(nn.Linear(hidden[-1] if hidden else critic_in, 1), config.critic_output_gain)
         # The common acting case (one flat float observation leaf, feed-forward, no agent ids, one discrete action
         # leaf) as (observation width, actor layers, head): act_step then runs the layers and the head directly,
-        # skipping ~10 Python calls of the general path (~40 µs per acting step inside a gymnasium loop,
-        # where the env's own Python evicts the interpreter's caches between steps). Same ops, same results.
+        # skipping ~10 Python calls of the general path. Inside a gymnasium loop, where the env's own Python
+        # evicts the interpreter's caches between steps, that saved ~20 µs per 64-env CartPole step (with the
+        # actor's matching shortcut, orchestration.actor). Same ops, same results.
+        #: whether ``act_step(with_log_prob=False)`` returns the head params for a later, per-fragment log-probability
+        #: (:meth:`log_prob_from_params`): heads that recompute it exactly, with few params (an actor stores the
+        #: params of every step: ``[E, A, num_params]`` instead of ``[E, A, 1]``)
+        self.defers_log_prob = self.heads.exact_log_prob and self.heads.num_params <= _DEFER_MAX_PARAMS
         head = self.heads.heads[0]
         lean = (self.actor_encoder._plain is not None and self.gru is None and not ids
                 and self.heads.paths == [()] and isinstance(head, CategoricalHead))
@@ -171,11 +180,11 @@ class GroupPolicy(nn.Module):
 
         ``obs`` may be a TensorDict or a nested dict of tensors with the same keys. ``with_value=False`` skips
         the critic (a learner that evaluates values for the whole batch at once does not need them per step).
-        ``with_log_prob=False``: when the heads can recompute it exactly (``heads.exact_log_prob``), the output
-        carries the head parameters ``"action_params"`` ``[E, A, heads.num_params]`` instead of ``"log_prob"``;
-        :meth:`log_prob_from_params` turns them into the same log-probabilities later, for a whole fragment
-        in one call (per step, the log-softmax and gather cost an actor ~2-4% of a CartPole step). Other
-        heads still return ``"log_prob"``.
+        ``with_log_prob=False``: when :attr:`defers_log_prob` (heads that recompute it exactly, few params), the
+        output carries the head parameters ``"action_params"`` ``[E, A, heads.num_params]`` instead of
+        ``"log_prob"``; :meth:`log_prob_from_params` turns them into the same log-probabilities later, for a
+        whole fragment in one call (per step, the log-softmax and gather cost an actor ~2-4% of a CartPole
+        step). Other policies still return ``"log_prob"``.
         Runs without gradients (a caller already in ``torch.no_grad()`` saves entering it again per step).
         """
         if torch.is_grad_enabled():
@@ -196,7 +205,7 @@ class GroupPolicy(nn.Module):
                 state = torch.where(keep, state, torch.zeros((), dtype=state.dtype, device=state.device))
         params, next_state = self.actor_params(x, state)
         mask = obs.get(ACTION_MASK, None)
-        defer = not with_log_prob and self.heads.exact_log_prob
+        defer = not with_log_prob and self.defers_log_prob
         if deterministic:
             actions = self.heads.mode(params, mask)
             log_prob = None if defer else self.heads.log_prob(params, actions, mask)
@@ -227,7 +236,7 @@ class GroupPolicy(nn.Module):
         for layer in layers:
             x = layer.forward(x)
         mask = obs.get(ACTION_MASK, None)
-        defer = not with_log_prob and self.heads.exact_log_prob
+        defer = not with_log_prob and self.defers_log_prob
         if deterministic:
             action = head.mode(x, mask)
             return {ACTION: action, ACTION_PARAMS: x} if defer else \

@@ -75,19 +75,26 @@ def _transposed_log_softmax(x: Tensor) -> Tensor | None:
 
 
 def log_prob_at(logits: Tensor, index: Tensor) -> Tensor:
-    """``log_softmax(logits).gather(-1, index[..., None])``: ``[*B, 1]`` for int64 ``index`` ``[*B]``.
+    """``logits.log_softmax(-1).gather(-1, index[..., None])``: ``[*B, 1]`` for int64 ``index`` ``[*B]``.
+
+    Always torch's last-dim kernel, which computes each row from that row alone, so a row's bits do not depend
+    on how many rows are computed with it. The log-probability of a sampled action must not: an actor records
+    the logits of every step and computes a whole fragment's log-probabilities at once
+    (:meth:`core.policies.GroupPolicy.log_prob_from_params`). The transposed path of :func:`log_softmax`
+    vectorises across rows, and its bits change with the row count (they differ by up to ~2e-7 between one
+    step and a fragment once either crosses its size threshold); training, which needs no such agreement,
+    keeps it (:func:`log_prob_entropy_at`).
+    """
+    return logits.log_softmax(-1).gather(-1, index.unsqueeze(-1))
+
+
+def log_prob_entropy_at(logits: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """``(log-probability of index, entropy)``, both ``[*B, 1]``, from one :func:`log_softmax` (the fast,
+    transposed path for many rows of few actions: the training forward pass of every minibatch).
 
     On the transposed path the gather runs over the contiguous ``[n, rows]`` result (a gather from the
     strided transposed view back costs ~3x more: 16 µs at 1,024 x 2).
     """
-    t = _transposed_log_softmax(logits)
-    if t is None:
-        return logits.log_softmax(-1).gather(-1, index.unsqueeze(-1))
-    return t.gather(0, index.reshape(1, -1)).reshape(*index.shape, 1)
-
-
-def log_prob_entropy_at(logits: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-    """``(log_prob_at(logits, index), entropy)``, both ``[*B, 1]``, from one ``log_softmax``."""
     t = _transposed_log_softmax(logits)
     if t is None:
         logp = logits.log_softmax(-1)
@@ -121,8 +128,9 @@ class Head(nn.Module):
     """Size of the last dim of ``params``."""
     exact_log_prob: bool = False
     """Whether :meth:`log_prob` of a sampled action, given the ``params`` and mask it was sampled with, equals the
-    log-probability :meth:`sample` returned bit for bit (at any batch size). Then an actor may record the
-    params and compute the log-probabilities of a whole fragment at once (:mod:`orchestration.actor`)."""
+    log-probability :meth:`sample` returned bit for bit, at any batch size (row-local kernels only, see
+    :func:`log_prob_at`). Then an actor may record the params and compute the log-probabilities of a whole
+    fragment at once (:mod:`orchestration.actor`)."""
 
     def __init__(self, leaf: Leaf) -> None:
         super().__init__()
@@ -218,7 +226,8 @@ class MultiCategoricalHead(Head):
         logits = self._logits(params, mask)
         # padded and masked entries sit at the dtype's minimum: excluded after the noise as well
         index = gumbel_argmax(logits, generator, logits > torch.finfo(logits.dtype).min)
-        log_prob = log_softmax(logits).gather(-1, index.unsqueeze(-1)).sum(-2)
+        # row-local log_softmax (see log_prob_at): the same bits at any batch size
+        log_prob = logits.log_softmax(-1).gather(-1, index.unsqueeze(-1)).sum(-2)
         return index.to(self.leaf.dtype), log_prob
 
     def sample_action(self, params: Tensor, generator: torch.Generator | None, mask: Tensor | None = None) -> Tensor:
@@ -226,7 +235,7 @@ class MultiCategoricalHead(Head):
         return gumbel_argmax(logits, generator, logits > torch.finfo(logits.dtype).min).to(self.leaf.dtype)
 
     def log_prob(self, params: Tensor, action: Tensor, mask: Tensor | None = None) -> Tensor:
-        logp = log_softmax(self._logits(params, mask))
+        logp = self._logits(params, mask).log_softmax(-1)  # row-local, as in sample
         return logp.gather(-1, action.long().unsqueeze(-1)).sum(-2)
 
     def entropy(self, params: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -285,3 +285,20 @@ def test_log_prob_and_entropy_at_match_torch(shape):
     lp, ent = log_prob_entropy_at(logits, index)
     torch.testing.assert_close(lp, dist.log_prob(index).unsqueeze(-1))
     torch.testing.assert_close(ent, dist.entropy().unsqueeze(-1))
+
+
+@pytest.mark.parametrize("leaf", [Leaf.discrete(2), Leaf.discrete(5, start=1), Leaf.discrete(18), Leaf.discrete(32),
+                                  Leaf.discrete(40), Leaf.multi_discrete((20, 20)), Leaf.multi_discrete((2, 5)),
+                                  Leaf.binary(3)],
+                         ids=["d2", "d5_start1", "d18", "d32", "d40", "md20x20", "md2x5", "binary3"])
+@pytest.mark.parametrize("rows", [3, 1023, 2047])
+def test_exact_heads_give_a_sampled_action_the_same_log_prob_bits_at_any_batch_size(leaf, rows):
+    """Head.exact_log_prob: one step's rows and a fragment of several steps, across the sizes where a kernel that
+    vectorises across rows would change its bits (transposed log-softmax at >= 2,048 values)."""
+    head = make_head(leaf)
+    assert head.exact_log_prob
+    steps, g = 3, _gen(rows)
+    params = torch.randn(rows, steps, head.num_params, generator=g) * 3
+    per_step = [head.sample(params[:, t], g) for t in range(steps)]
+    actions = torch.stack([a for a, _ in per_step], 1)
+    assert torch.equal(head.log_prob(params, actions), torch.stack([lp for _, lp in per_step], 1))

@@ -281,7 +281,7 @@ def test_log_probs_recomputed_for_a_fragment_equal_the_per_step_ones_bit_for_bit
     tree = EXACT_TREES[name]
     torch.manual_seed(seed)
     policy = make_policies(tree)["agents"]
-    assert policy.heads.exact_log_prob
+    assert policy.defers_log_prob
     obs_steps = [rand(tree, (envs,), _gen(seed + 1 + t))["agents"] for t in range(steps)]
     has_mask = ACTION_MASK in obs_steps[0].keys()
     if masked and has_mask:
@@ -307,6 +307,10 @@ def test_heads_that_cannot_recompute_log_probs_keep_returning_them():
     assert LOG_PROB in out and ACTION_PARAMS not in out
     with pytest.raises(ValueError, match="cannot recompute"):
         policy.log_prob_from_params(torch.zeros(E, 3, policy.heads.num_params), out[ACTION])
+    # many actions: storing every step's logits would cost more than the log-probs it saves
+    policy, obs, _ = _setup(_array(Leaf.box((4,)), Leaf.discrete(100)), PolicyConfig())
+    assert policy.heads.exact_log_prob and not policy.defers_log_prob
+    assert LOG_PROB in policy.act_step(obs, generator=_gen(0), with_value=False, with_log_prob=False)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -18,7 +18,7 @@ def _fragments(env_name: str, num_envs: int, defer: bool, fragments: int = 2) ->
     policies = make_policies(env.tree)
     if not defer:  # the step-by-step path: as for heads that cannot recompute their log-probabilities
         for policy in policies.values():
-            policy.heads.exact_log_prob = False
+            policy.defers_log_prob = False
     actor = Actor(env, policies, assign(env.tree), fragment_length=6, seed=3)
     out = [actor.collect() for _ in range(fragments)]
     env.close()
