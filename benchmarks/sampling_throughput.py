@@ -33,6 +33,7 @@ from orchestration.envs import make_env
 
 #: A sampler: ``run(steps)`` steps every env ``steps`` times; returns ``(env steps, seconds)``.
 Sampler = Callable[[int], tuple[int, float]]
+#: Chunks per timed round: ceiling and ours alternate every ``steps / CHUNKS`` steps.
 CHUNKS = 8
 
 

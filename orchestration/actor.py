@@ -26,7 +26,7 @@ from tensordict import TensorDict, TensorDictBase
 from core.buffers import FragmentBuilder
 from adapters.assembly import make_td, nested_td
 from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE,
-                         SHARED)
+                         SHARED, key_dict)
 from core.policies import GroupPolicy
 from core.specs import groups
 from orchestration.assignment import GroupAssignment
@@ -80,10 +80,6 @@ class Actor:
         self._obs = env.reset(seed=seed)
         self._rnn: dict[tuple[str, str], torch.Tensor | None] = {}
         self._done = torch.ones(env.num_envs, 1, dtype=torch.bool)  # every env starts an episode
-        # fixed for the actor's lifetime: (group, assignment, its single policy or None) and which policies are
-        # feed-forward (no recurrent state to carry), so that the acting step looks nothing up twice
-        self._groups = [(group, assigned, assigned.single) for group, assigned in self.assignment.items()]
-        self._feed_forward = {pid: policy.gru is None for pid, policy in self.policies.items()}
 
     @property
     def _episode_start(self) -> torch.Tensor:
@@ -97,22 +93,17 @@ class Actor:
     # -- acting ------------------------------------------------------------------------------------------
     def _act(self, obs: TensorDictBase) -> tuple[dict, TensorDict]:
         """One batched forward per group: the step entries to record and the actions to send."""
-        root = _keys_of(obs)
+        root = key_dict(obs)
         shared = root.get(SHARED, None)
         entries, actions = {}, {}
-        for group, assigned, single in self._groups:
+        for group, assigned in self.assignment.items():
             g_obs = root[group]
-            g = _keys_of(g_obs)
+            g = key_dict(g_obs)
             observation, mask, action_mask = g[OBSERVATION], g.get(MASK, None), g.get(ACTION_MASK, None)
             inputs = {OBSERVATION: observation, MASK: mask}  # a plain dict: the policy reads it ~10x faster
             if action_mask is not None:
                 inputs[ACTION_MASK] = action_mask
-            if single is not None and self._feed_forward[single]:  # one feed-forward policy: no merging
-                # log-probabilities: per fragment where the heads allow it (see _forward)
-                out = self.policies[single].act_step(inputs, shared, self.generator, single in self.deterministic,
-                                                     with_value=False, with_log_prob=False)
-            else:
-                out = self._forward(group, assigned, inputs, shared)
+            out = self._forward(group, assigned, inputs, shared)
             action = out[ACTION]
             entry = {OBSERVATION: _maybe_plain(observation), MASK: mask, ACTION: action}
             if LOG_PROB in out:
@@ -133,13 +124,19 @@ class Actor:
         return entries, make_td(actions, obs.batch_size)
 
     def _forward(self, group: str, assigned: GroupAssignment, g_obs, shared) -> dict:
-        """The policies' outputs for one group; a split group keeps each policy's outputs on its slots."""
+        """The policies' outputs for one group; a split group keeps each policy's outputs on its slots.
+
+        Log-probabilities are computed per fragment (:meth:`build_fragment`) where the policy allows it, and not
+        at all when nothing is recorded; a group split between policies merges per-step log-probabilities.
+        """
+        single = assigned.single
+        # No critic here: the learner evaluates state values for the whole batch in one call.
+        if single is not None and self.policies[single].gru is None:  # the common case: nothing to merge or carry
+            return self.policies[single].act_step(g_obs, shared, self.generator, single in self.deterministic,
+                                                  with_value=False, with_log_prob=False)
         outs = {}
-        # Log-probabilities are computed per fragment (build_fragment) where the heads allow it, and not at all
-        # when nothing is recorded; a group split between policies merges per-step log-probabilities instead.
-        with_log_prob = self.record and assigned.single is None
+        with_log_prob = self.record and single is None
         for pid in assigned.policies:
-            # No critic here: the learner evaluates state values for the whole batch in one call.
             policy = self.policies[pid]
             start = self._episode_start if policy.gru is not None else None  # read by recurrent policies only
             out = policy.act_step(g_obs, shared, self.generator, pid in self.deterministic,
@@ -147,8 +144,8 @@ class Actor:
             if RECURRENT_STATE in out:
                 self._rnn[(group, pid)] = out[NEXT][RECURRENT_STATE]
             outs[pid] = out
-        if assigned.single is not None:
-            return outs[assigned.single]
+        if single is not None:
+            return outs[single]
         merged = dict(outs[assigned.policies[0]])
         for pid in assigned.policies[1:]:
             slots = assigned.slots[pid]
@@ -272,11 +269,6 @@ def _where_slots(slots: torch.Tensor, new, old):
     if isinstance(new, dict):
         return {k: _where_slots(slots, new[k], old[k]) for k in new}
     return torch.where(slots.reshape(1, -1, *([1] * (new.dim() - 2))), new, old)
-
-
-def _keys_of(td):
-    """A plain TensorDict's own key dict (reads ~10x cheaper than ``td.get``); other containers as they are."""
-    return td._tensordict if type(td) is TensorDict else td
 
 
 def _get(td: TensorDictBase, key: str):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 from tensordict import TensorDict
 
-from core.layout import NEXT, RESERVED_ROOT_KEYS
+from core.layout import NEXT, RESERVED_ROOT_KEYS, key_dict
 
 
 class _Node:
@@ -37,11 +37,6 @@ def _raise_key_mismatch(node, spec: _Node):
     missing = [spec.path + (k,) for k in expected if k not in node]
     extra = [spec.path + (k,) for k in node if k not in expected]
     raise KeyError(f"step keys differ from the first step: missing {missing}, unexpected {extra}")
-
-
-def _as_dict(node):
-    """A nested node as a dict: a plain TensorDict's own key dict (no copy), another Mapping as is."""
-    return node._tensordict if type(node) is TensorDict else node
 
 
 def _collect(node: dict, spec: _Node) -> None:
@@ -153,7 +148,7 @@ class StepLayout:
         return TensorDict(tree, batch_size=[e, t])
 
     def _capture(self, node: Mapping, spec: _Node, group: str | None) -> None:
-        for key, value in _as_dict(node).items():
+        for key, value in key_dict(node).items():
             path = spec.path + (key,)
             if type(value) is TensorDict:
                 value = value._tensordict

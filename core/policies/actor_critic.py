@@ -212,8 +212,10 @@ class GroupPolicy(nn.Module):
         else:
             if generator is None:
                 raise ValueError("sampling needs a torch.Generator (randomness is an argument)")
-            actions, log_prob = self.heads.sample_actions(params, generator, mask) if defer else \
-                self.heads.sample(params, generator, mask)
+            if defer:
+                actions, log_prob = self.heads.sample_actions(params, generator, mask), None
+            else:
+                actions, log_prob = self.heads.sample(params, generator, mask)
         out = {ACTION: self._tree(actions)}
         if defer:
             out[ACTION_PARAMS] = params

@@ -60,9 +60,9 @@ class ActionHeads(nn.Module):
         return actions, total
 
     def sample_actions(self, params: Tensor, generator: torch.Generator | None,
-                       mask: Tensor | None = None) -> tuple[list[Tensor], None]:
-        """:meth:`sample` without the log-probability (same random draws, same actions); ``(actions, None)``."""
-        return [head.sample_action(p, generator, mask) for head, p in zip(self.heads, self._split(params, mask))], None
+                       mask: Tensor | None = None) -> list[Tensor]:
+        """The actions of :meth:`sample` (same random draws), without the log-probability."""
+        return [head.sample_action(p, generator, mask) for head, p in zip(self.heads, self._split(params, mask))]
 
     def log_prob(self, params: Tensor, actions: Sequence[Tensor], mask: Tensor | None = None) -> Tensor:
         """Joint log-probability ``[*B, 1]`` of ``actions`` (one tensor per leaf, ``paths`` order).
