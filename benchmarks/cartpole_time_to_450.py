@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from orchestration.config import TrainConfig
-from orchestration.trainer import build_trainer
+from orchestration.builder import build_trainer
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module from the repository root
     from handwritten_ppo import hparams_from_config, run as hand_run

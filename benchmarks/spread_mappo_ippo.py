@@ -52,7 +52,7 @@ import torch
 from core.losses import PPOConfig
 from core.policies import PolicyConfig
 from orchestration.config import RolloutConfig, TrainConfig
-from orchestration.trainer import build_trainer
+from orchestration.builder import build_trainer
 
 ENV = "mpe2:simple_spread_v3"
 WINDOW = 100  # Shoal's episode_return_mean is the mean of the last 100 finished training episodes

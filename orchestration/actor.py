@@ -7,37 +7,33 @@ Behaviour log-probabilities are computed once per fragment where the policy allo
 the action-head parameters, and :meth:`Actor.build_fragment` turns them into ``"log_prob"`` for all ``T`` steps
 in one call, bit for bit the values a per-step computation gives. Evaluation actors (``record=False``) do not
 compute those at all.
-Single-threaded; the Ray backend wraps the same class.
+Single-threaded; a fleet (:mod:`orchestration.fleet`, :mod:`orchestration.ray_fleet`) drives it and delivers
+its fragments to the learners.
 
 Usage loop::
 
     actor = Actor(env, policies, assign(env.tree), seed=0)
-    fragment = actor.collect()          # [env, fragment_length], kept in the outbox
-    actor.sync(learners)                # sends the outbox, then picks up the newest published weights
+    fragment = actor.collect()                      # [env, fragment_length]
+    learner.receive(fragment, actor.fragment_meta(fragment))
+    actor.set_weights(pid, *learner.weights())      # newest weights, loaded at the fragment boundary
+    state = actor.state(); actor.load_state_(state) # observations, recurrent state, episode bookkeeping
 """
 
 from __future__ import annotations
 
-from typing import Collection, Mapping, Protocol
+from typing import Any, Collection, Mapping
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import FragmentBuilder
-from adapters.assembly import make_td, nested_td
-from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE,
-                         SHARED, key_dict)
+from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, DONE, FRAGMENT_ID, LOG_PROB, MASK, NEXT, OBSERVATION,
+                         RECURRENT_STATE, SHARED, key_dict)
 from core.policies import GroupPolicy
 from core.specs import groups
+from core.tensordicts import make_td, nested_td
 from orchestration.assignment import GroupAssignment
-
-
-class WeightSource(Protocol):
-    """What an actor needs from a learner: a place to send data and the newest published weights."""
-
-    def receive(self, fragment: TensorDictBase) -> None: ...
-
-    def published(self) -> tuple[int, TensorDictBase]: ...
 
 
 def _plain(td: TensorDictBase) -> dict:
@@ -75,7 +71,8 @@ class Actor:
         self.generator = torch.Generator().manual_seed(seed)
         self.builder = FragmentBuilder(env.num_envs, worker_id=worker_id)
         self.versions = {pid: 0 for pid in self.policies}
-        self.outbox: list[TensorDictBase] = []
+        """Policy id -> version of the weights this actor acts with."""
+        self.worker_id = worker_id
         self.env_steps = 0
         self._obs = env.reset(seed=seed)
         self._rnn: dict[tuple[str, str], torch.Tensor | None] = {}
@@ -167,12 +164,17 @@ class Actor:
 
     @torch.no_grad()
     def collect(self) -> TensorDict:
-        """Runs ``fragment_length`` steps and returns the fragment ``[env, T]`` (also put in the outbox)."""
+        """Runs ``fragment_length`` steps and returns the fragment ``[env, T]``."""
         for _ in range(self.fragment_length):
             self.step()
-        fragment = self.build_fragment()
-        self.outbox.append(fragment)
-        return fragment
+        return self.build_fragment()
+
+    def fragment_meta(self, fragment: TensorDictBase) -> dict[str, Any]:
+        """The delivery metadata of the fragment just built (:mod:`orchestration.inbox`): its id, worker,
+        sequence number, the version of every policy that acted, and its env steps."""
+        return {"fragment_id": int(fragment.get(FRAGMENT_ID)[0, 0]), "worker_id": self.worker_id,
+                "sequence": self.builder.sequence - 1, "policy_versions": dict(self.versions),
+                "env_steps": fragment.batch_size.numel()}
 
     def build_fragment(self) -> TensorDict:
         """The steps recorded since the last fragment as a fragment ``[env, T]`` (``FragmentBuilder.build``).
@@ -219,49 +221,113 @@ class Actor:
         return out
 
     # -- data out, weights in ----------------------------------------------------------------------------
-    def completed_episodes(self) -> dict[str, torch.Tensor]:
-        """Episodes that ended since the last call, ``[K]`` each, in env-then-time order.
+    def completed_episodes(self) -> dict[str, np.ndarray]:
+        """Episodes that ended since the last call, float64 ``[K]`` each, in env-then-time order.
 
         ``"return"``: the sum of every agent's return (the usual score of a single-agent or cooperative
-        env); ``"return/<policy>"``: the summed return of the agents that policy acts for; ``"length"``.
+        env); ``"return/<policy>"``: the summed return of the agents that policy acts for; ``"length"``;
+        ``"agents/<group>"`` ``[K, A]``: every agent's own return. ``{}`` when nothing was recorded yet.
         """
         records = self.builder.pop_completed_episodes()
         if not records:
             return {}
         per_policy: dict[str, torch.Tensor] = {}
+        agents = {}
         for group, r in records.items():
             agent_return = r.get("agent_return").squeeze(-1)  # [K, A]
+            agents[f"agents/{group}"] = agent_return.double().numpy()
             for pid, slots in self.assignment[group].slots.items():
                 part = (agent_return * slots).sum(-1)
                 per_policy[pid] = per_policy[pid] + part if pid in per_policy else part
-        out = {f"return/{pid}": v for pid, v in per_policy.items()}
-        out["return"] = torch.stack(list(per_policy.values())).sum(0)
-        out["length"] = next(iter(records.values())).get("length").reshape(-1)
-        return out
+        out = {f"return/{pid}": v.double().numpy() for pid, v in per_policy.items()}
+        out["return"] = torch.stack(list(per_policy.values())).sum(0).double().numpy()
+        out["length"] = next(iter(records.values())).get("length").reshape(-1).double().numpy()
+        return {**out, **agents}
 
-    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
-        """Copies ``weights`` into this actor's copy of ``policy_id`` (the learner keeps training its own)."""
-        if version == self.versions[policy_id]:
-            return
+    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase, *, force: bool = False) -> bool:
+        """Loads ``weights`` into this actor's copy of ``policy_id`` as ``version``.
+
+        Skips the copy when the actor already acts with that version, unless ``force`` (a restored learner may
+        republish a version number with other weights). Returns whether it copied.
+        """
+        if version == self.versions[policy_id] and not force:
+            return False
         with torch.no_grad():
             TensorDict.from_module(self.policies[policy_id]).update_(weights)
-        self.versions[policy_id] = version
+        self.versions[policy_id] = int(version)
+        return True
 
-    def sync(self, learners: Mapping[str, WeightSource]) -> int:
-        """Sends the outbox to the learners of each group's policy, then loads their newest weights.
+    def policy_weights(self, policy_id: str) -> TensorDictBase:
+        """A copy of the weights this actor acts with for ``policy_id``."""
+        return TensorDict.from_module(self.policies[policy_id]).detach().clone()
 
-        Returns:
-            The number of fragments sent.
+    # -- state -------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What a resumed actor needs to continue exactly: ``{"tensors": {name: tensor}, "json": {...}}``.
+
+        The sampling generator, the current observations, the recurrent states, the episode bookkeeping,
+        the policy versions and the env's own state when it has one (``state_dict``); ``json["env_state"]``
+        says whether it had (an env without it is reset on resume, so the continuation is not exact).
         """
-        sent = len(self.outbox)
-        for fragment in self.outbox:
-            for pid in self.policies:
-                learners[pid].receive(fragment)
-        self.outbox.clear()
-        for pid in self.policies:
-            version, weights = learners[pid].published()
-            self.set_weights(pid, version, weights)
-        return sent
+        tensors: dict[str, torch.Tensor] = {"rng": self.generator.get_state(), "episode_start": self._episode_start,
+                                            "episode_count": self.builder.tracker.episode_count}
+        tensors.update(_flat("obs", self._obs))
+        meta: dict[str, Any] = {"obs": _layout(self._obs), "sequence": self.builder.sequence,
+                                "versions": dict(self.versions), "env_steps": self.env_steps, "carry": None,
+                                "rnn": [], "env_state": hasattr(self.env, "state_dict")}
+        carry = self.builder.tracker.carry
+        if carry is not None:
+            tensors.update(_flat("carry", carry))
+            meta["carry"] = _layout(carry)
+        for (group, pid), h in self._rnn.items():
+            if h is not None:
+                tensors[f"rnn/{group}/{pid}"] = h
+                meta["rnn"].append([group, pid])
+        if meta["env_state"]:
+            tensors.update({f"env/{k}": v for k, v in self.env.state_dict().items()})
+        return {"tensors": tensors, "json": meta}
+
+    def load_state_(self, state: Mapping[str, Any]) -> None:
+        """Loads a :meth:`state` taken from an actor of the same config (weights are loaded separately).
+
+        The env's state and the current observations are restored only when both the saved and this env
+        can save their state; otherwise this actor keeps its freshly reset envs (a new episode everywhere).
+        """
+        tensors, meta = state["tensors"], state["json"]
+        self.versions.update({k: int(v) for k, v in meta["versions"].items()})
+        self.generator.set_state(tensors["rng"])
+        self.env_steps = int(meta["env_steps"])
+        self.builder.sequence = int(meta["sequence"])
+        self.builder.tracker.episode_count = tensors["episode_count"].clone()
+        if meta["carry"] is not None:
+            self.builder.tracker.carry = _unflat("carry", tensors, meta["carry"])
+        self._rnn = {(g, p): tensors[f"rnn/{g}/{p}"] for g, p in meta["rnn"]}
+        if meta["env_state"] and hasattr(self.env, "load_state_dict"):
+            self.env.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("env/")})
+            self._obs = _unflat("obs", tensors, meta["obs"])
+            self._episode_start = tensors["episode_start"].clone()
+
+
+def _flat(prefix: str, td: TensorDictBase) -> dict[str, torch.Tensor]:
+    return {f"{prefix}/{'/'.join(k) if isinstance(k, tuple) else k}": v
+            for k, v in td.items(include_nested=True, leaves_only=True)}
+
+
+def _layout(td: TensorDictBase) -> dict:
+    nodes = {"/".join(k) if isinstance(k, tuple) else k: list(v.batch_size)
+             for k, v in td.items(include_nested=True) if isinstance(v, TensorDictBase)}
+    return {"batch": list(td.batch_size), "groups": nodes}
+
+
+def _unflat(prefix: str, tensors: Mapping[str, torch.Tensor], layout: Mapping[str, Any]) -> TensorDict:
+    td = TensorDict(batch_size=layout["batch"])
+    for key in sorted(layout["groups"], key=lambda k: k.count("/")):  # parents first
+        td.set(tuple(key.split("/")), TensorDict(batch_size=layout["groups"][key]))
+    head = f"{prefix}/"
+    for key, value in tensors.items():
+        if key.startswith(head):
+            td.set(tuple(key[len(head):].split("/")), value)
+    return td
 
 
 def _where_slots(slots: torch.Tensor, new, old):
@@ -282,4 +348,4 @@ def _maybe_plain(value):
     return _plain(value) if isinstance(value, TensorDictBase) else value
 
 
-__all__ = ["Actor", "WeightSource"]
+__all__ = ["Actor"]

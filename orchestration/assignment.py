@@ -9,7 +9,8 @@ and its outputs are kept on its own slots; a learner trains only on its slots (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+import difflib
+from typing import Collection, Mapping
 
 import torch
 
@@ -38,17 +39,33 @@ class GroupAssignment:
         return max(self.policies, key=lambda p: (int(self.slots[p].sum()), -self.policies.index(p)))
 
 
-def assign(tree: Tree, overrides: Mapping[str, str] | None = None) -> dict[str, GroupAssignment]:
+def assign(tree: Tree, overrides: Mapping[str, str] | None = None,
+           per_group: Collection[str] = ()) -> dict[str, GroupAssignment]:
     """Group -> :class:`GroupAssignment` from the default mapping updated with ``overrides`` (agent -> policy).
 
+    A policy id in ``per_group`` (fixed policies: ``random``, scripted, frozen) that acts in several groups
+    whose spaces differ gets one module per group: it becomes ``"<id>@<group>"`` in each of them (a random
+    speaker and a random listener cannot share one network).
+
     Raises:
-        KeyError: naming an override for an agent the tree does not have.
+        KeyError: naming an override for an agent the tree does not have, and the nearest agent names.
     """
     mapping = default_policy_mapping(tree)
     unknown = sorted(set(overrides or {}) - set(mapping))
     if unknown:
-        raise KeyError(f"policy mapping names agents the environment does not have: {unknown}")
+        hints = {a: difflib.get_close_matches(a, list(mapping), n=1) for a in unknown}
+        named = ", ".join(f"{a!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for a, h in hints.items())
+        raise KeyError(f"policy mapping names agents the environment does not have: {named}; its agents are "
+                       f"{sorted(mapping)}")
     mapping.update(overrides or {})
+    specs = groups(tree)
+    for pid in set(per_group):
+        acting = [g for g, spec in specs.items() if any(mapping[a] == pid for a in spec.agent_names)]
+        if len({specs[g].agent for g in acting}) > 1:
+            for g in acting:
+                for a in specs[g].agent_names:
+                    if mapping[a] == pid:
+                        mapping[a] = f"{pid}@{g}"
     out = {}
     for name, spec in groups(tree).items():
         pids = list(dict.fromkeys(mapping[a] for a in spec.agent_names))

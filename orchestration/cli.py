@@ -60,7 +60,7 @@ def train(argv: Sequence[str]) -> dict[str, float]:
     """``shoal train [ENV] [--config-file F] [--resume] [--no-progress] [TrainConfig flags]``."""
     from tqdm import tqdm
 
-    from orchestration.trainer import build_trainer
+    from orchestration.builder import build_trainer
 
     rest, config_file, resume, progress = _split_train_args(list(argv))
     default = _config_from_file(config_file) if config_file else TrainConfig()
@@ -73,12 +73,7 @@ def train(argv: Sequence[str]) -> dict[str, float]:
     torch.set_num_threads(config.threads)
     run_dir = Path(config.run_dir)
     ckpt_root = run_dir / "checkpoints"
-    if config.backend == "ray":
-        from orchestration.ray_backend import build_ray_trainer
-
-        trainer = build_ray_trainer(config)
-    else:
-        trainer = build_trainer(config)
+    trainer = build_trainer(config)
     if resume:
         restore_trainer_(trainer, *load_checkpoint(ckpt_root))
     log = MetricsLog(run_dir, resume=resume)
@@ -98,13 +93,11 @@ def train(argv: Sequence[str]) -> dict[str, float]:
                 bar.write(f"iteration {trainer.iteration}: " + json.dumps(shown))
             if config.checkpoint_every and trainer.iteration % config.checkpoint_every == 0:
                 save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
+        save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
     finally:
         bar.close()
         log.close()
-        close = getattr(trainer, "close", None)
-        if close is not None:
-            close()
-    save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
+        trainer.close()
     png = plot_learning_curve(log.csv_path, run_dir / "learning_curve.png", title=config.env)
     final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10", "env_steps")}
     print(json.dumps({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
@@ -128,49 +121,157 @@ def _run_dir_from(args: list[str], default: TrainConfig) -> str:
 
 def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4) -> float:
     """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return."""
-    from orchestration.trainer import build_trainer
+    from core.specs import from_json
+    from orchestration.builder import assignment_for, build_evaluator, build_policies
 
-    weights, tensors, state = load_checkpoint(checkpoint)
-    config = dataclasses.replace(load_config(state), eval_every=1, eval_episodes=episodes,
-                                 rollout=dataclasses.replace(load_config(state).rollout, num_envs=num_envs,
-                                                             num_workers=1))
-    trainer = build_trainer(config)
-    for pid, learner in trainer.learners.items():
-        learner.policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
-        learner._published = learner._snapshot()
-        learner.version = state["learners"][pid]["version"]
-    results = trainer.evaluate(episodes)
+    weights, _, state = load_checkpoint(checkpoint)
+    config = load_config(state)
+    tree = from_json(state["tree"])
+    assignment = assignment_for(config, tree)
+    policies, fixed = build_policies(config, tree, assignment)
+    for pid, policy in policies.items():
+        policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
+    actor = build_evaluator(config, policies, assignment, fixed, num_envs=num_envs)
+    results = {k.replace("return", "eval_return_mean", 1): sum(v) / max(len(v), 1)
+               for k, v in actor.run_episodes(episodes).items()}
     print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results}))
     return results["eval_return_mean"]
 
 
 def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list[str]:
-    """Writes one ``torch.export`` program per policy (eval-only observations removed) plus ``manifest.json``."""
-    from core.policies import deployable, export_policy, make_policies
+    """Writes one ``torch.export`` program per policy of the checkpoint (eval-only observations removed) plus
+    ``manifest.json``; returns the program paths.
+
+    Every policy id of the checkpoint (``state["learners"]`` and the ``"<pid>/"`` prefixes of the weights) is
+    exported with its own weights: group policies, policies of ``policy_mapping`` that are not group names
+    (built like the trainer builds them: the architecture of the first group they act in), and fixed ones
+    (``"fixed": true`` in the manifest: ``random`` and ``fixed_policies``). A program gives the deterministic
+    action, so ``random``'s program returns its mode, the first legal action, not a uniform sample. A policy
+    acting in several groups gets one program per group (``<pid>.pt2`` for its first, ``<pid>@<group>.pt2``
+    for the others).
+
+    ``manifest.json`` holds ``tree`` (the deployment view), ``agents`` (agent -> ``policy``, ``file``,
+    ``group``, ``slot``), ``policies`` (pid -> ``file``, ``files`` per group, ``agents``, ``fixed``,
+    ``version``, ``observation_keys``/``action_keys`` as leaf paths: ``"observation"`` for a bare leaf,
+    ``"observation/<key path>"`` otherwise, ``recurrent``) and ``programs`` (file -> ``policy``, ``group``,
+    ``capacity``, ``agents`` (agent -> slot it acts for), ``inputs``/``outputs``/``returns`` from
+    :func:`core.policies.export.deployment_signature`). A program computes every slot of its group's agent
+    dim ``[batch, capacity, ...]``; an agent's action is the row at its slot in its policy's program.
+    """
+    from core.policies import export_policy
+    from core.policies.export import deployment_signature, leaf_name
     from core.specs import deployment_view, from_json, groups, rand, to_json
+    from orchestration.assignment import assign
 
     weights, _, state = load_checkpoint(checkpoint)
     config, tree = load_config(state), from_json(state["tree"])
-    policies = make_policies(tree, config.policy)
+    assignment = assign(tree, dict(config.policy_mapping))
+    group_specs = groups(tree)
+    policies = _export_policies(weights, state, config, tree, assignment, group_specs)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest, written = {"tree": to_json(deployment_view(tree)), "policies": {}}, []
+    manifest: dict = {"format": "shoal.export/2", "tree": to_json(deployment_view(tree)), "layout": _EXPORT_LAYOUT,
+                      "agents": {}, "policies": {}, "programs": {}}
+    written: list[str] = []
     example = rand(tree, (2,), torch.Generator().manual_seed(0))
     for pid, policy in policies.items():
-        policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
-        policy.eval()
-        program = export_policy(policy, example.get(pid))
-        path = out_dir / f"{pid}.pt2"
-        torch.export.save(program, str(path))
-        view = deployable(policy)
-        manifest["policies"][pid] = {"file": path.name, "agents": list(groups(tree)[pid].agent_names),
-                                     "observation_keys": ["/".join(k) for k in view.observation_keys],
-                                     "action_keys": ["/".join(k) for k in view.action_keys],
-                                     "recurrent": view.recurrent}
-        written.append(str(path))
+        files, agents = {}, []
+        for i, (group, slots) in enumerate(_acting_groups(pid, assignment, group_specs).items()):
+            stem = _file_stem(pid) + ("" if i == 0 else f"@{_file_stem(group)}")
+            name, k = f"{stem}.pt2", 1
+            while name in manifest["programs"]:  # two ids that differ only in characters a file name cannot hold
+                name, k = f"{stem}-{k}.pt2", k + 1
+            try:
+                program = export_policy(policy, example.get(group))
+                signature = deployment_signature(policy, example.get(group))
+            except Exception as err:
+                raise ValueError(f"policy {pid!r} cannot be exported for group {group!r}: {err}") from err
+            path = out_dir / name
+            torch.export.save(program, str(path))
+            written.append(str(path))
+            spec = group_specs[group]
+            slot_of = {agent: slot for slot, agent in enumerate(spec.agent_names) if bool(slots[slot])}
+            manifest["programs"][name] = {"policy": pid, "group": group, "capacity": spec.capacity,
+                                          "agents": slot_of, **signature}
+            for agent, slot in slot_of.items():
+                manifest["agents"][agent] = {"policy": pid, "file": name, "group": group, "slot": slot}
+            files[group], agents = name, agents + list(slot_of)
+        manifest["policies"][pid] = {
+            "file": next(iter(files.values())), "files": files, "agents": agents,
+            "fixed": pid.split("@", 1)[0] in ("random", *config.fixed_policies),
+            "version": state.get("learners", {}).get(pid, {}).get("version"),
+            "observation_keys": [leaf_name("observation", k) for k in policy.actor_encoder.paths],
+            "action_keys": [leaf_name("action", k) for k in policy.heads.paths],
+            "recurrent": policy.gru is not None,
+        }
+    order = [a for spec in group_specs.values() for a in spec.agent_names]
+    manifest["agents"] = {a: manifest["agents"][a] for a in order if a in manifest["agents"]}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(json.dumps({"exported": written, "manifest": str(out_dir / "manifest.json")}))
     return written
+
+
+_EXPORT_LAYOUT = (
+    "program(*observation, action_mask=..., recurrent_state=...) -> action (or a tuple, see 'returns'). "
+    "Every tensor is [batch, capacity, ...]: batch is free, capacity is the program's group size and every "
+    "slot is computed; an agent's action is the row at its slot (agents[name]: file, slot). Inputs are listed "
+    "per program with name, kind (positional/keyword), dtype and shape; observation leaves are positional in "
+    "the listed order, action_mask [batch, capacity, n] bool is required when listed (all True allows every "
+    "action). Outputs are deterministic actions: argmax of legal logits, Gaussian mean, logit > 0."
+)
+
+
+def _file_stem(name: str) -> str:
+    """A policy or group name made safe as a file name (nested group names hold ``/``)."""
+    return "".join(c if c.isalnum() or c in "-_.@" else "_" for c in name)
+
+
+def _acting_groups(pid: str, assignment, group_specs) -> dict[str, torch.Tensor]:
+    """Group -> bool ``[A]`` slots that ``pid`` acts for, groups in tree order.
+
+    A ``"<id>@<group>"`` id (one module per group of a fixed policy) acts for ``<id>``'s slots of ``<group>``;
+    a checkpoint policy acting for no agent gets its own group's layout with no slot (or fails to load).
+    """
+    acts = {g: a.slots[pid] for g, a in assignment.items() if pid in a.policies}
+    if not acts and "@" in pid:
+        base, group = pid.rsplit("@", 1)
+        if group in assignment and base in assignment[group].policies:
+            acts = {group: assignment[group].slots[base]}
+    if not acts and pid in group_specs:
+        acts = {pid: torch.zeros(group_specs[pid].capacity, dtype=torch.bool)}
+    return acts
+
+
+def _export_policies(weights, state, config, tree, assignment, group_specs) -> dict:
+    """Policy id -> module with the checkpoint's weights, for every policy id of the checkpoint.
+
+    Ids: ``state["learners"]`` in order, then any other ``"<pid>/"`` prefix of the weights. A group name
+    gets its group's architecture; another id, like the trainer's ``build_policies``, a copy of the module of
+    the first group it acts in.
+    """
+    import copy
+
+    from core.policies import make_policies
+
+    base = make_policies(tree, config.policy)
+    pids = list(state.get("learners", {}))
+    pids += [p for p in dict.fromkeys(k.split("/", 1)[0] for k in weights) if p not in pids]
+    out = {}
+    for pid in pids:
+        if pid in base:
+            policy = base[pid]
+        else:
+            group = next(iter(_acting_groups(pid, assignment, group_specs)), None)
+            if group is None:
+                raise ValueError(f"checkpoint policy {pid!r} is not a group and acts for no agent of the "
+                                 f"policy mapping {dict(config.policy_mapping)}: no architecture to load it into")
+            policy = copy.deepcopy(base[group])
+        own = {k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")}
+        if not own:
+            raise ValueError(f"checkpoint policy {pid!r} has no weights (no '{pid}/' keys)")
+        policy.load_state_dict(own)
+        out[pid] = policy.eval()
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -37,13 +37,6 @@ class RolloutConfig:
 class RayConfig:
     """How the Ray backend places and runs the fleet and the learners (no Ray import needed to build one)."""
 
-    mode: Literal["sync", "async"] = "sync"
-    """``sync``: collect ``train_batch_size`` with the current weights, train, broadcast (seed 000).
-    ``async``: workers stream; each learner trains whenever a batch is ready (seed 004)."""
-    max_staleness: int = 1
-    """Fragments whose policy version lags the learner's by more than this are dropped and counted."""
-    reuse_limit: int = 1
-    """Times a fragment may be trained on (async mode tops up a batch with reusable data)."""
     queue_size: int = 2
     """Fragments buffered between a worker's sampling loop and its sender thread."""
     max_in_flight: int = 2
@@ -88,12 +81,10 @@ class RayConfig:
     """Async mode: fail when no learner could train for this long."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"RayConfig.mode must be 'sync' or 'async', got {self.mode!r}")
-        for name in ("max_staleness", "max_worker_restarts", "max_learner_restarts", "learner_checkpoint_every"):
+        for name in ("max_worker_restarts", "max_learner_restarts", "learner_checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("reuse_limit", "queue_size", "max_in_flight", "worker_threads", "learner_threads",
+        for name in ("queue_size", "max_in_flight", "worker_threads", "learner_threads",
                      "learners_per_policy"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -147,14 +138,30 @@ class TrainConfig:
     split well, and the env steps in the same thread anyway). Raise it for wide networks trained on the CPU."""
     backend: Literal["local", "ray"] = "local"
     """``local``: everything in this process; ``ray``: rollout workers and learners as Ray actors."""
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: collect ``train_batch_size`` env steps with the current weights, train, broadcast (seed 000).
+    ``async``: actors keep producing while learners train whenever a batch is ready, and pick up new weights
+    at their next fragment boundary (seed 004); on the local backend a deterministic serial interleaving."""
+    max_staleness: int = 1
+    """Asynchronous mode: fragments whose policy version lags the learner's by more than this are dropped and
+    counted (``fragments_stale``), never trained on."""
+    reuse_limit: int = 1
+    """Times a fragment may be trained on (asynchronous mode tops a batch up with reusable data)."""
     address: str | None = None
     """Ray cluster address to join (else ``RAY_ADDRESS``; else a local Ray instance is started)."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Modes, placement and bounds of the Ray backend (used with ``backend="ray"``)."""
 
     def __post_init__(self) -> None:
-        if self.iterations < 0 or self.train_batch_size < 0 or self.lr <= 0 or self.threads < 1:
-            raise ValueError("iterations and train_batch_size must be >= 0, lr > 0 and threads >= 1")
+        for name, ok, rule in (("iterations", self.iterations >= 0, ">= 0"),
+                               ("train_batch_size", self.train_batch_size >= 0, ">= 0"),
+                               ("lr", self.lr > 0, "> 0"), ("threads", self.threads >= 1, ">= 1"),
+                               ("max_staleness", self.max_staleness >= 0, ">= 0"),
+                               ("reuse_limit", self.reuse_limit >= 1, ">= 1")):
+            if not ok:
+                raise ValueError(f"TrainConfig.{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"TrainConfig.mode must be 'sync' or 'async', got {self.mode!r}")
         if self.train_batch_size and self.train_batch_size % (self.rollout.num_envs * self.rollout.fragment_length):
             raise ValueError(f"train_batch_size {self.train_batch_size} must be a multiple of num_envs * "
                              f"fragment_length = {self.rollout.num_envs * self.rollout.fragment_length}")

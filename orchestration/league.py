@@ -5,10 +5,13 @@ players are the same learner). A league keeps the opponent's policy frozen inste
 replaces it by a member of a growing pool: snapshots of the learning policy taken every ``snapshot_every``
 iterations, plus whatever the pool was seeded with. Opponents are drawn with prioritized fictitious self-play
 (AlphaStar's PFSP): weight ``(1 - win_rate)^p``, so the ones the learner still loses to come up more often.
+The swap goes through :meth:`Trainer.set_weights`, which loads the opponent into every actor (in this process
+or in Ray rollout workers) before any of them produces the next fragment: the games counted against a member
+are games against it, on every backend.
 
 Usage::
 
-    config = TrainConfig(env="pettingzoo:classic.connect_four_v3",
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3", backend="local",   # or "ray"
                          policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",))
     league = LeagueTrainer(build_trainer(config), learner="player", opponent="opponent")
     for _ in range(100):
@@ -22,7 +25,6 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDictBase
 
-from orchestration.learner import FixedLearner
 
 
 @dataclass
@@ -45,7 +47,8 @@ class LeagueTrainer:
     """Runs ``trainer`` iterations with the ``opponent`` policy frozen and swapped between iterations.
 
     Args:
-        trainer: the sub-trainer (local or Ray), whose ``opponent`` learner is a :class:`FixedLearner`.
+        trainer: the sub-trainer (:class:`orchestration.trainer.Trainer`, any backend), whose ``opponent``
+            policy is fixed (``TrainConfig.fixed_policies``).
         learner: id of the learning policy.
         opponent: id of the frozen opponent policy slot.
         snapshot_every: add a snapshot of the learner to the pool every N iterations.
@@ -55,12 +58,13 @@ class LeagueTrainer:
 
     def __init__(self, trainer, *, learner: str, opponent: str, snapshot_every: int = 5, pfsp_power: float = 2.0,
                  seed: int = 0) -> None:
-        if not isinstance(trainer.learners.get(opponent), FixedLearner):
-            raise ValueError(f"policy {opponent!r} must be a fixed policy (TrainConfig.fixed_policies)")
+        if opponent not in trainer.learners or trainer.learners[opponent].learns:
+            raise ValueError(f"policy {opponent!r} must be a fixed policy (TrainConfig.fixed_policies); the "
+                             f"policies are {sorted(trainer.learners)}")
         self.trainer, self.learner, self.opponent = trainer, learner, opponent
         self.snapshot_every, self.pfsp_power = snapshot_every, pfsp_power
         self.generator = torch.Generator().manual_seed(seed)
-        self.pool: list[Member] = [Member("initial", trainer.learners[opponent].published()[1])]
+        self.pool: list[Member] = [Member("initial", trainer.learners[opponent].weights()[1].clone())]
         self.current = self.pool[0]
 
     def _draw(self) -> Member:
@@ -70,18 +74,16 @@ class LeagueTrainer:
     def train(self) -> dict[str, float]:
         """One sub-trainer iteration against a drawn opponent, then the pool's bookkeeping."""
         self.current = self._draw()
-        self.trainer.learners[self.opponent].replace_weights(self.current.weights)
-        for actor in self.trainer.actors:
-            actor.sync(self.trainer.learners)  # the opponent's new weights, before any step is taken
+        self.trainer.set_weights(self.opponent, self.current.weights)  # in every actor before its next fragment
         metrics = self.trainer.train()
         new = self.trainer.last_episodes.get(f"return/{self.learner}", [])
         self.current.games += len(new)
         self.current.score += float(sum(new))
         if self.trainer.iteration % self.snapshot_every == 0:
-            version, weights = self.trainer.learners[self.learner].published()
+            version, weights = self.trainer.learners[self.learner].weights()
             self.pool.append(Member(f"{self.learner}@{version}", weights.clone()))
         metrics.update(league_size=len(self.pool), league_opponent=self.pool.index(self.current),
-                       league_win_rate=self.current.win_rate)
+                       league_win_rate=self.current.win_rate, league_games=len(new))
         return metrics
 
 

@@ -1,25 +1,39 @@
 """Learners (seed 002): own a policy and its optimizer, train when enough data arrived, publish weights.
 
-A learner never tracks actors: actors ``receive`` data into it whenever they like and read ``published()``
-weights when told to sync. Weights travel as a detached TensorDict (``TensorDict.from_module``) with a
-version number that increases by one per training step.
+The Learner protocol, which every backend implements (a local object here; a remote handle with the same
+methods in :mod:`orchestration.ray_learner`). Usage loop (what :class:`orchestration.trainer.Trainer` does)::
+
+    learner.receive(fragment, meta)             # fleets deliver fragments (meta: Actor.fragment_meta)
+    pending = learner.submit(progress, lr)      # train if a batch is ready
+    result = pending.result()                   # None: not ready; else {"metrics", "version", "weights", ...}
+    version, weights = learner.published()      # the newest weights, in the fleet's transport form
+    state = learner.state(); learner.load_state_(state)   # checkpoints (numpy arrays and JSON values)
+
+A learner never tracks actors. Weights are a detached TensorDict (``TensorDict.from_module``) with a version
+that increases by one per training step. The staleness and reuse rules live in the learner's
+:class:`orchestration.inbox.Inbox` (core's rules), the same on every backend.
 
 - :class:`PPOLearner`: clipped PPO on every group mapped to its policy (core/losses).
-- :class:`FixedLearner`: a random, scripted or frozen policy; ignores experience, version stays 0.
+- :class:`FixedLearner`: a random, scripted or frozen policy; ignores experience; its version changes only
+  when a league hands it other frozen weights.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Mapping
+import time
+from typing import Any, Mapping
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from core.buffers import concat_fragments, filter_stale, flatten_transitions
-from core.layout import ACTION_MASK, MASK, NEXT, OBSERVATION, SHARED, STATE_VALUE
+from core.buffers import concat_fragments, flatten_transitions
+from core.layout import ACTION_MASK, FRAGMENT_ID, MASK, NEXT, OBSERVATION, POLICY_VERSION, SHARED, STATE_VALUE, WORKER_ID
 from core.losses import PPOConfig, credit_absent_steps, ppo_update_, with_gae
 from core.policies import GroupPolicy
+from orchestration.checkpoint import flatten_optimizer, restore_optimizer
+from orchestration.inbox import Inbox
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,6 +50,36 @@ def _actor_copy(policy: GroupPolicy, weights: TensorDictBase) -> GroupPolicy:
     return copy_
 
 
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().cpu().numpy()
+
+
+def _tensor(array) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array.clone()
+    return torch.from_numpy(np.array(array))  # np.array: a writable copy of a possibly read-only view
+
+
+class Done:
+    """A training request that has finished (a local learner trains when asked): ``result()`` at once."""
+
+    def __init__(self, value: dict[str, Any] | None) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> dict[str, Any] | None:
+        return self._value
+
+
+def meta_of(fragment: TensorDictBase, policy_id: str, group: str) -> dict[str, Any]:
+    """The delivery metadata of a fragment read from its own tensors (for callers that pass none)."""
+    fid = int(fragment.get(FRAGMENT_ID)[0, 0])
+    return {"fragment_id": fid, "worker_id": int(fragment.get(WORKER_ID)[0, 0]), "sequence": fid & 0xFFFFFFFF,
+            "policy_versions": {policy_id: int(fragment.get((POLICY_VERSION, group))[0, 0])}}
+
+
 class PPOLearner:
     """Trains ``policy`` with PPO on the ``groups`` mapped to it.
 
@@ -43,47 +87,68 @@ class PPOLearner:
         policy: the module to train (the learner's own copy; actors hold others).
         groups: group -> bool ``[A]`` slots this policy acts for (None: all) — the data that trains it
             (several groups: parameter sharing across groups; a slot mask: a group split between policies).
+        policy_id: the policy's id (reads its version in delivery metadata).
         ppo: loss, estimator and update settings.
         lr: Adam learning rate.
         batch_steps: env steps of data that make a training batch (``train_batch_size``).
         seed: seeds the minibatch order.
         device: where the policy trains.
-        max_staleness: with data from older versions (asynchronous mode), drop what lags by more than this.
+        max_staleness: drop data lagging the learner by more than this many versions (None: never).
+        reuse_limit: times a fragment may be trained on (asynchronous mode tops batches up with reused data).
     """
 
-    def __init__(self, policy: GroupPolicy, groups: Mapping[str, torch.Tensor | None], *, ppo: PPOConfig, lr: float, batch_steps: int,
-                 seed: int = 0, device: str | torch.device = "cpu", max_staleness: int | None = None) -> None:
+    learns = True
+
+    def __init__(self, policy: GroupPolicy, groups: Mapping[str, torch.Tensor | None], *, policy_id: str = "policy",
+                 ppo: PPOConfig, lr: float, batch_steps: int, seed: int = 0, device: str | torch.device = "cpu",
+                 max_staleness: int | None = None, reuse_limit: int = 1) -> None:
         self.device = torch.device(device)
         self.policy = policy.to(self.device)
         self.groups = dict(groups)
+        self.policy_id = policy_id
         self.ppo, self.lr, self.batch_steps = ppo, lr, batch_steps
-        self.max_staleness = max_staleness
         fused = self.device.type in ("cpu", "cuda")
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=lr, eps=1e-5, fused=fused)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
-        self.counters = {"fragments_received": 0, "env_steps_stale": 0, "skipped_steps": 0, "env_steps_trained": 0}
-        self._pending: list[TensorDictBase] = []
-        self._pending_steps = 0
+        self.counters = {"fragments_received": 0, "skipped_steps": 0, "env_steps_trained": 0, "train_steps": 0}
+        self.inbox = Inbox(policy_id, batch_steps, max_staleness=max_staleness, reuse_limit=reuse_limit)
+        self.last_fragment_ids: list[int] = []
+        """Fragment ids of the last training batch, in batch order."""
         self._published = self._snapshot()
 
     def _snapshot(self) -> TensorDictBase:
-        """A detached copy of the weights on the CPU (one traversal: 0.16 ms against 0.67 ms for
-        ``detach().clone().cpu()``, which walks the tree three times; CartPole's 64x64 actor-critic)."""
+        """A detached copy of the weights on the CPU (one traversal of the module tree)."""
         with torch.no_grad():  # clones made without grad tracking do not require grad
             weights = TensorDict.from_module(self.policy)
             return weights.clone() if self.device.type == "cpu" else weights.to("cpu")
 
     # -- data in -----------------------------------------------------------------------------------------
-    def receive(self, fragment: TensorDictBase) -> None:
-        """Queues a fragment ``[E, T]`` by reference: learners fed the same fragment share its memory."""
-        self._pending.append(fragment)
-        self._pending_steps += fragment.batch_size.numel()
+    def receive(self, fragment: TensorDictBase, meta: Mapping[str, Any] | None = None) -> str | None:
+        """Files a fragment ``[E, T]`` by reference (learners fed the same fragment share its memory; nothing
+        writes into it). ``meta``: its delivery metadata (read from the fragment when None).
+
+        Returns:
+            ``"accepted"`` or ``"stale"``; None for a re-delivery (ignored, counted as a duplicate).
+        """
+        if meta is None:
+            meta = meta_of(fragment, self.policy_id, next(iter(self.groups)))
         self.counters["fragments_received"] += 1
+        if not self.inbox.announce(meta):
+            return None
+        return self.inbox.add(fragment, meta, self.version)
+
+    def settle(self, produced: Mapping[int, int]) -> int:
+        """Counts as lost what the workers produced (worker id -> fragments) and never delivered here."""
+        return self.inbox.settle(produced)
 
     def ready(self) -> bool:
-        """Whether a full training batch has arrived."""
-        return self._pending_steps >= self.batch_steps
+        """Whether a training batch has arrived."""
+        return self.inbox.ready(self.version)
+
+    def new_steps(self) -> int:
+        """Env steps of fresh data not trained on yet."""
+        return self.inbox.new_steps(self.version)
 
     # -- training ----------------------------------------------------------------------------------------
     def _with_values(self, batch: TensorDictBase, group: str) -> TensorDictBase:
@@ -121,19 +186,16 @@ class PPOLearner:
         out.set(group, g)
         return out
 
-    def train(self, progress: float = 0.0) -> dict[str, float]:
-        """One PPO update on the pending data (call when :meth:`ready`); publishes a new version.
+    def update_(self, fragments: list[TensorDictBase], progress: float = 0.0) -> dict[str, float]:
+        """One PPO update on ``fragments`` (the math; no inbox rules); publishes a new version.
 
         Args:
-            progress: fraction of the run done, in [0, 1] (drives learning-rate annealing if the caller wants).
+            fragments: ``[E_i, T]`` fragments, concatenated along env in this order.
+            progress: fraction of the run done, in [0, 1].
         """
-        fragments, self._pending, self._pending_steps = self._pending, [], 0
         batch = concat_fragments(fragments).to(self.device)
         metrics: dict[str, float] = {}
         for group in self.groups:
-            if self.max_staleness is not None:
-                batch, dropped = filter_stale(batch, group, self.version, self.max_staleness)
-                self.counters["env_steps_stale"] += int(dropped)
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step
                 batch = self._only_slots(batch, group)
@@ -149,9 +211,37 @@ class PPOLearner:
                 metrics[f"{group}/{k}" if len(self.groups) > 1 else k] = float(v)
             self.counters["skipped_steps"] += int(out.get("skipped_steps", 0))
         self.counters["env_steps_trained"] += batch.batch_size.numel()
+        self.counters["train_steps"] += 1
         self.version += 1
         self._published = self._snapshot()
         return metrics
+
+    def train(self, progress: float = 0.0, *, lr: float | None = None, take_all: bool = True) -> dict[str, float]:
+        """One PPO update on the inbox's next batch (``take_all``: every fresh fragment); ``{}`` if it has none.
+
+        Args:
+            progress: fraction of the run done, in [0, 1].
+            lr: set this learning rate first (annealing), or None.
+            take_all: synchronous mode (all fresh data) or one batch topped up with reusable data (async).
+        """
+        entries = self.inbox.take(self.version, take_all)
+        if not entries:
+            return {}
+        if lr is not None:
+            self.set_lr(lr)
+        self.last_fragment_ids = [int(e.meta["fragment_id"]) for e in entries]
+        return self.update_([e.fragment for e in entries], progress)
+
+    def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False) -> Done:
+        """Trains now if :meth:`ready`; the result: None, or ``{"metrics", "version", "weights",
+        "fragment_ids", "time_learn"}`` (``weights`` as :meth:`published` gives them)."""
+        if not self.ready():
+            return Done(None)
+        start = time.perf_counter()
+        metrics = self.train(progress, lr=lr, take_all=take_all)
+        version, weights = self.published()
+        return Done({"metrics": metrics, "version": version, "weights": weights,
+                     "fragment_ids": list(self.last_fragment_ids), "time_learn": time.perf_counter() - start})
 
     def set_lr(self, lr: float) -> None:
         """Sets the learning rate of every parameter group (annealing)."""
@@ -163,14 +253,51 @@ class PPOLearner:
         """The newest published ``(version, weights)``; weights live on the CPU and are never mutated."""
         return self.version, self._published
 
+    def weights(self) -> tuple[int, TensorDictBase]:
+        """``(version, weights)`` as a local TensorDict (here the same as :meth:`published`)."""
+        return self.published()
+
     def actor_policy(self) -> GroupPolicy:
         """A CPU copy of the policy with the published weights, for an actor (training or evaluation)."""
         return _actor_copy(self.policy, self._published)
+
+    # -- state -------------------------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """The inbox's ledger and counters, this learner's counters and version."""
+        return {**self.inbox.report(), "learner": dict(self.counters), "version": self.version}
+
+    def state(self) -> dict[str, Any]:
+        """Weights, optimizer, generator, version, counters and the inbox ledger, as numpy arrays and JSON values."""
+        opt_tensors, opt_meta = flatten_optimizer("optimizer", self.optimizer)
+        return {"weights": {k: _numpy(v) for k, v in self.policy.state_dict().items()},
+                "optimizer": ({k: _numpy(v) for k, v in opt_tensors.items()}, opt_meta),
+                "generator": _numpy(self.generator.get_state()), "version": self.version,
+                "counters": dict(self.counters), "inbox": self.inbox.state()}
+
+    def load_state_(self, state: Mapping[str, Any]) -> None:
+        """Loads a :meth:`state` (mutates this learner) and republishes its weights."""
+        self.policy.load_state_dict({k: _tensor(v) for k, v in state["weights"].items()})
+        tensors, meta = state["optimizer"]
+        restore_optimizer("optimizer", self.optimizer, {k: _tensor(v) for k, v in tensors.items()}, meta)
+        self.generator.set_state(_tensor(state["generator"]))
+        self.version = int(state["version"])
+        self.counters.update(state["counters"])
+        if "inbox" in state:
+            self.inbox.load_state_(state["inbox"])
+        self._published = self._snapshot()
+
+    def publish_as(self, version: int) -> None:
+        """Republishes the current weights as ``version`` (a restarted learner moves above every version
+        published before its restart, so every actor loads its weights)."""
+        self.version = int(version)
+        self._published = self._snapshot()
 
 
 class FixedLearner:
     """A policy that does not learn (random, scripted or frozen): ignores data; its version changes only
     when a league hands it other frozen weights (:meth:`replace_weights`)."""
+
+    learns = False
 
     def __init__(self, policy: GroupPolicy) -> None:
         self.policy = policy
@@ -178,7 +305,7 @@ class FixedLearner:
         self.counters = {"fragments_received": 0}
         self._published = TensorDict.from_module(policy).detach().clone()
 
-    def receive(self, fragment: TensorDictBase) -> None:
+    def receive(self, fragment: TensorDictBase, meta: Mapping[str, Any] | None = None) -> None:
         """Counts and drops the fragment."""
         self.counters["fragments_received"] += 1
 
@@ -186,29 +313,41 @@ class FixedLearner:
         """Never has anything to train."""
         return False
 
-    def train(self, progress: float = 0.0) -> dict[str, float]:
-        """Nothing to do."""
-        return {}
+    def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False) -> Done:
+        """Nothing to train."""
+        return Done(None)
 
     def published(self) -> tuple[int, TensorDictBase]:
         """The frozen weights."""
         return self.version, self._published
+
+    def weights(self) -> tuple[int, TensorDictBase]:
+        """The frozen weights."""
+        return self.published()
 
     def actor_policy(self) -> GroupPolicy:
         """A CPU copy of the frozen policy, for an actor."""
         return _actor_copy(self.policy, self._published)
 
     def replace_weights(self, weights: TensorDictBase) -> int:
-        """Freezes other weights (a league swapping opponents); actors pick them up at their next sync.
-
-        Returns:
-            The new version.
-        """
+        """Freezes other weights (a league swapping opponents); returns the new version."""
         with torch.no_grad():
             TensorDict.from_module(self.policy).update_(weights)
         self._published = TensorDict.from_module(self.policy).detach().clone()
         self.version += 1
         return self.version
 
+    def state(self) -> dict[str, Any]:
+        """Weights and version."""
+        return {"weights": {k: _numpy(v) for k, v in self.policy.state_dict().items()}, "version": self.version,
+                "counters": dict(self.counters)}
 
-__all__ = ["FixedLearner", "PPOLearner", "resolve_device"]
+    def load_state_(self, state: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`state`."""
+        self.policy.load_state_dict({k: _tensor(v) for k, v in state["weights"].items()})
+        self.version = int(state["version"])
+        self.counters.update(state.get("counters", {}))
+        self._published = TensorDict.from_module(self.policy).detach().clone()
+
+
+__all__ = ["Done", "FixedLearner", "PPOLearner", "meta_of", "resolve_device"]

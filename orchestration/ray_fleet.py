@@ -1,13 +1,15 @@
 """The rollout fleet on Ray (seed 004): rollout workers, their sender threads, and the manager over them.
 
-A :class:`RolloutWorker` (plain class, made remote once) wraps the local :class:`orchestration.actor.Actor`.
+A :class:`RolloutWorker` (plain class, made remote once) wraps the actor the one builder makes
+(:func:`orchestration.builder.build_actor`).
 Its sampling loop puts fragments in a bounded queue; a sender thread ``ray.put``s each in wire form
 (:mod:`orchestration.wire`) and pushes the ref to every learner, with at most ``max_in_flight``
 unacknowledged pushes per learner: a slow learner fills the queue and blocks sampling (back-pressure),
 and no RPC happens inside the sampling loop. At each fragment boundary the worker loads the newest weights
 it was told about (one ref per version, put once by the learner); each fragment records its versions.
 
-:class:`RayFleet` (driver side) creates, supervises and re-creates workers. Synchronous mode: each worker
+:class:`RayFleet` (driver side) implements the Fleet protocol (:mod:`orchestration.fleet`): it creates,
+supervises and re-creates workers. Synchronous mode: each worker
 collects its share of ``train_batch_size`` with the current weights (seed 000); what dead workers lost is
 re-collected. Asynchronous mode: workers stream until stopped and get new weights refs as published. A dead
 worker is re-created as a new incarnation (new ``worker_id``, new seed stream) and re-synced. Incarnation 0
@@ -23,38 +25,21 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import ray
 import torch
+from tensordict import TensorDictBase
 
-from core.layout import FRAGMENT_ID, POLICY_VERSION
-from orchestration.actor import Actor
-from orchestration.assignment import assign
-from orchestration.config import TrainConfig
+from orchestration.builder import assignment_for, build_actor, policy_module, worker_id_of
+from orchestration.config import RayConfig, TrainConfig
 from orchestration.envs import make_run_env
-from orchestration.ray_learner import policy_module
 from orchestration.ray_session import kill_actor, try_get
-from orchestration.ray_stats import PipelineMonitor, TimedEnv, episode_arrays
+from orchestration.statistics import EpisodeStatistics, PipelineMonitor, TimedEnv
 from orchestration.wire import from_wire, to_wire
-
-if TYPE_CHECKING:
-    from orchestration.ray_backend import RayConfig
 
 #: policy id -> (version, [ref of its wire-form weights]); the ref is nested so Ray passes it unresolved.
 Weights = Mapping[str, tuple[int, list]]
-
-
-def worker_id_of(slot: int, incarnation: int) -> int:
-    """``(incarnation << 16) | slot``: incarnation 0 keeps the local backend's worker ids."""
-    if not (0 <= slot < 2**16 and 0 <= incarnation < 2**15):
-        raise ValueError(f"slot {slot} or incarnation {incarnation} out of range")
-    return (incarnation << 16) | slot
-
-
-def worker_seed(seed: int, slot: int, incarnation: int) -> int:
-    """Seed of a worker's env and sampling generator; a re-created worker gets a fresh stream."""
-    return seed + 1000 * slot + 10**7 * incarnation
 
 
 class RolloutWorker:
@@ -74,10 +59,9 @@ class RolloutWorker:
         rc = config.rollout
         self.env = TimedEnv(make_run_env(config, rc.num_envs))
         tree = self.env.tree
-        assignment = assign(tree, dict(config.policy_mapping))
-        self.actor = Actor(self.env, {pid: policy_module(tree, config, assignment, pid) for pid in weights},
-                           assignment, fragment_length=rc.fragment_length,
-                           seed=worker_seed(config.seed, slot, incarnation), worker_id=self.worker_id)
+        assignment = assignment_for(config, tree)
+        policies = {pid: policy_module(config, tree, assignment, pid) for pid in weights}
+        self.actor = build_actor(config, self.env, policies, assignment, slot=slot, incarnation=incarnation)
         self.learners, self.stats = dict(learners), stats
         self.queue: queue.Queue = queue.Queue(maxsize=ray_config.queue_size)
         self.produced = self.sent = self.push_failures = 0
@@ -103,9 +87,7 @@ class RolloutWorker:
         with self._loading:
             for pid, (version, refs) in latest.items():
                 if force or version != self.actor.versions[pid]:
-                    weights = from_wire(ray.get(refs[0]))
-                    self.actor.versions[pid] = version - 1  # set_weights skips a version it already has
-                    self.actor.set_weights(pid, version, weights)
+                    self.actor.set_weights(pid, version, from_wire(ray.get(refs[0])), force=force)
 
     def sync_weights(self, weights: Weights) -> dict[str, int]:
         """Loads ``weights`` now (not at the next fragment boundary); returns the versions held."""
@@ -127,17 +109,13 @@ class RolloutWorker:
             time.sleep(self._delay)  # a slow environment (test hook)
         stepped = time.perf_counter()
         fragment = actor.build_fragment()
-        episodes = episode_arrays(actor.builder.pop_completed_episodes(), actor.assignment)
+        episodes = actor.completed_episodes()
         built = time.perf_counter()
         env_time = self.env.elapsed - env_before + self._delay
         monitor.add("env_step", env_time)
         monitor.add("inference", stepped - start - env_time)
         monitor.add("assembly", built - stepped)
-        meta = {"fragment_id": int(fragment.get(FRAGMENT_ID)[0, 0]), "worker_id": self.worker_id, "slot": self.slot,
-                "incarnation": self.incarnation, "sequence": actor.builder.sequence - 1,
-                POLICY_VERSION: {g: actor.versions[a.main_policy] for g, a in actor.assignment.items()},
-                "policy_versions": dict(actor.versions),
-                "env_steps": fragment.batch_size.numel()}
+        meta = {**actor.fragment_meta(fragment), "slot": self.slot, "incarnation": self.incarnation}
         self.produced += 1
         self._put((fragment, meta, episodes))
         monitor.add("enqueue_wait", time.perf_counter() - built)
@@ -237,6 +215,11 @@ class RolloutWorker:
         """Where this worker runs: worker id, node id, process id."""
         return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
+    def policy_weights(self, policy_id: str) -> dict:
+        """The weights this worker acts with for ``policy_id`` (wire form)."""
+        with self._loading:
+            return to_wire(self.actor.policy_weights(policy_id))
+
     def set_fragment_delay(self, seconds: float) -> None:
         """Sleeps ``seconds`` in every fragment, like a slow environment (tests of staleness)."""
         self._delay = float(seconds)
@@ -261,13 +244,20 @@ class _Slot:
 class RayFleet:
     """Creates, drives and re-creates ``config.rollout.num_workers`` rollout workers (driver side; no data).
 
-    ``learners`` (policy id -> handle) and ``stats`` are handed to every worker; ``weights`` start them.
+    ``learners`` (policy id -> learner actor handle) and ``stats`` (an :class:`EpisodeStatistics` actor) are
+    handed to every worker; ``weights`` start them. Weights handed over as TensorDicts (fixed policies, a
+    league's opponent) are put in the object store once per version.
     """
+
+    resume_exact = False
+    """A resumed Ray run restarts its workers' envs (learners resume exactly; sampling does not)."""
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], stats,
                  weights: Weights) -> None:
         self.config, self.ray_config = config, ray_config
         self.learners, self.stats = dict(learners), stats
+        self._puts: dict[str, tuple[int, list]] = {}
+        weights = self._refs(weights)
         self.fragment_steps = config.rollout.num_envs * config.rollout.fragment_length
         self.restarts = 0
         self.reported: dict[int, int] = {}  # worker id -> fragments produced, as last reported
@@ -293,6 +283,17 @@ class RayFleet:
         self.restarts += 1
         self.slots[index] = self._spawn(old.slot, old.incarnation + 1, weights)
 
+    def _refs(self, weights: Weights) -> dict[str, tuple[int, list]]:
+        """``weights`` with every TensorDict replaced by ``[ref]`` of its wire form (one put per version)."""
+        out = {}
+        for pid, (version, w) in weights.items():
+            if isinstance(w, TensorDictBase):
+                if self._puts.get(pid, (None,))[0] != version:
+                    self._puts[pid] = (version, [ray.put(to_wire(w))])
+                w = self._puts[pid][1]
+            out[pid] = (version, w)
+        return out
+
     def _record(self, report: Mapping[str, Any]) -> None:
         wid = report["worker_id"]
         self.reported[wid] = max(self.reported.get(wid, 0), report["produced"])
@@ -301,9 +302,10 @@ class RayFleet:
     def collect(self, target_steps: int, weights: Weights, new_steps: Callable[[], int]) -> list[dict]:
         """Has the workers deliver at least ``target_steps`` env steps acting with ``weights``; their reports.
 
-        Every worker collects the same number of fragments (rounds of one per worker, as the local trainer);
+        Every worker collects the same number of fragments (rounds of one per worker, as the local fleet);
         if workers died, ``new_steps()`` (fresh steps the learners hold) tells what the live ones must add.
         """
+        weights = self._refs(weights)
         n = len(self.slots)
         rounds = math.ceil(target_steps / (self.fragment_steps * n))
         requests = dict.fromkeys(range(n), rounds)
@@ -330,12 +332,14 @@ class RayFleet:
     # -- asynchronous mode -------------------------------------------------------------------------------
     def start(self, weights: Weights) -> None:
         """Starts every worker streaming."""
+        weights = self._refs(weights)
         for slot in self.slots:
             slot.run_ref = slot.handle.run.remote(weights)
 
     def broadcast(self, weights: Weights, wait: bool = False) -> None:
         """Hands new weights refs to every worker, loaded at its next fragment boundary (fire-and-forget: a
         dead worker is found by :meth:`check`), or with ``wait`` loaded now by all before returning."""
+        weights = self._refs(weights)
         if wait:
             ray.get([slot.handle.sync_weights.remote(weights) for slot in self.slots])
             return
@@ -344,6 +348,7 @@ class RayFleet:
 
     def check(self, weights: Weights) -> int:
         """Re-creates (and restarts streaming on) every worker whose ``run`` ended; returns how many."""
+        weights = self._refs(weights)
         running = {s.run_ref: i for i, s in enumerate(self.slots) if s.run_ref is not None}
         done = ray.wait(list(running), num_returns=len(running), timeout=0)[0] if running else []
         for ref in done:
@@ -355,6 +360,29 @@ class RayFleet:
             self.restart(index, weights, cause)
             self.slots[index].run_ref = self.slots[index].handle.run.remote(weights)
         return len(done)
+
+    def pump(self, weights: Weights) -> None:
+        """Asynchronous mode: replaces dead workers, then leaves the workers a moment to produce."""
+        self.check(weights)
+        time.sleep(self.ray_config.poll_interval_s)
+
+    def episodes(self) -> dict[str, Any]:
+        """Episodes the statistics actor got since the last call (:meth:`EpisodeStatistics.drain`)."""
+        try:
+            return ray.get(self.stats.drain.remote())
+        except ray.exceptions.RayActorError:  # its node died: it restarts empty, the episodes it held are gone
+            return {"episodes": {}, "summary": {}}
+
+    def actor_weights(self, policy_id: str) -> list:
+        """The weights every worker acts with for ``policy_id``."""
+        return [from_wire(m) for m in ray.get([s.handle.policy_weights.remote(policy_id) for s in self.slots])]
+
+    def state(self) -> list[dict]:
+        """Workers' envs are not checkpointed: a resumed Ray run restarts them."""
+        return []
+
+    def load_state_(self, states) -> None:
+        """Nothing to restore (see :meth:`state`)."""
 
     def monitors(self, timeout: float = 0.5) -> list[dict]:
         """Reports of the workers answering within ``timeout`` (served beside sampling; others skipped)."""
@@ -386,10 +414,14 @@ class RayFleet:
         """The current worker handles, by slot."""
         return [s.handle for s in self.slots]
 
-    def shutdown(self) -> None:
-        """Kills every worker."""
-        for slot in self.slots:
-            kill_actor(slot.handle)
+    def close(self) -> None:
+        """Stops streaming; kills every worker and the statistics actor."""
+        self.stop()
+        for handle in [*(s.handle for s in self.slots), self.stats]:
+            kill_actor(handle)
 
 
-__all__ = ["RayFleet", "RemoteRolloutWorker", "RolloutWorker", "Weights", "worker_id_of", "worker_seed"]
+#: The statistics actor: light (no CPU reserved), made remote once.
+RemoteEpisodeStatistics = ray.remote(num_cpus=0)(EpisodeStatistics)
+
+__all__ = ["RayFleet", "RemoteEpisodeStatistics", "RemoteRolloutWorker", "RolloutWorker", "Weights"]

@@ -1,8 +1,9 @@
-"""Joining or starting Ray for a run, checking that the run's reservations fit the cluster, and the two
-tolerant calls on actor handles that may have died (:func:`try_get`, :func:`kill_actor`).
+"""A Ray run's wiring: joining or starting Ray, checking reservations, placing the learner actors, the
+statistics actor and the fleet (:func:`build_ray_parts`), and the two tolerant calls on actor handles that
+may have died (:func:`try_get`, :func:`kill_actor`).
 
-:func:`init_ray` is the only ``ray.init`` of the project (the composition root,
-:func:`orchestration.ray_backend.build_ray_trainer`, calls it).
+:func:`init_ray` is the only ``ray.init`` of the project; the composition root
+(:func:`orchestration.builder.build_trainer`) calls :func:`build_ray_parts`, which calls it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from typing import Any, Callable, Mapping
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tensordict import TensorDict
 
+from core.specs import Tree, to_json
 from orchestration.config import RayConfig, TrainConfig
 
 
@@ -70,4 +75,73 @@ def kill_actor(handle) -> None:
         pass
 
 
-__all__ = ["check_resources", "cpus_needed", "init_ray", "kill_actor", "try_get"]
+def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int,
+                    resources: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Ray resources of one learner: ``num_gpus="auto"`` shares the cluster's GPUs when it has any."""
+    if num_gpus == "auto":
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        num_gpus = min(1.0, gpus / num_learners) if gpus else 0.0
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": float(num_gpus)}
+    if resources:
+        options["resources"] = dict(resources)
+    return options
+
+
+def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
+                    fixed: set[str]) -> tuple[Any, dict[str, Any], Callable[[], None]]:
+    """Ray, the learner actors (one per learning policy; GPUs when the cluster has them), the statistics
+    actor and the fleet, started from ``policies`` (seeded by the builder exactly as a local run).
+
+    Returns:
+        ``(fleet, policy id -> RayLearner, teardown)``; the teardown releases the checkpoint registry and a Ray
+        instance this call started.
+    """
+    from orchestration.assignment import groups_of
+    from orchestration.builder import assignment_for
+    from orchestration.ray_fleet import RayFleet, RemoteEpisodeStatistics
+    from orchestration.ray_learner import RayLearner, RemoteLearner, RemoteLearnerCheckpoints, RemoteRank
+    from orchestration.wire import to_wire
+
+    rc = config.ray
+    trained = [pid for pid in policies if pid not in fixed]
+    owns_ray = init_ray(config, rc, cpus_needed(config, rc, len(trained)))
+    joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
+    check_resources(config, rc, len(trained), strict=owns_ray and not joined)
+    options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, len(trained), dict(rc.learner_resources))
+    wire = {pid: to_wire(TensorDict.from_module(policies[pid]).detach()) for pid in trained}
+    # The checkpoint registry stays near the driver (it reserves nothing, so it never competes with the
+    # learners for pinned resources); statistics live beside the learners when they are pinned.
+    near_driver = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                         soft=True)}
+    placement = {"resources": dict(rc.learner_resources)} if rc.learner_resources else near_driver
+    registry = RemoteLearnerCheckpoints.options(max_restarts=-1, **near_driver).remote()
+    restarts = rc.max_learner_restarts if rc.learners_per_policy == 1 else 0  # a rank 0 takes its group down
+    handles = {pid: RemoteLearner.options(max_restarts=restarts, **options).remote(
+        pid, config, to_json(tree), wire[pid], resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads,
+        checkpoints=registry) for pid in trained}
+    peers: dict[str, list] = {pid: [] for pid in trained}
+    if rc.learners_per_policy > 1:  # rank 0 is the learner actor; its peers train shards of every batch
+        assignment, world = assignment_for(config, tree), rc.learners_per_policy
+        for pid, server in handles.items():
+            peers[pid] = [RemoteRank.options(**options).remote(
+                policies[pid], groups_of(assignment, pid), ppo=config.ppo, lr=config.lr, batch_steps=config.steps_per_iteration // world,
+                seed=config.seed, device="cuda" if options.get("num_gpus") else "cpu") for _ in range(world - 1)]
+            address, port = ray.get(server.rendezvous.remote())
+            ray.get([server.join_data_parallel.remote(peers[pid], address, port)]
+                    + [peer.join.remote(r, world, address, port) for r, peer in enumerate(peers[pid], 1)])
+    learners = {pid: RayLearner(pid, h, registry, checkpoint_every=rc.learner_checkpoint_every,
+                                restart_timeout_s=rc.iteration_timeout_s, peers=peers[pid]) for pid, h in handles.items()}
+    weights = {pid: lrn.published() for pid, lrn in learners.items()}
+    weights.update({pid: (0, TensorDict.from_module(policies[pid]).detach()) for pid in fixed})
+    stats = RemoteEpisodeStatistics.options(max_restarts=-1, **placement).remote()
+    fleet = RayFleet(config, rc, handles, stats, weights)
+
+    def teardown() -> None:
+        kill_actor(registry)
+        if owns_ray:
+            ray.shutdown()
+
+    return fleet, learners, teardown
+
+
+__all__ = ["build_ray_parts", "check_resources", "cpus_needed", "init_ray", "kill_actor", "learner_options", "try_get"]

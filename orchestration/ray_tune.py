@@ -45,23 +45,16 @@ def trainable(params: dict[str, Any], base: TrainConfig) -> None:
     """Tune function trainable: one run of ``config_from_params(base, params)``, metrics reported per iteration."""
     from ray import tune
 
+    from orchestration.builder import build_trainer
+
     config = config_from_params(base, params)
-    if config.backend == "ray":
-        from orchestration.ray_backend import build_ray_trainer
-
-        trainer = build_ray_trainer(config)  # joins the Ray instance the trial runs in
-    else:
-        from orchestration.trainer import build_trainer
-
-        trainer = build_trainer(config)
+    trainer = build_trainer(config)  # on the Ray backend: joins the Ray instance the trial runs in
     try:
         while trainer.iteration < config.iterations:
             metrics = trainer.train()
             tune.report({k: float(v) for k, v in metrics.items()})
     finally:
-        close = getattr(trainer, "close", None)
-        if close is not None:
-            close()
+        trainer.close()
 
 
 def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: int = 1,
@@ -81,9 +74,9 @@ def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: 
     """
     from ray import tune
 
-    from orchestration.ray_backend import RayConfig, init_ray
+    from orchestration.ray_session import init_ray
 
-    init_ray(base, RayConfig())
+    init_ray(base, base.ray)
     fn = tune.with_resources(tune.with_parameters(trainable, base=base), {"cpu": cpus_per_trial})
     tuner = tune.Tuner(fn, param_space=dict(param_space),
                        tune_config=tune.TuneConfig(num_samples=num_samples, metric=metric, mode=mode,

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
-from tensordict import TensorDict
 
 from core.specs import to_json
-from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.config import TrainConfig
-from orchestration.learner import PPOLearner
 
 
 def config_to_dict(config) -> dict[str, Any]:
@@ -28,112 +25,59 @@ def config_to_dict(config) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
-def _td_tensors(prefix: str, td: TensorDict) -> dict[str, torch.Tensor]:
-    return {f"{prefix}/{'/'.join(k) if isinstance(k, tuple) else k}": v
-            for k, v in td.items(include_nested=True, leaves_only=True)}
-
-
-def _td_meta(td: TensorDict) -> dict:
-    groups = {"/".join(k) if isinstance(k, tuple) else k: list(v.batch_size)
-              for k, v in td.items(include_nested=True) if isinstance(v, TensorDict)}
-    return {"batch": list(td.batch_size), "groups": groups}
-
-
-def _td_from(prefix: str, tensors: dict[str, torch.Tensor], meta: dict) -> TensorDict:
-    td = TensorDict(batch_size=meta["batch"])
-    for key in sorted(meta["groups"], key=lambda k: k.count("/")):  # parents first
-        td.set(tuple(key.split("/")), TensorDict(batch_size=meta["groups"][key]))
-    head = f"{prefix}/"
-    for key, value in tensors.items():
-        if key.startswith(head):
-            td.set(tuple(key[len(head):].split("/")), value)
-    return td
-
-
 def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """``(weights, tensors, json_state)`` of a local trainer."""
+    """``(weights, tensors, json_state)`` of any trainer (:meth:`Trainer.state`), one format for every backend.
+
+    weights: ``"<policy>/<param>"``; tensors: ``optimizer/<policy>/...``, ``rng/learner/<policy>``,
+    ``actor/<i>/...``; JSON: counters, history, config, tree, optimizer hyper-parameters, inbox ledgers.
+    """
+    raw = trainer.state()
     weights, tensors = {}, {}
     state: dict[str, Any] = {"config": config_to_dict(trainer.config), "tree": to_json(trainer.tree),
-                             "iteration": trainer.iteration, "env_steps": trainer.env_steps,
-                             "history": {k: list(v) for k, v in trainer.history.items()},
-                             "learners": {}, "actors": [],
-                             "resume_exact": getattr(trainer, "resume_exact", True)}
-    for pid, learner in trainer.learners.items():
-        for name, value in learner.policy.state_dict().items():
-            weights[f"{pid}/{name}"] = value
-        entry: dict[str, Any] = {"version": learner.version, "counters": dict(learner.counters)}
-        if isinstance(learner, PPOLearner):
-            opt_tensors, entry["optimizer"] = flatten_optimizer(f"optimizer/{pid}", learner.optimizer)
-            tensors.update(opt_tensors)
-            tensors[f"rng/learner/{pid}"] = learner.generator.get_state()
+                             "iteration": raw["iteration"], "env_steps": raw["env_steps"], "produced": raw["produced"],
+                             "history": raw["history"], "learners": {}, "actors": [],
+                             "resume_exact": raw["resume_exact"]}
+    for pid, learner in raw["learners"].items():
+        weights.update({f"{pid}/{k}": _tensor(v) for k, v in learner["weights"].items()})
+        entry: dict[str, Any] = {"version": learner["version"], "counters": learner["counters"]}
+        if "optimizer" in learner:
+            opt_tensors, entry["optimizer"] = learner["optimizer"]
+            tensors.update({f"optimizer/{pid}/{k.split('/', 1)[1]}": _tensor(v) for k, v in opt_tensors.items()})
+            tensors[f"rng/learner/{pid}"] = _tensor(learner["generator"])
+            entry["inbox"] = learner["inbox"]
         state["learners"][pid] = entry
-    for i, actor in enumerate(trainer.actors):
-        state["actors"].append(_actor_state(f"actor/{i}", actor, tensors))
-        state["resume_exact"] &= state["actors"][-1]["env_state"]
+    for i, actor in enumerate(raw["actors"]):
+        tensors.update({f"actor/{i}/{k}": v for k, v in actor["tensors"].items()})
+        state["actors"].append(actor["json"])
     return weights, tensors, state
-
-
-def _actor_state(prefix: str, actor, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    tensors[f"{prefix}/rng"] = actor.generator.get_state()
-    tensors[f"{prefix}/episode_start"] = actor._episode_start
-    tensors.update(_td_tensors(f"{prefix}/obs", actor._obs))
-    tracker = actor.builder.tracker
-    tensors[f"{prefix}/episode_count"] = tracker.episode_count
-    meta: dict[str, Any] = {"obs": _td_meta(actor._obs), "sequence": actor.builder.sequence,
-                            "versions": actor.versions, "env_steps": actor.env_steps, "carry": None,
-                            "env_state": hasattr(actor.env, "state_dict")}
-    if tracker.carry is not None:
-        tensors.update(_td_tensors(f"{prefix}/carry", tracker.carry))
-        meta["carry"] = _td_meta(tracker.carry)
-    for group, h in actor._rnn.items():
-        if h is not None:
-            tensors[f"{prefix}/rnn/{group}"] = h
-    if meta["env_state"]:
-        for key, value in actor.env.state_dict().items():
-            tensors[f"{prefix}/env/{key}"] = value
-    return meta
 
 
 def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
                      state: dict[str, Any]) -> None:
     """Loads a checkpoint's state into a freshly built trainer of the same config (mutates it)."""
-    trainer.iteration, trainer.env_steps = state["iteration"], state["env_steps"]
-    for key, values in state["history"].items():
-        trainer.history.setdefault(key, deque(maxlen=100)).extend(values)
-    for pid, learner in trainer.learners.items():
-        entry = state["learners"][pid]
+    learners = {}
+    for pid, entry in state["learners"].items():
         own = {k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")}
-        learner.policy.load_state_dict(own)
-        learner.version = entry["version"]
-        learner.counters.update(entry["counters"])
-        if isinstance(learner, PPOLearner):
-            restore_optimizer(f"optimizer/{pid}", learner.optimizer, tensors, entry["optimizer"])
-            learner.generator.set_state(tensors[f"rng/learner/{pid}"])
-            learner._published = learner._snapshot()
-    for i, (actor, meta) in enumerate(zip(trainer.actors, state["actors"])):
-        _restore_actor(f"actor/{i}", actor, tensors, meta, trainer.learners)
+        learner: dict[str, Any] = {"weights": own, "version": entry["version"], "counters": entry["counters"]}
+        if "optimizer" in entry:
+            head = f"optimizer/{pid}/"
+            learner["optimizer"] = ({f"optimizer/{k[len(head):]}": v for k, v in tensors.items() if k.startswith(head)},
+                                    entry["optimizer"])
+            learner["generator"] = tensors[f"rng/learner/{pid}"]
+            if "inbox" in entry:
+                learner["inbox"] = entry["inbox"]
+        learners[pid] = learner
+    actors = []
+    for i, meta in enumerate(state["actors"]):
+        head = f"actor/{i}/"
+        actors.append({"tensors": {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}, "json": meta})
+    trainer.load_state_({"iteration": state["iteration"], "env_steps": state["env_steps"],
+                         "produced": state.get("produced", 0), "history": state["history"], "learners": learners,
+                         "actors": actors})
 
 
-def _restore_actor(prefix: str, actor, tensors, meta, learners) -> None:
-    for pid in actor.policies:
-        actor.versions[pid] = -1  # force the copy below
-        actor.set_weights(pid, *learners[pid].published())
-    actor.versions.update(meta["versions"])
-    actor.generator.set_state(tensors[f"{prefix}/rng"])
-    actor.env_steps = meta["env_steps"]
-    actor.builder.sequence = meta["sequence"]
-    actor.builder.tracker.episode_count = tensors[f"{prefix}/episode_count"].clone()
-    if meta["carry"] is not None:
-        actor.builder.tracker.carry = _td_from(f"{prefix}/carry", tensors, meta["carry"])
-    for group in actor._rnn:
-        key = f"{prefix}/rnn/{group}"
-        actor._rnn[group] = tensors[key] if key in tensors else None
-    if meta["env_state"] and hasattr(actor.env, "load_state_dict"):
-        head = f"{prefix}/env/"
-        actor.env.load_state_dict({k[len(head):]: v for k, v in tensors.items() if k.startswith(head)})
-        actor._obs = _td_from(f"{prefix}/obs", tensors, meta["obs"])
-        actor._episode_start = tensors[f"{prefix}/episode_start"].clone()
-    # else: the env was reset when the actor was built: a new episode starts in every env.
+def _tensor(value) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
 
 
 def load_config(state: dict[str, Any]) -> TrainConfig:
@@ -153,6 +97,9 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
     raw["fixed_policies"] = tuple(raw.get("fixed_policies", ()))
     ray_raw = dict(raw.get("ray", {}))
     ray_raw["learner_resources"] = tuple(tuple(p) for p in ray_raw.get("learner_resources", ()))
+    for moved in ("mode", "max_staleness", "reuse_limit"):  # RayConfig fields before they applied to every backend
+        if moved in ray_raw:
+            raw.setdefault(moved, ray_raw.pop(moved))
     raw["ray"] = RayConfig(**ray_raw)
     return TrainConfig(**raw)
 

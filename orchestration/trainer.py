@@ -1,204 +1,270 @@
-"""Trainer (seed 002): one ``train()`` call runs one iteration of seed 000's synchronous loop.
+"""Trainer (seed 002): one training loop over any fleet and any learners, synchronous or asynchronous.
 
-collect ``train_batch_size`` env steps with the training actors -> ``sync`` (data to learners) -> every ready
-learner trains ``num_epochs`` over minibatches -> ``sync`` (new weights to actors) -> evaluate now and then.
+The Trainer interface. Usage loop (what ``shoal train`` does)::
 
-The trainer is written against plain objects (actors, learners); the Ray backend hands it remote-backed
-ones with the same methods. :func:`build_trainer` is the composition root of a local run.
+    trainer = build_trainer(config)             # orchestration.builder: local or Ray fleet and learners
+    while trainer.iteration < config.iterations:
+        metrics = trainer.train()               # one iteration: plain floats
+    trainer.close()
+
+Synchronous mode (seed 000): the fleet delivers ``train_batch_size`` env steps acting with the current
+weights, every learner trains once on all of it (learners train in parallel where they run apart), and the
+new weights go to the fleet with the next collect. Asynchronous mode (seed 004): the fleet keeps producing;
+the iteration ends when every learning policy has trained once on a ready batch; each new version is handed
+to the fleet as soon as it is published, and actors load it at their next fragment boundary. What a learner
+trains on is decided by its inbox (core's staleness and reuse rules), the same for every backend.
+
+Trainers nest: a league (:mod:`orchestration.league`) drives a Trainer and swaps frozen opponents with
+:meth:`Trainer.set_weights`, which reaches every actor before the next fragment it produces.
+
+Accounting (every fragment the fleet produced is exactly one of these, per learner)::
+
+    fragments_produced == fragments_accepted + fragments_stale + fragments_lost + fragments_in_flight
 """
 
 from __future__ import annotations
 
-import copy
-import math
 import time
 from collections import deque
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping
 
-import torch
+from tensordict import TensorDictBase
 
-from core.policies import GroupPolicy, make_policies
-from orchestration.actor import Actor
-from orchestration.assignment import assign, groups_of
 from orchestration.config import TrainConfig
-from orchestration.envs import make_run_env
-from orchestration.learner import FixedLearner, PPOLearner, resolve_device
-
-
-def episode_metrics(history: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """Means over the last finished episodes: ``episode_return_mean`` (100), ``episode_return_mean_10``,
-    ``episode_length_mean`` and, with several policies, ``episode_return_mean/<policy>``."""
-    out: dict[str, float] = {}
-    several = sum(k.startswith("return/") for k in history) > 1
-    for key, window in history.items():
-        if key.startswith("return/") and not several:
-            continue
-        name = {"return": "episode_return_mean", "length": "episode_length_mean"}.get(
-            key, key.replace("return/", "episode_return_mean/"))
-        out[name] = sum(window) / len(window) if window else math.nan
-    last10 = list(history.get("return", []))[-10:]
-    out["episode_return_mean_10"] = sum(last10) / len(last10) if last10 else math.nan
-    out.setdefault("episode_return_mean", math.nan)
-    return out
-
-
-def build_policies(config: TrainConfig, tree, assignment) -> tuple[dict[str, GroupPolicy], set[str]]:
-    """Policy id -> initial module, and the ids that do not learn; the same draws on every backend
-    (call right after ``torch.manual_seed(config.seed)``)."""
-    policies = make_policies(tree, config.policy)
-    out, fixed = {}, set()
-    for pid in sorted({p for a in assignment.values() for p in a.policies}):
-        policy = policies.get(pid) or _policy_for(pid, assignment, policies)
-        if pid in config.fixed_policies or pid == "random":
-            fixed.add(pid)
-            policy = _uniform(policy) if pid == "random" else policy
-        out[pid] = policy
-    return out, fixed
-
-
-def make_actor(env, learners, assignment, *, evaluation: bool = False, **kwargs) -> Actor:
-    """An actor on ``env`` whose policies come from the learners (seed 002: learners yield actors).
-
-    A training actor samples and records fragments; an evaluation actor (``evaluation=True``) acts with the
-    modes of the learning policies (fixed ones, such as a random opponent, keep sampling) and records nothing.
-    """
-    policies = {pid: learner.actor_policy() for pid, learner in learners.items()}
-    if evaluation:
-        kwargs.update(record=False, deterministic=[p for p, lrn in learners.items() if isinstance(lrn, PPOLearner)])
-    return Actor(env, policies, assignment, **kwargs)
-
-
-def _policy_for(pid: str, assignment, policies: dict[str, GroupPolicy]) -> GroupPolicy:
-    """A fresh module for a policy id that is not a group name (from the first group it acts in)."""
-    group = next(g for g, a in assignment.items() if pid in a.policies)
-    policy = copy.deepcopy(policies[group])
-    for module in policy.modules():
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-    return policy
-
-
-def _uniform(policy: GroupPolicy) -> GroupPolicy:
-    """The random policy: zero action-parameter layer, so every legal action is equally likely."""
-    policy = copy.deepcopy(policy)
-    with torch.no_grad():
-        policy.actor_out.weight.zero_()
-        policy.actor_out.bias.zero_()
-    return policy
+from orchestration.statistics import episode_metrics, fragment_accounting, merge_monitors
 
 
 class Trainer:
-    """Runs iterations over actors and learners and keeps the run's counters.
+    """Runs iterations over a fleet and learners and keeps the run's counters.
 
     Args:
-        config: the run.
-        actors: training actors (one per rollout worker in the local backend).
-        learners: policy id -> learner.
-        eval_actor: a deterministic actor on separate envs, or None.
+        config: the run (``config.mode``: sync or async).
+        fleet: where fragments come from (:mod:`orchestration.fleet`).
+        learners: policy id -> learner (:mod:`orchestration.learner` protocol; local or remote).
+        evaluator: a deterministic actor on separate envs, or None.
+        tree: the env's tree.
+        on_close: called last by :meth:`close` (the builder's teardown, e.g. a Ray instance it started).
     """
 
-    def __init__(self, config: TrainConfig, actors: list[Actor], learners: Mapping, eval_actor: Actor | None,
-                 tree) -> None:
-        self.config, self.actors, self.learners, self.eval_actor = config, actors, dict(learners), eval_actor
-        self.tree = tree
+    def __init__(self, config: TrainConfig, fleet, learners: Mapping[str, Any], evaluator, tree,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.config, self.fleet, self.learners, self.evaluator, self.tree = config, fleet, dict(learners), evaluator, tree
+        self.trainable = {pid: lrn for pid, lrn in self.learners.items() if lrn.learns}
+        self.weights: dict[str, tuple[int, Any]] = {pid: lrn.published() for pid, lrn in self.learners.items()}
         self.iteration = 0
         self.env_steps = 0
         self.history: dict[str, deque[float]] = {}
         """Last 100 finished episodes: ``"return"``, ``"length"``, ``"return/<policy>"``."""
         self.last_episodes: dict[str, list[float]] = {}
         """The episodes that finished during the last iteration, same keys."""
+        self._produced = 0
+        self._started = self._closed = False
+        self._final: dict[str, float] | None = None
+        self._on_close = on_close
 
-    def _collect(self) -> float:
-        """Collects one iteration's fragments; returns the seconds spent."""
-        start = time.perf_counter()
-        target = self.config.steps_per_iteration
-        collected = 0
-        while collected < target:
-            for actor in self.actors:
-                fragment = actor.collect()
-                collected += fragment.batch_size.numel()
-        self.env_steps += collected
-        return time.perf_counter() - start
-
-    def _episodes(self) -> dict[str, float]:
-        finished = 0
-        self.last_episodes = {}
-        for actor in self.actors:
-            for key, values in actor.completed_episodes().items():
-                values = values.double().tolist()
-                self.history.setdefault(key, deque(maxlen=100)).extend(values)
-                self.last_episodes.setdefault(key, []).extend(values)
-                finished += len(values) if key == "length" else 0
-        return {"episodes": finished, **episode_metrics(self.history)}
-
+    # -- one iteration -----------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         """One iteration; returns its metrics (plain floats)."""
+        if self._closed:
+            raise RuntimeError("this trainer was closed")
         cfg = self.config
         progress = self.iteration / max(cfg.iterations, 1)
-        if cfg.anneal_lr:
-            for learner in self.learners.values():
-                if isinstance(learner, PPOLearner):
-                    learner.set_lr(cfg.lr * max(0.0, 1.0 - progress))  # past the budget: stay at 0
-        t_collect = self._collect()
-        for actor in self.actors:
-            actor.sync(self.learners)  # data out (weights unchanged: nothing trained yet)
+        lr = cfg.lr * max(0.0, 1.0 - progress) if cfg.anneal_lr else None  # past the budget: stay at 0
+        steps_before = self.env_steps
         start = time.perf_counter()
-        metrics: dict[str, float] = {}
-        for pid, learner in self.learners.items():
-            if learner.ready():
-                out = learner.train(progress)
-                metrics.update({f"{pid}/{k}" if len(self.learners) > 1 else k: v for k, v in out.items()})
-        t_learn = time.perf_counter() - start
-        for actor in self.actors:
-            actor.sync(self.learners)  # new weights in
+        if cfg.mode == "sync":
+            metrics, monitors, t_collect, t_learn = self._train_sync(progress, lr)
+        else:
+            metrics, monitors, t_collect, t_learn = self._train_async(progress, lr)
         self.iteration += 1
         metrics.update(self._episodes())
-        metrics.update(iteration=self.iteration, env_steps=self.env_steps, time_collect=t_collect,
-                       time_learn=t_learn, env_steps_per_s=self.config.steps_per_iteration / max(t_collect, 1e-9))
-        if self.eval_actor is not None and cfg.eval_every and self.iteration % cfg.eval_every == 0:
+        metrics.update(self.accounting())
+        metrics.update(merge_monitors(monitors))
+        produced = int(metrics["fragments_produced"])  # env steps: every fragment the fleet produced, counted once
+        self.env_steps += (produced - self._produced) * self.fleet.fragment_steps
+        self._produced = produced
+        wall = time.perf_counter() - start
+        new_steps = self.env_steps - steps_before
+        metrics.update(iteration=self.iteration, env_steps=self.env_steps, time_collect=t_collect, time_learn=t_learn,
+                       time_iteration=wall, env_steps_per_s=new_steps / max(t_collect, 1e-9),
+                       wall_env_steps_per_s=new_steps / max(wall, 1e-9))
+        if self.evaluator is not None and cfg.eval_every and self.iteration % cfg.eval_every == 0:
             metrics.update(self.evaluate())
         return metrics
 
+    def _prefixed(self, pid: str, values: Mapping[str, float]) -> dict[str, float]:
+        return {f"{pid}/{k}" if len(self.learners) > 1 else k: v for k, v in values.items()}
+
+    def _fresh_steps(self) -> int:
+        return min((lrn.new_steps() for lrn in self.trainable.values()), default=0)
+
+    def _take(self, pid: str, result: Mapping[str, Any], metrics: dict[str, float]) -> None:
+        self.weights[pid] = (result["version"], result["weights"])
+        metrics.update(self._prefixed(pid, result["metrics"]))
+
+    def _train_sync(self, progress: float, lr: float | None):
+        start = time.perf_counter()
+        reports = self.fleet.collect(self.config.steps_per_iteration, self.weights, self._fresh_steps)
+        if any(r.get("push_failures") for r in reports) or self._refresh_weights():
+            self._settle()  # deliveries that reached no learner (one was down): lost, so nothing stays in flight
+        collected = time.perf_counter()
+        pending = {pid: lrn.submit(progress, lr, take_all=True) for pid, lrn in self.trainable.items()}
+        metrics: dict[str, float] = {}
+        for pid, request in pending.items():  # learners that run apart train in parallel
+            result = request.result()  # None: nothing to train on (or the learner died: its batch is lost)
+            if result is not None:
+                self._take(pid, result, metrics)
+        self._refresh_weights()
+        return metrics, [r["monitor"] for r in reports], collected - start, time.perf_counter() - collected
+
+    def _train_async(self, progress: float, lr: float | None):
+        if not self._started:
+            self.fleet.start(self.weights)
+            self._started = True
+        start = last_progress = time.perf_counter()
+        metrics: dict[str, float] = {}
+        pending = {pid: lrn.submit(progress, lr) for pid, lrn in self.trainable.items()}
+        t_learn = 0.0
+        while pending:
+            retry = []
+            for pid in [p for p, request in pending.items() if request.done()]:
+                result = pending.pop(pid).result()
+                if result is None:
+                    retry.append(pid)
+                    continue
+                last_progress = time.perf_counter()
+                self._take(pid, result, metrics)
+                self.fleet.broadcast({pid: self.weights[pid]})
+                t_learn += result["time_learn"]
+            if self._refresh_weights(broadcast=True):
+                last_progress = time.perf_counter()
+            if not pending and not retry:
+                break
+            if time.perf_counter() - last_progress > self.config.ray.iteration_timeout_s:
+                raise TimeoutError(f"learners {sorted([*pending, *retry])} got no trainable batch for "
+                                   f"{self.config.ray.iteration_timeout_s} s")
+            self.fleet.pump(self.weights)  # local: one round of fragments; Ray: replace dead workers, wait a moment
+            for pid in retry:
+                pending[pid] = self.trainable[pid].submit(progress, lr)
+        wall = time.perf_counter() - start
+        return metrics, [r["monitor"] for r in self.fleet.monitors()], wall - t_learn, t_learn
+
+    def _refresh_weights(self, broadcast: bool = False) -> bool:
+        """Takes weights a learner published outside a training result (a restarted learner resumed from its
+        checkpoint); with ``broadcast`` hands them to the fleet. Returns whether any changed."""
+        changed = {pid: lrn.published() for pid, lrn in self.trainable.items()
+                   if lrn.published()[0] != self.weights[pid][0]}
+        self.weights.update(changed)
+        if changed and broadcast:
+            self.fleet.broadcast(changed)
+        return bool(changed)
+
+    def _settle(self) -> None:
+        """Counts as lost, at every learner, what the workers produced that it never got (call when every
+        worker has flushed: after a synchronous collect, or after stopping)."""
+        produced = dict(self.fleet.reported)
+        for learner in self.trainable.values():
+            learner.settle(produced)
+
+    # -- weights of fixed policies (leagues) -------------------------------------------------------------
+    def set_weights(self, policy_id: str, weights: TensorDictBase) -> int:
+        """Freezes ``weights`` as the fixed policy ``policy_id`` and loads them into every actor now, before
+        the next fragment any of them produces. Returns the new version."""
+        learner = self.learners[policy_id]
+        if learner.learns:
+            raise ValueError(f"policy {policy_id!r} learns; only a fixed policy's weights can be set "
+                             f"(fixed: {sorted(p for p, lrn in self.learners.items() if not lrn.learns)})")
+        version = learner.replace_weights(weights)
+        self.weights[policy_id] = learner.published()
+        self.fleet.broadcast({policy_id: self.weights[policy_id]}, wait=True)
+        return version
+
+    # -- statistics and accounting -----------------------------------------------------------------------
+    def _episodes(self) -> dict[str, float]:
+        drained = self.fleet.episodes()
+        self.last_episodes = {k: list(v) for k, v in drained["episodes"].items()}
+        for key, values in self.last_episodes.items():
+            self.history.setdefault(key, deque(maxlen=100)).extend(values)
+        return {"episodes": len(self.last_episodes.get("length", [])), **drained["summary"],
+                **episode_metrics(self.history)}
+
+    def learner_reports(self) -> dict[str, dict]:
+        """Each learning policy's ledger and counters (``Learner.report()``)."""
+        return {pid: lrn.report() for pid, lrn in self.trainable.items()}
+
+    def accounting(self) -> dict[str, float]:
+        """Fragment accounting (module docstring) and restarts, as metrics."""
+        if self._final is not None:
+            return dict(self._final)
+        reports = self.learner_reports()
+        produced, per_learner = fragment_accounting(reports, self.fleet.reported, self.fleet.dead)
+        out: dict[str, float] = {"fragments_produced": produced, "workers_restarted": self.fleet.restarts,
+                                 "learners_restarted": sum(r.get("restarts", 0) for r in reports.values())}
+        for pid, values in per_learner.items():
+            out.update(self._prefixed(pid, values))
+        return out
+
+    # -- evaluation, state, shutdown ---------------------------------------------------------------------
     def evaluate(self, episodes: int | None = None) -> dict[str, float]:
-        """Mean returns of deterministic actors with the newest weights over ``episodes`` episodes:
+        """Mean returns of the deterministic evaluator with the newest weights over ``episodes`` episodes:
         ``eval_return_mean`` (all agents) and, with several policies, ``eval_return_mean/<policy>``."""
-        actor = self.eval_actor
+        actor = self.evaluator
         if actor is None:
-            raise ValueError("this trainer has no evaluation actor")
+            raise ValueError("this trainer has no evaluation actor (TrainConfig.eval_every is 0)")
         for pid, learner in self.learners.items():
-            actor.set_weights(pid, *learner.published())
-        results = actor.run_episodes(episodes or self.config.eval_episodes)
+            actor.set_weights(pid, *learner.weights())
         out = {}
-        for key, values in results.items():
+        for key, values in actor.run_episodes(episodes or self.config.eval_episodes).items():
             if key.startswith("return/") and len(self.learners) < 2:
                 continue
             out[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
         return out
 
+    @property
+    def resume_exact(self) -> bool:
+        """Whether a run resumed from :meth:`state` continues bit for bit (every env saves its state)."""
+        return bool(self.fleet.resume_exact)
 
-def build_trainer(config: TrainConfig) -> Trainer:
-    """The composition root of a local run: envs, policies, learners, actors, from one config."""
-    torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point
-    rc = config.rollout
-    envs = [make_run_env(config, rc.num_envs) for _ in range(rc.num_workers)]
-    tree = envs[0].tree
-    assignment = assign(tree, dict(config.policy_mapping))
-    policies, fixed = build_policies(config, tree, assignment)
-    device = resolve_device(config.device)
-    learners = {}
-    for pid, policy in policies.items():
-        if pid in fixed:
-            learners[pid] = FixedLearner(policy)
-        else:
-            learners[pid] = PPOLearner(policy, groups_of(assignment, pid), ppo=config.ppo, lr=config.lr,
-                                       batch_steps=config.steps_per_iteration, seed=config.seed, device=device)
-    actors = [make_actor(env, learners, assignment, fragment_length=rc.fragment_length,
-                         seed=config.seed + 1000 * i, worker_id=i) for i, env in enumerate(envs)]
-    eval_actor = None
-    if config.eval_every:
-        eval_env = make_run_env(config, min(rc.num_envs, config.eval_episodes))
-        eval_actor = make_actor(eval_env, learners, assignment, seed=config.seed + 10**6, evaluation=True)
-    return Trainer(config, actors, learners, eval_actor, tree)
+    def state(self) -> dict[str, Any]:
+        """Counters, episode history, every learner's state and the fleet's actors' states."""
+        return {"iteration": self.iteration, "env_steps": self.env_steps, "produced": self._produced,
+                "history": {k: list(v) for k, v in self.history.items()},
+                "learners": {pid: lrn.state() for pid, lrn in self.learners.items()},
+                "actors": self.fleet.state(), "resume_exact": self.resume_exact}
+
+    def load_state_(self, state: Mapping[str, Any]) -> None:
+        """Loads a :meth:`state` into a freshly built trainer of the same config; the fleet's actors load the
+        restored weights before producing anything."""
+        self.iteration, self.env_steps = int(state["iteration"]), int(state["env_steps"])
+        for key, values in state["history"].items():
+            self.history.setdefault(key, deque(maxlen=100)).extend(values)
+        restores_actors = bool(state["actors"]) and bool(self.fleet.state())
+        for pid, learner in self.learners.items():
+            learner_state = dict(state["learners"][pid])
+            if not restores_actors:  # fresh workers restart their sequence numbers: an old ledger would refuse them
+                learner_state.pop("inbox", None)
+            learner.load_state_(learner_state)
+            self.weights[pid] = learner.published()
+        self.fleet.broadcast(self.weights, wait=True)  # every actor acts with the restored weights
+        if restores_actors:
+            self.fleet.load_state_(state["actors"])
+        self._produced = int(state.get("produced", 0)) if restores_actors else 0
+
+    def close(self) -> None:
+        """Stops the fleet, settles the accounting, releases fleet and learners."""
+        if self._closed:
+            return
+        self.fleet.stop()
+        self._settle()  # every worker flushed: what a learner never got is lost (in flight only while running)
+        self._final = self.accounting()
+        self._closed = True
+        self.fleet.close()
+        for learner in self.learners.values():
+            close = getattr(learner, "close", None)
+            if close is not None:
+                close()
+        if self._on_close is not None:
+            self._on_close()
 
 
-__all__ = ["Trainer", "build_policies", "build_trainer", "episode_metrics", "make_actor"]
+__all__ = ["Trainer"]

@@ -4,7 +4,7 @@ Stateful: :class:`FragmentBuilder` (steps -> fragments, on the actor) with its :
 the seed-001 facade :class:`MultiAgentRolloutBuffer`. Everything else takes and returns TensorDicts.
 """
 
-from core.buffers.batching import concat_fragments, filter_stale, flatten_transitions, is_fresh, minibatches
+from core.buffers.batching import concat_fragments, flatten_transitions, minibatches
 from core.buffers.episodes import (
     advance_carry,
     agent_trajectory,
@@ -16,6 +16,7 @@ from core.buffers.episodes import (
 )
 from core.buffers.fragments import FragmentBuilder, bootstrap_step
 from core.buffers.rollout_buffer import MultiAgentRolloutBuffer
+from core.buffers.staleness import is_fresh, is_ready, retired, select_batch, stale
 from core.buffers.tracking import EpisodeTracker
 
 __all__ = [
@@ -29,10 +30,13 @@ __all__ = [
     "concat_fragments",
     "empty_carry",
     "episode_stats",
-    "filter_stale",
     "flatten_transitions",
     "is_fresh",
+    "is_ready",
     "minibatches",
+    "retired",
     "scan_episodes",
+    "select_batch",
+    "stale",
     "summarize_episodes",
 ]

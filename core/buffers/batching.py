@@ -1,4 +1,5 @@
-"""Train batches from fragments: concatenation, flattening, minibatches, staleness (pure functions).
+"""Train batches from fragments: concatenation, flattening, minibatches (pure functions; staleness and reuse
+rules are in :mod:`core.buffers.staleness`).
 
 Layout: fragments are ``[env, time]`` (groups ``[env, time, agent]``); a flat batch is ``[N]`` transitions
 (groups ``[N, agent]``). The agent dim is never shuffled: all agents of a transition travel together.
@@ -6,13 +7,12 @@ Layout: fragments are ``[env, time]`` (groups ``[env, time, agent]``); a flat ba
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict
 
-from core.layout import MASK, POLICY_VERSION
+from core.layout import MASK
 
 
 def _layout(td: TensorDict) -> dict:
@@ -74,16 +74,17 @@ def minibatches(
     drop_empty: bool = False,
     group: str | None = None,
 ) -> list[TensorDict]:
-    """Shuffles the transitions of ``batch`` into ``ceil(N / minibatch_size)`` near-equal minibatches.
+    """Shuffles the transitions of ``batch`` into minibatches of ``minibatch_size`` (the last may be smaller).
 
-    One ``randperm`` per call (one epoch), one index of the whole batch, then ``split``
-    (notes/tensordict-hot-paths.md, pattern 4). Every kept transition lands in exactly one minibatch,
-    sizes differ by at most one and none exceeds ``minibatch_size``; the same generator state gives the
-    same minibatches.
+    The rule PPO trains with (:func:`core.losses.ppo_update_` calls this once per epoch): one ``randperm`` of
+    the kept transitions, one index of the whole batch, then ``split(minibatch_size)``
+    (notes/tensordict-hot-paths.md, pattern 4). Every kept transition lands in exactly one minibatch, every
+    minibatch but the last holds exactly ``minibatch_size``; the same generator state gives the same
+    minibatches.
 
     Args:
         batch: ``[E, T]`` (flattened first) or ``[N]`` transitions.
-        minibatch_size: upper bound on a minibatch's size, >= 1.
+        minibatch_size: size of every minibatch but the last, >= 1.
         generator: source of the permutation (CPU generator; indices move to the batch's device).
         drop_empty: drop transitions where no agent of ``group`` is present (``(group, "mask")`` all
             False). Masked agents in kept transitions keep their mask.
@@ -104,39 +105,6 @@ def minibatches(
         order = keep[torch.randperm(keep.shape[0], generator=generator)]
     else:
         order = torch.randperm(n, generator=generator)
-    kept = order.shape[0]
-    if kept == 0:
+    if order.shape[0] == 0:
         return []
-    chunks = math.ceil(kept / minibatch_size)
-    sizes = [kept // chunks + (1 if i < kept % chunks else 0) for i in range(chunks)]
-    return list(flat[order.to(flat.device)].split(sizes, dim=0))
-
-
-def is_fresh(policy_version: torch.Tensor, learner_version: int, max_staleness: int) -> torch.Tensor:
-    """True where data came from a policy at most ``max_staleness`` versions behind the learner (seed 004).
-
-    ``policy_version`` is any int tensor; a version ahead of the learner counts as fresh.
-    """
-    if max_staleness < 0:
-        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-    return (learner_version - policy_version) <= max_staleness
-
-
-def filter_stale(
-    batch: TensorDict, group: str, learner_version: int, max_staleness: int
-) -> tuple[TensorDict, int]:
-    """Drops transitions whose ``(POLICY_VERSION, group)`` is more than ``max_staleness`` behind.
-
-    ``[E, T]`` batches drop whole env rows (a row whose any step is stale), keeping the time structure that
-    GAE needs; ``[N]`` batches drop single transitions.
-
-    Returns:
-        ``(kept, num_dropped)``: the kept TensorDict and the number of transitions (env steps) dropped.
-    """
-    fresh = is_fresh(batch.get((POLICY_VERSION, group)), learner_version, max_staleness)
-    if batch.batch_dims == 2:
-        keep = fresh.all(dim=1)
-        return batch[keep], int((~keep).sum()) * batch.batch_size[1]
-    if batch.batch_dims != 1:
-        raise ValueError(f"expected [env, time] or [N], got batch {tuple(batch.batch_size)}")
-    return batch[fresh], int((~fresh).sum())
+    return list(flat[order.to(flat.device)].split(minibatch_size, dim=0))

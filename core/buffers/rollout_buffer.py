@@ -11,6 +11,22 @@ Mapping of seed names to the layout: ``states`` -> ``(g, "observation")``, ``act
 ``("next", g, "reward")``, ``next_states`` -> ``("next", g, "observation")``, ``next_state_values`` ->
 ``("next", g, "state_value")``, ``dones`` -> ``("next", g, "terminated")``, ``extras[k]`` -> ``(g, "extras", k)``.
 An episode ends only at :meth:`end_episode`; agents not done by then are marked truncated.
+
+Optional keys (``state_values`` with ``next_state_values``, and each ``extras[k]``) may come and go between
+the transitions of an episode, as seed 001's per-step lists allowed; the facade keeps every step aligned
+instead of letting lists drift apart. An episode stores the optional keys that any of its transitions gave:
+
+- a transition that omits one the episode stores gets a *fill*: NaN for floating dtypes, zero (``False``)
+  for integer and bool ones, in the dtype and shape that key was first given with;
+- a transition that brings one the episode does not store yet widens the episode: its earlier steps get
+  the fill, so ``state_values[agent][t]`` still indexes step ``t``;
+- ``(g, "present", *key)`` ``[1, T, n]`` bool (``(g, "present", "state_value")``,
+  ``(g, "present", "extras", k)``) records which steps really had the key; the seed views carry it as
+  ``episode["present"]["state_values"]`` / ``episode["present"]["extras"][k]`` (per agent ``[T]`` bool).
+
+A key that no transition of an episode gave is not stored at all (``episode["state_values"] == []``), as
+before. Each episode has its own set of optional keys; :meth:`transitions` fills keys that only some
+episodes store (present ``False``), so episodes with different keys still concatenate.
 """
 
 from __future__ import annotations
@@ -30,6 +46,11 @@ from core.layout import (
 
 GROUP = "agents"
 EXTRAS = "extras"
+PRESENT = "present"
+"""Group sub-key of the bool masks of optional keys: ``(GROUP, PRESENT, *key)`` is True where a step had ``key``."""
+
+_Spec = dict[tuple[str, ...], tuple[tuple[int, ...], torch.dtype]]
+"""Step paths of one optional key -> (shape past the env dim, dtype)."""
 
 
 def _per_agent(value: Any, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -45,6 +66,43 @@ def _per_agent(value: Any, n: int, dtype: torch.dtype | None = None) -> torch.Te
     return value
 
 
+def _fill(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The stand-in of an omitted optional key: NaN for floating (and complex) dtypes, else zero/False."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full(tuple(shape), float("nan"), dtype=dtype)
+    return torch.zeros(tuple(shape), dtype=dtype)
+
+
+def _value_paths(key: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Step/fragment paths that hold the optional ``key`` (state values live under the group and ``"next"``)."""
+    return [(GROUP, *key), (NEXT, GROUP, *key)] if key == (STATE_VALUE,) else [(GROUP, *key)]
+
+
+def _optional_specs(fragment: TensorDict) -> dict[tuple[str, ...], _Spec]:
+    """The optional keys a fragment stores (from its present masks), with their leaves' shapes and dtypes."""
+    present = fragment.get((GROUP, PRESENT), None)
+    if present is None:
+        return {}
+    specs = {}
+    for key in present.keys(include_nested=True, leaves_only=True):
+        key = (key,) if isinstance(key, str) else tuple(key)
+        specs[key] = {path: (tuple(fragment.get(path).shape[2:]), fragment.get(path).dtype)
+                      for path in _value_paths(key)}
+    return specs
+
+
+def _fill_missing_(fragment: TensorDict, specs: Mapping[tuple[str, ...], _Spec]) -> TensorDict:
+    """Adds the optional keys of ``specs`` that ``fragment`` ``[E, T]`` lacks: fills, present ``False``."""
+    batch = tuple(fragment.batch_size)
+    for key, spec in specs.items():
+        if (GROUP, PRESENT, *key) in fragment.keys(include_nested=True):
+            continue
+        for path, (tail, dtype) in spec.items():
+            fragment.set(path, _fill((*batch, *tail), dtype))
+        fragment.set((GROUP, PRESENT, *key), torch.zeros(*batch, fragment.get(GROUP).batch_size[-1], dtype=torch.bool))
+    return fragment
+
+
 class MultiAgentRolloutBuffer:
     """Episodes of ``n_agents`` agents, stored as fragments (stateful, like seed 001's buffer)."""
 
@@ -54,6 +112,7 @@ class MultiAgentRolloutBuffer:
         self.n_episodes = 0
         self.total_steps = 0
         self._builder: FragmentBuilder | None = None
+        self._optional: dict[tuple[str, ...], _Spec] = {}  # optional keys of the episode in progress
         if n_agents is not None:
             self.reset(n_agents)
 
@@ -83,7 +142,14 @@ class MultiAgentRolloutBuffer:
     ) -> None:
         """Adds one step of all agents: ``states``/``next_states`` ``[n, *obs]``, ``actions`` ``[n, *act]``,
         ``log_probs``/``rewards``/``dones``/values ``[n]`` or ``[n, 1]`` (rewards/dones may be dicts keyed by
-        agent), ``extras[k]`` ``[n, ...]``. Values are stored only when both are given (as in seed 001)."""
+        agent), ``extras[k]`` ``[n, ...]``. Values are stored only when both are given (as in seed 001).
+
+        ``state_values`` (with ``next_state_values``) and each ``extras[k]`` are optional *per step*: one the
+        episode stores but this step omits is filled (NaN for floating dtypes, zero for others) and marked
+        absent in ``(g, "present", *key)``; one this step brings first is filled in at the episode's earlier
+        steps the same way (see the module docstring). A key keeps the dtype it was first given with in the
+        episode; giving it with another shape raises ``ValueError`` naming the key.
+        """
         n = self._require_agents()
 
         def col(x, dtype=None):  # [n] or [n, 1] -> [1, n, 1]
@@ -94,12 +160,37 @@ class MultiAgentRolloutBuffer:
                  LOG_PROB: col(log_probs)}
         nxt = {OBSERVATION: _per_agent(next_states, n).unsqueeze(0), REWARD: col(rewards, torch.float32),
                TERMINATED: done, TRUNCATED: torch.zeros_like(done), DONE: done}
+        given: dict[tuple[str, ...], dict[tuple[str, ...], torch.Tensor]] = {}
         if state_values is not None and next_state_values is not None:
-            group[STATE_VALUE], nxt[STATE_VALUE] = col(state_values), col(next_state_values)
-        if extras:
-            group[EXTRAS] = {k: _per_agent(v, n).unsqueeze(0) for k, v in extras.items()}
+            given[(STATE_VALUE,)] = dict(zip(_value_paths((STATE_VALUE,)), (col(state_values), col(next_state_values))))
+        for k, v in (extras or {}).items():
+            try:
+                given[(EXTRAS, k)] = {(GROUP, EXTRAS, k): _per_agent(v, n).unsqueeze(0)}
+            except ValueError as err:
+                raise ValueError(f"extras[{k!r}]: {err}") from None
+        if len(self._require()) == 0:  # an episode's first step: its optional keys start afresh
+            self._optional = {}
+            self._new_builder()
+        for key, values in given.items():  # check every key before changing anything
+            for path, (tail, dtype) in self._optional.get(key, {}).items():
+                if tuple(values[path].shape[1:]) != tail:
+                    raise ValueError(f"{_seed_name(path)} has per-agent shape {tuple(values[path].shape[2:])}, "
+                                     f"earlier steps of the episode gave {tail[1:]}")
+                values[path] = values[path].to(dtype)
+        for key, values in given.items():
+            if key not in self._optional:
+                self._widen_(key, {path: (tuple(v.shape[1:]), v.dtype) for path, v in values.items()})
         flag = torch.zeros(1, 1, dtype=torch.bool)  # the env episode ends only at end_episode()
-        self._builder.add_step_({GROUP: group, NEXT: {GROUP: nxt, DONE: flag, TERMINATED: flag, TRUNCATED: flag}})
+        step = {GROUP: group, NEXT: {GROUP: nxt, DONE: flag, TERMINATED: flag, TRUNCATED: flag}}
+        if self._optional:
+            present: dict = {}
+            group[PRESENT] = present
+            for key, spec in self._optional.items():
+                values = given.get(key)
+                for path, (tail, dtype) in spec.items():
+                    _set_path(step, path, values[path] if values is not None else _fill((1, *tail), dtype))
+                _set_path(present, key, torch.full((1, n), values is not None, dtype=torch.bool))
+        self._builder.add_step_(step)
 
     def end_episode(self) -> dict[str, Any]:
         """Closes the current episode, computes its statistics, appends it to ``episodes`` and returns it."""
@@ -152,10 +243,19 @@ class MultiAgentRolloutBuffer:
         return _mean([ep["average_episode_reward"] for ep in self.episodes])
 
     def transitions(self) -> TensorDict:
-        """Every transition of the completed episodes, ``[N]`` (group ``[N, n_agents]``)."""
+        """Every transition of the completed episodes, ``[N]`` (group ``[N, n_agents]``).
+
+        Optional keys stored by some episodes only are filled in the others (present ``False``)."""
         if not self.episodes:
             raise ValueError("no completed episodes")
-        return torch.cat([flatten_transitions(ep["fragment"]) for ep in self.episodes], 0)
+        specs: dict[tuple[str, ...], _Spec] = {}
+        for ep in self.episodes:
+            for key, spec in _optional_specs(ep["fragment"]).items():
+                specs.setdefault(key, spec)
+        fragments = [ep["fragment"] for ep in self.episodes]
+        if any(_optional_specs(f).keys() != specs.keys() for f in fragments):
+            fragments = [_fill_missing_(f.copy(), specs) for f in fragments]  # shallow: stored episodes unchanged
+        return torch.cat([flatten_transitions(f) for f in fragments], 0)
 
     def get_minibatches(self, minibatch_size: int, generator: torch.Generator) -> list[TensorDict]:
         """Shuffled near-equal minibatches of :meth:`transitions` (agents of a step stay together)."""
@@ -168,6 +268,7 @@ class MultiAgentRolloutBuffer:
                 "next_state_values": (NEXT, STATE_VALUE), "dones": (NEXT, TERMINATED)}
         view: dict[str, Any] = {name: [] for name in keys}
         view[EXTRAS] = {}
+        view[PRESENT] = {"state_values": [], EXTRAS: {}}
         if fragment is None:
             return view
         for agent in range(n):
@@ -179,7 +280,28 @@ class MultiAgentRolloutBuffer:
                     view[name].append(value.squeeze(-1) if squeeze else value)
             for k, v in traj.get(EXTRAS, TensorDict()).items():
                 view[EXTRAS].setdefault(k, []).append(v)
+            present = traj.get(PRESENT, TensorDict())
+            if STATE_VALUE in present.keys():
+                view[PRESENT]["state_values"].append(present.get(STATE_VALUE))
+            for k, v in present.get(EXTRAS, TensorDict()).items():
+                view[PRESENT][EXTRAS].setdefault(k, []).append(v)
         return view
+
+    def _new_builder(self) -> None:
+        """A builder with a fresh key layout that goes on with the old one's episode ids and sequence."""
+        old = self._builder
+        self._builder = FragmentBuilder(1, group_sizes={GROUP: self.n_agents}, track_episodes=False)
+        self._builder.tracker, self._builder.sequence = old.tracker, old.sequence
+
+    def _widen_(self, key: tuple[str, ...], spec: _Spec) -> None:
+        """Adds optional ``key`` to the episode in progress: its steps so far get the fill, present False."""
+        self._optional[key] = spec
+        if len(self._builder) == 0:
+            return
+        steps = _fill_missing_(self._builder.peek(), {key: spec})
+        self._new_builder()
+        for t in range(steps.batch_size[1]):
+            self._builder.add_step_(steps[:, t].to_dict())
 
     def _require(self) -> FragmentBuilder:
         if self._builder is None:
@@ -189,6 +311,19 @@ class MultiAgentRolloutBuffer:
     def _require_agents(self) -> int:
         self._require()
         return self.n_agents
+
+
+def _seed_name(path: tuple[str, ...]) -> str:
+    """Seed 001's argument name of an optional step path."""
+    if path[-1] == STATE_VALUE:
+        return "next_state_values" if path[0] == NEXT else "state_values"
+    return f"extras[{path[-1]!r}]"
+
+
+def _set_path(tree: dict, path: tuple[str, ...], value: torch.Tensor) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
 
 
 def _mean(values: list[float]) -> float:

@@ -60,10 +60,12 @@ class GroupPolicy(nn.Module):
         # pickles nor deep-copies, and policies must (Ray transport, frozen opponent copies).
         self.group_name, self.config = group.name, config
         self.num_agents = a = group.capacity
-        self.actor_encoder = ObservationEncoder(group.agent.observation, include_eval_only=False)
+        self.actor_encoder = ObservationEncoder(group.agent.observation, include_eval_only=False,
+                                                name=f"group {group.name}: observation")
         if not self.actor_encoder.paths:
             raise ValueError(f"group {group.name}: every observation leaf is eval_only, the actor sees nothing")
-        self.critic_encoder = ObservationEncoder(group.agent.observation, include_eval_only=True)
+        self.critic_encoder = ObservationEncoder(group.agent.observation, include_eval_only=True,
+                                                 name=f"group {group.name}: critic observation")
         self._critic_reuses_actor_input = self.critic_encoder.paths == self.actor_encoder.paths
         central = config.critic == "central"
         self.shared_encoder = SharedEncoder(shared, group.population_path) if central and shared else None

@@ -10,6 +10,7 @@ Inputs of :class:`DeployablePolicy`, all with batch ``[B, A]`` (``A`` = group ca
 Output: the action (masked argmax, Gaussian mean, squashed mean, ``logit > 0``): one tensor
 ``[B, A, *leaf.shape]`` for a bare action leaf, else a tuple in ``action_keys`` order; a recurrent policy
 appends the next state ``[B, A, H]``. The same computation as ``GroupPolicy.act(..., deterministic=True)``.
+:func:`deployment_signature` writes these inputs and outputs down (names, dtypes, shapes) for a manifest.
 Critic and eval-only leaves are not part of it (notes/tensordict-hot-paths.md section 5, pattern 10: no
 ``torch.distributions``, a masked argmax, a dynamic batch ``Dim``). Saving to disk belongs to orchestration
 (``torch.export.save(program, path)``).
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
-from core.layout import ACTION_MASK, OBSERVATION, RECURRENT_STATE
+from core.layout import ACTION, ACTION_MASK, OBSERVATION, RECURRENT_STATE
 
 from .actor_critic import GroupPolicy
 
@@ -108,4 +109,42 @@ def export_policy(policy: GroupPolicy, example_batch) -> ExportedProgram:
         return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
 
 
-__all__ = ["DeployablePolicy", "deployable", "deployment_inputs", "export_policy"]
+def _entry(name: str, value: Tensor, **extra) -> dict:
+    return {"name": name, **extra, "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": ["batch", *value.shape[1:]]}
+
+
+def leaf_name(root: str, path: tuple[str, ...]) -> str:
+    """``"observation"`` for a bare leaf, ``"observation/pos"`` for a dict leaf (``root`` + key path)."""
+    return "/".join((root, *path))
+
+
+def deployment_signature(policy: GroupPolicy, example_batch) -> dict:
+    """The inputs and outputs of :func:`export_policy` ``(policy, example_batch)``'s program, JSON-ready.
+
+    Every tensor is described by ``name``, ``dtype`` (torch name without ``torch.``) and ``shape``: the
+    dynamic batch dim as ``"batch"``, then the group capacity ``A`` (every slot of the group, fixed), then the
+    leaf's shape. Inputs carry ``kind``: ``"positional"`` (with ``position``) for observation leaves, named
+    ``"observation"`` / ``"observation/<key path>"``, or ``"keyword"`` (``required``: the program is traced
+    with it and rejects a call without it) for ``action_mask`` (when ``example_batch`` has one; all True
+    allows every action) and ``recurrent_state``. Outputs are named ``"action"`` / ``"action/<key path>"``, then
+    ``"recurrent_state"`` (the next state) for a recurrent policy; ``returns`` says whether the program gives
+    one tensor or a tuple in that order.
+
+    Args:
+        policy: the policy; example_batch: a group entry ``[B, A]`` as for :func:`export_policy`.
+    """
+    args, kwargs = deployment_inputs(policy, example_batch)
+    module = deployable(policy).eval()
+    with torch.no_grad():
+        out = module(*args, **kwargs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    inputs = [_entry(leaf_name(OBSERVATION, path), a, kind="positional", position=i)
+              for i, (path, a) in enumerate(zip(module.observation_keys, args))]
+    inputs += [_entry(name, v, kind="keyword", required=True) for name, v in kwargs.items()]
+    names = [leaf_name(ACTION, path) for path in module.action_keys] + ([RECURRENT_STATE] if module.recurrent else [])
+    return {"inputs": inputs, "outputs": [_entry(name, v) for name, v in zip(names, outs)],
+            "returns": "tuple" if isinstance(out, tuple) else "tensor"}
+
+
+__all__ = ["DeployablePolicy", "deployable", "deployment_inputs", "deployment_signature", "export_policy", "leaf_name"]

@@ -70,8 +70,10 @@ class ObservationEncoder(nn.Module):
         out_features: width of the encoding.
     """
 
-    def __init__(self, node: Node, *, include_eval_only: bool) -> None:
+    def __init__(self, node: Node, *, include_eval_only: bool, name: str = "observation") -> None:
         super().__init__()
+        self.name = name
+        """What error messages call the node (e.g. ``"group speaker_0: observation"``)."""
         kept = [(p, leaf) for p, leaf in iter_leaves(node) if include_eval_only or not leaf.eval_only]
         self.paths: list[Path] = [p for p, _ in kept]
         self.leaves: list[Leaf] = [leaf for _, leaf in kept]
@@ -92,8 +94,8 @@ class ObservationEncoder(nn.Module):
         """``forward(read(observation))``; a plain 1-D float observation is returned as is (no copy)."""
         if self._plain is not None and isinstance(observation, Tensor) and observation.dtype == dtype:
             if observation.dim() < 1 or observation.shape[-1] != self._plain:
-                raise ValueError(f"observation leaf <leaf>: shape {tuple(observation.shape)} does not end with "
-                                 f"({self._plain},)")
+                raise ValueError(f"{self.name}: shape {tuple(observation.shape)} does not end with ({self._plain},) "
+                                 f"(the observation this policy was built for)")
             return observation
         return self(self.read(observation), dtype)
 
@@ -108,7 +110,7 @@ class ObservationEncoder(nn.Module):
             x = read_path(observation, path)
             nd = len(leaf.shape)
             if x.dim() < nd or (nd and tuple(x.shape[-nd:]) != leaf.shape):
-                raise ValueError(f"observation leaf {'/'.join(path) or '<leaf>'}: shape {tuple(x.shape)} does "
+                raise ValueError(f"{self.name}{''.join('/' + p for p in path)}: shape {tuple(x.shape)} does "
                                  f"not end with {leaf.shape}")
             out.append(x)
         return out

@@ -1,4 +1,4 @@
-"""Train batches: partition, alignment, masks and determinism of minibatches; concatenation; staleness."""
+"""Train batches: partition, alignment, masks and determinism of minibatches; concatenation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from core.buffers import concat_fragments, filter_stale, flatten_transitions, is_fresh, minibatches
+from core.buffers import concat_fragments, flatten_transitions, minibatches
 from core.layout import MASK, NEXT, POLICY_VERSION
 from tests.strategies import GROUP, rollouts
 
@@ -29,7 +29,7 @@ def test_minibatches_partition_the_batch(rollout, data, seed):
     mbs = minibatches(rollout, size, torch.Generator().manual_seed(seed))
     sizes = [mb.batch_size[0] for mb in mbs]
     assert len(mbs) == -(-n // size) and sum(sizes) == n
-    assert max(sizes) - min(sizes) <= 1 and max(sizes) <= size
+    assert all(s == size for s in sizes[:-1]) and 1 <= sizes[-1] <= size  # PPO's rule: split(minibatch_size)
     # each (env, step, agent) exactly once
     assert torch.equal(uids(mbs).sort().values, rollout[GROUP, "uid"].reshape(-1).sort().values)
 
@@ -56,7 +56,7 @@ def test_drop_empty_drops_exactly_the_all_masked_transitions(rollout, data, seed
     assert torch.equal(uids(mbs).sort().values, expected)
     if mbs:
         sizes = [mb.batch_size[0] for mb in mbs]
-        assert max(sizes) - min(sizes) <= 1 and max(sizes) <= size
+        assert all(s == size for s in sizes[:-1]) and 1 <= sizes[-1] <= size
     for mb in mbs:  # masked agents of kept transitions keep their flag
         kept_uid = mb[GROUP, "uid"].squeeze(-1)[:, 0] // flat[GROUP].batch_size[1]
         assert torch.equal(mb[GROUP, MASK], flat[GROUP, MASK][kept_uid])
@@ -109,32 +109,6 @@ def test_concat_fragments_stacks_envs_and_refuses_mismatches(a, b_envs):
         concat_fragments([a, a[:, :0]])
     with pytest.raises(ValueError):
         concat_fragments([])
-
-
-@given(rollout=rollouts(), data=st.data())
-def test_filter_stale_is_monotone_in_the_learner_version(rollout, data):
-    v1 = data.draw(st.integers(0, 8), label="learner_version")
-    v2 = data.draw(st.integers(v1, 10), label="later_learner_version")
-    staleness = data.draw(st.integers(0, 3), label="max_staleness")
-    versions = rollout[POLICY_VERSION, GROUP]
-    for batch in (rollout, flatten_transitions(rollout)):
-        kept1, dropped1 = filter_stale(batch, GROUP, v1, staleness)
-        kept2, dropped2 = filter_stale(batch, GROUP, v2, staleness)
-        assert kept2.batch_size.numel() <= kept1.batch_size.numel() and dropped2 >= dropped1
-        assert kept1.batch_size.numel() + dropped1 == batch.batch_size.numel()
-        kept_ids = set(kept2[GROUP, "uid"].reshape(-1).tolist())
-        assert kept_ids <= set(kept1[GROUP, "uid"].reshape(-1).tolist())
-        assert torch.all(v1 - kept1[POLICY_VERSION, GROUP] <= staleness)
-    expected_fresh = (v1 - versions) <= staleness
-    assert torch.equal(is_fresh(versions, v1, staleness), expected_fresh)
-
-
-def test_is_fresh_boundaries():
-    v = torch.tensor([0, 1, 2, 3, 5])
-    assert is_fresh(v, 3, 1).tolist() == [False, False, True, True, True]
-    assert is_fresh(v, 3, 0).tolist() == [False, False, False, True, True]
-    with pytest.raises(ValueError):
-        is_fresh(v, 3, -1)
 
 
 def test_concat_of_one_fragment_is_a_shallow_copy():

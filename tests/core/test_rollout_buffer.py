@@ -107,9 +107,75 @@ def test_reset_current_episode_discards_the_episode_in_progress():
     buf.add_transition(**step)
     episode = buf.end_episode()
     assert episode["episode_length"] == [1, 1] and episode["state_values"] == []  # values absent: not stored
-    with pytest.raises(KeyError, match="state_value"):  # a step's keys must match the episode's first step
-        buf.add_transition(**step, state_values=torch.zeros(2), next_state_values=torch.zeros(2))
+    buf.add_transition(**step, state_values=torch.zeros(2), next_state_values=torch.zeros(2))  # a new episode
+    assert len(buf.current_episode["state_values"][0]) == 1  # may store keys the last one did not
     with pytest.raises(ValueError, match="3 agents"):
         MultiAgentRolloutBuffer(3).add_transition(**step)
     with pytest.raises(RuntimeError, match="reset"):
         MultiAgentRolloutBuffer().add_transition(**step)
+
+
+@given(ep=episodes(), data=st.data())
+def test_optional_keys_may_come_and_go_between_steps(ep, data):
+    """A step may omit state values / an extra that other steps of the episode give, or give it first: every
+    step stays aligned, omitted entries are NaN and ``present`` says which steps had them."""
+    n, steps = ep
+    t = len(steps)
+    has_values = data.draw(st.lists(st.booleans(), min_size=t, max_size=t), label="has_values")
+    has_extra = data.draw(st.lists(st.booleans(), min_size=t, max_size=t), label="has_extra")
+    buf = MultiAgentRolloutBuffer(n)
+    for step, v, x in zip(steps, has_values, has_extra):
+        buf.add_transition(**{**step, "state_values": step["state_values"] if v else None,
+                              "next_state_values": step["next_state_values"] if v else None,
+                              "extras": step["extras"] if x else None})
+    current = buf.current_episode
+    episode = buf.end_episode()
+    assert episode["episode_length"] == [t] * n and buf.total_steps == n * t
+    for view in (current, episode):
+        for name, key, given_at in (("state_values", None, has_values), ("extras", "prev_hidden_states", has_extra)):
+            stored = view[name] if key is None else view[name].get(key, [])
+            present = view["present"][name] if key is None else view["present"][name].get(key, [])
+            if not any(given_at):  # never given: not stored, as before
+                assert stored == [] and present == []
+                continue
+            for agent in range(n):
+                assert present[agent].tolist() == given_at
+                for s, step in enumerate(steps):
+                    want = step[name] if key is None else step[name][key]
+                    got = stored[agent][s]
+                    assert torch.equal(got, want[agent]) if given_at[s] else got.isnan().all()
+    # the fragment stores the masks; next-step values follow the same steps
+    fragment = episode["fragment"]
+    if any(has_values):
+        assert fragment["agents", "present", "state_value"][0, :, 0].tolist() == has_values
+        assert fragment["next", "agents", "state_value"][0, :, 0].isnan().all(-1).tolist() == [not v for v in has_values]
+    assert buf.transitions().batch_size[0] == t
+
+
+def test_optional_keys_differ_between_episodes_and_bad_shapes_are_named():
+    buf = MultiAgentRolloutBuffer(2)
+    step = dict(states=torch.zeros(2, OBS), actions=torch.zeros(2), log_probs=torch.zeros(2),
+                rewards=torch.ones(2), next_states=torch.ones(2, OBS), dones=torch.zeros(2, dtype=torch.bool))
+    ids = torch.tensor([3, 4])
+    buf.add_transition(**step, extras={"ids": ids})
+    buf.add_transition(**step)  # omitted integer extra: zero, marked absent
+    first = buf.end_episode()
+    assert first["extras"]["ids"][1].tolist() == [4, 0] and first["present"]["extras"]["ids"][1].tolist() == [True, False]
+    buf.add_transition(**step, state_values=torch.ones(2), next_state_values=torch.ones(2))
+    second = buf.end_episode()
+    assert "ids" not in second["extras"] and second["present"]["state_values"][0].tolist() == [True]
+    # episodes storing different optional keys still concatenate: the missing ones are filled, absent
+    batch = buf.transitions()
+    assert batch["agents", "present", "extras", "ids"].tolist() == [[True, True], [False, False], [False, False]]
+    assert batch["agents", "present", "state_value"].tolist() == [[False, False], [False, False], [True, True]]
+    assert batch["agents", "state_value"][:2].isnan().all() and (batch["agents", "state_value"][2] == 1).all()
+    assert "state_value" not in first["fragment"]["agents"].keys()  # stored episodes are left as they were
+    assert {tuple(mb["agents"].batch_size) for mb in buf.get_minibatches(2, torch.Generator().manual_seed(0))} \
+        <= {(1, 2), (2, 2)}
+    # a later step that gives a key with another per-agent shape is refused, naming the key; nothing is added
+    buf.add_transition(**step, extras={"h": torch.zeros(2, 4)})
+    with pytest.raises(ValueError, match=r"extras\['h'\].*\(3,\).*\(4,\)"):
+        buf.add_transition(**step, extras={"h": torch.zeros(2, 3)})
+    with pytest.raises(ValueError, match=r"extras\['h'\].*2 agents"):
+        buf.add_transition(**step, extras={"h": torch.zeros(3, 4)})
+    assert len(buf.current_episode["states"][0]) == 1

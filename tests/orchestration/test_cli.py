@@ -65,5 +65,5 @@ print(json.dumps(action.tolist()))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert manifest["policies"]["agent"]["observation_keys"] == [""]
+    assert manifest["policies"]["agent"]["observation_keys"] == ["observation"]
     assert len(json.loads(out.stdout)) == 5

@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from core.losses import PPOConfig
 from orchestration.config import RolloutConfig, TrainConfig
 from orchestration.league import LeagueTrainer
-from orchestration.trainer import build_trainer
+from orchestration.builder import build_trainer
 
 
 @pytest.mark.slow
@@ -21,7 +21,7 @@ def test_league_grows_a_pool_and_actors_play_the_drawn_opponent():
     for _ in range(6):
         metrics = league.train()
         draws.append(metrics["league_opponent"])
-        actor_opponent = TensorDict.from_module(league.trainer.actors[0].policies["opponent"])
+        actor_opponent = TensorDict.from_module(league.trainer.fleet.actors[0].policies["opponent"])
         assert (actor_opponent == league.current.weights).all()  # the actors played the drawn member
     assert len(league.pool) == 4 and metrics["league_size"] == 4  # initial + snapshots at 2, 4, 6
     assert sum(m.games for m in league.pool) > 0

@@ -15,7 +15,7 @@ from core.specs import rand
 from orchestration.checkpoint import load_checkpoint, save_checkpoint
 from orchestration.config import RolloutConfig, TrainConfig
 from orchestration.run_state import restore_trainer_, trainer_state
-from orchestration.trainer import build_trainer
+from orchestration.builder import build_trainer
 
 FAST = TrainConfig(env="CartPole-v1", seed=1, lr=1e-3, iterations=6,
                    rollout=RolloutConfig(num_envs=8, fragment_length=64),

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from orchestration.config import TrainConfig
-from orchestration.trainer import build_trainer
+from orchestration.builder import build_trainer
 
 ITERATIONS = 5
 

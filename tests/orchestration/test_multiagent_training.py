@@ -8,7 +8,7 @@ import pytest
 
 from core.losses import PPOConfig
 from orchestration.config import RolloutConfig, TrainConfig
-from orchestration.trainer import build_trainer
+from orchestration.builder import build_trainer
 
 
 @pytest.mark.slow
@@ -19,7 +19,7 @@ def test_connect_four_never_plays_illegal_moves_and_beats_a_random_opponent():
                          ppo=PPOConfig(minibatch_size=256, entropy_coef=0.01))
     trainer = build_trainer(config)
     sent: list[tuple[int, int]] = []
-    for env_index, copy in enumerate(trainer.actors[0].env.envs):  # record every move the raw envs receive
+    for env_index, copy in enumerate(trainer.fleet.actors[0].env.envs):  # record every move the raw envs receive
         raw_step = copy.step
 
         def recording_step(action, copy=copy, raw_step=raw_step):

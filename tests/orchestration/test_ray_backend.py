@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from orchestration.config import RolloutConfig, TrainConfig
+from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 from orchestration.wire import from_wire, to_wire
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -28,13 +29,14 @@ ENV = "builtin:cartpole"
 
 def _config(**kw) -> TrainConfig:
     rollout = RolloutConfig(num_envs=4, fragment_length=16, num_workers=2)
-    return TrainConfig(**{"env": ENV, "iterations": 20, "rollout": rollout, **kw})
+    ray = RayConfig(worker_num_cpus=0, learner_num_cpus=0)  # 2 shared cores: no reservations
+    return TrainConfig(**{"env": ENV, "iterations": 20, "rollout": rollout, "ray": ray, **kw})
 
 
-def _ray_config(**kw):
-    from orchestration.ray_backend import RayConfig
+def _ray(config: TrainConfig):
+    from orchestration.builder import build_trainer
 
-    return RayConfig(worker_num_cpus=0, learner_num_cpus=0, **kw)  # 2 shared cores: no reservations
+    return build_trainer(dataclasses.replace(config, backend="ray"))
 
 
 def _identity(acc: dict) -> bool:
@@ -49,27 +51,25 @@ SPLIT = {"env": "builtin:spread", "policy_mapping": (("agents_1", "other"), ("ag
 
 @pytest.mark.parametrize("overrides", [{}, SPLIT], ids=["cartpole", "spread_3_policies"])
 def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overrides):
-    from orchestration.learner import PPOLearner
-    from orchestration.ray_backend import build_ray_trainer
-    from orchestration.trainer import build_trainer
+    from orchestration.builder import build_trainer
 
     config = _config(**overrides)
     local = build_trainer(config)
-    trained = {pid: lrn for pid, lrn in local.learners.items() if isinstance(lrn, PPOLearner)}
+    trained = local.trainable
     received: dict[str, list[TensorDict]] = {pid: [] for pid in trained}
     for pid, learner in trained.items():
         receive = learner.receive
-        learner.receive = lambda fragment, pid=pid, receive=receive: (received[pid].append(fragment.clone()),
-                                                                      receive(fragment))
-    remote = build_ray_trainer(config, _ray_config())
+        learner.receive = lambda fragment, meta=None, pid=pid, receive=receive: (
+            received[pid].append(fragment.clone()), receive(fragment, meta))
+    remote = _ray(config)
     try:
-        assert sorted(remote.handles) == sorted(trained)  # one learner actor per trained policy
+        assert sorted(remote.trainable) == sorted(trained)  # one learner actor per trained policy
         for _ in range(3 if not overrides else 2):
             for fragments in received.values():
                 fragments.clear()
             local_metrics, ray_metrics = local.train(), remote.train()
             for pid, learner in trained.items():
-                batch = [from_wire(m) for m in ray_session.get(remote.handles[pid].last_batch.remote())]
+                batch = [from_wire(m) for m in ray_session.get(remote.learners[pid].handle.last_batch.remote())]
                 assert [int(f["fragment_id"][0, 0]) for f in batch] == \
                     [int(f["fragment_id"][0, 0]) for f in received[pid]]
                 for a, b in zip(received[pid], batch):
@@ -89,7 +89,7 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
             assert _identity(ray_metrics)
             # A learner crash in synchronous mode: it resumes from the checkpoint just taken (the learners
             # were fetched above), the data it lost is re-collected, and the iteration settles exactly.
-            (handle,) = remote.handles.values()
+            (handle,) = [lrn.handle for lrn in remote.trainable.values()]
             handle.crash.remote()  # ordered before the next calls: the next iteration meets a dead learner
             for _ in range(2):
                 after = remote.train()
@@ -112,19 +112,16 @@ def _assert_same_checkpoint(local, remote) -> None:
     assert s_local["history"] == s_ray["history"] and s_local["env_steps"] == s_ray["env_steps"]
 
 
-def _server(config: TrainConfig, **kw):
+def _server(config: TrainConfig):
     """A learner server in this process (no actor) and one fragment ``[4, 16]`` of the run's env."""
     from core.specs import to_json
-    from orchestration.ray_backend import initial_policies
+    from orchestration.builder import build_trainer
     from orchestration.ray_learner import LearnerServer
-    from orchestration.trainer import build_trainer
 
     local = build_trainer(config)
-    fragment = local.actors[0].collect()
-    torch.manual_seed(config.seed)
-    _, policies, _ = initial_policies(config, local.tree)
-    (pid, policy), = policies.items()
-    server = LearnerServer(pid, config, to_json(local.tree), to_wire(TensorDict.from_module(policy).detach()), **kw)
+    fragment = local.fleet.actors[0].collect()
+    (pid, learner), = local.trainable.items()
+    server = LearnerServer(pid, config, to_json(local.tree), to_wire(learner.published()[1]))
     return server, pid, fragment
 
 
@@ -133,12 +130,12 @@ def _meta(pid: str, fid: int, version: int = 0) -> dict:
 
 
 def test_learner_inbox_is_idempotent_and_drops_stale_data(ray_session):
-    server, pid, fragment = _server(_config(train_batch_size=64), max_staleness=0)
+    server, pid, fragment = _server(_config(train_batch_size=64, mode="async", max_staleness=0))
     ref = ray_session.put(to_wire(fragment))
     server.push(_meta(pid, 0), [ref])
     server.push(_meta(pid, 0), [ref])  # a retried delivery
-    assert server.report()["counters"]["duplicates"] == 1 and server.new_steps() == fragment.numel()
-    assert server.train() is not None and server.learner.version == 1
+    assert server.report()["counters"]["duplicates"] == 1 and server.new_steps() == fragment.batch_size.numel()
+    assert server.train(take_all=True) is not None and server.learner.version == 1
     server.push(_meta(pid, 1), [ref])  # acted with version 0, the learner is at 1
     report = server.report()
     assert report["totals"] == {"accepted": 1, "stale": 1, "lost": 0} and server.new_steps() == 0
@@ -152,7 +149,7 @@ def test_learner_inbox_is_idempotent_and_drops_stale_data(ray_session):
 
 
 def test_reuse_limit_bounds_how_often_a_fragment_is_trained(ray_session):
-    server, pid, fragment = _server(_config(train_batch_size=128), max_staleness=10, reuse_limit=2)
+    server, pid, fragment = _server(_config(train_batch_size=128, mode="async", max_staleness=10, reuse_limit=2))
     ref = ray_session.put(to_wire(fragment))  # 64 env steps: a batch is two fragments
     for fid in range(6):
         server.push(_meta(pid, fid, server.learner.version), [ref])
@@ -166,9 +163,7 @@ def test_reuse_limit_bounds_how_often_a_fragment_is_trained(ray_session):
 @pytest.fixture(scope="module")
 def streaming(ray_session):
     """One asynchronous trainer shared by the staleness and chaos tests (Ray actors start slowly here)."""
-    from orchestration.ray_backend import build_ray_trainer
-
-    trainer = build_ray_trainer(_config(train_batch_size=128), _ray_config(mode="async", max_staleness=1))
+    trainer = _ray(_config(train_batch_size=128, mode="async", max_staleness=1))
     yield trainer
     trainer.close()
 
@@ -186,7 +181,8 @@ def test_slow_worker_data_beyond_max_staleness_is_dropped_and_counted(streaming,
 
 def test_killed_workers_are_replaced_and_accounting_is_exact(streaming, ray_session):
     fleet = streaming.fleet
-    (pid, learner), = streaming.handles.items()
+    (pid, proxy), = streaming.trainable.items()
+    learner = proxy.handle
     # A busy learner: pushes pile up behind it; a worker killed now loses what it had in flight.
     paused = learner.pause.remote(1.5)
     time.sleep(1.0)
@@ -208,14 +204,14 @@ def test_killed_workers_are_replaced_and_accounting_is_exact(streaming, ray_sess
     assert fleet.restarts == 3 and metrics["workers_restarted"] == 3
     assert fleet.alive() == 2
     # The learner crashes (workers streaming): Ray restarts it and it resumes from its last checkpoint.
-    checkpoint = streaming.snapshot_learners()[pid]
+    checkpoint = proxy.snapshot()
     before = streaming.accounting()
     learner.crash.remote()  # the process exits; Ray restarts it
     report = streaming.learner_reports()[pid]  # after the crash (calls are ordered): the driver waits it out
-    assert report["restarts"] == 1 and report["restored_version"] == checkpoint["learner"]["version"]
+    assert report["restarts"] == 1 and report["restored_version"] == checkpoint["version"]
     assert report["version"] > before["policy_version"]  # versions keep rising: workers load its weights
     restored = ray_session.get(learner.state.remote())["weights"]
-    assert all(np.array_equal(restored[k], v) for k, v in checkpoint["learner"]["weights"].items())
+    assert all(np.array_equal(restored[k], v) for k, v in checkpoint["weights"].items())
     for _ in range(3):
         metrics = streaming.train()  # training goes on
     assert metrics["learners_restarted"] == 1 and metrics["policy_version"] == report["version"] + 3

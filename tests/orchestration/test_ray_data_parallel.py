@@ -12,7 +12,7 @@ from core.losses import PPOConfig
 from orchestration.assignment import assign, groups_of
 from orchestration.config import RolloutConfig, TrainConfig
 from orchestration.learner import PPOLearner
-from orchestration.trainer import build_trainer
+from orchestration.builder import build_trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -21,7 +21,7 @@ def _setup():
     config = TrainConfig(env="builtin:cartpole", seed=0, rollout=RolloutConfig(num_envs=8, fragment_length=16),
                          ppo=PPOConfig(minibatch_size=32, num_epochs=2))
     trainer = build_trainer(config)
-    fragments = [trainer.actors[0].collect() for _ in range(4)]
+    fragments = [trainer.fleet.actors[0].collect() for _ in range(4)]
     learner = trainer.learners["agent"]
     policy = copy.deepcopy(learner.policy)
     return config, trainer, fragments, policy, groups_of(assign(trainer.tree), "agent")

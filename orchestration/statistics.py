@@ -1,12 +1,9 @@
-"""Run statistics of the Ray backend: an ``EpisodeStatistics`` actor and each worker's ``PipelineMonitor``.
+"""Run statistics, the same on every backend: episode statistics, the per-stage pipeline monitor, fragment
+accounting and the episode metrics a trainer reports.
 
-Seed 004: rollout workers report completed episodes to a central statistics actor and keep a per-stage
-monitor of their pipeline. Neither blocks sampling: episodes travel from the worker's sender thread as a
-fire-and-forget call (awaited only when a synchronous collect flushes), and the monitor is read by a call
-that a threaded worker serves beside its sampling loop.
-
-Both classes are plain (usable without Ray); this module imports neither torch nor anything heavy, so the
-statistics actor's process starts in well under a second.
+Seed 004: rollout workers report completed episodes to a central :class:`EpisodeStatistics` (an object in a
+local run, a light Ray actor on Ray) and keep a per-stage :class:`PipelineMonitor` of their pipeline. Neither
+blocks sampling. This module imports neither torch nor Ray, so the statistics actor's process starts fast.
 """
 
 from __future__ import annotations
@@ -15,10 +12,9 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
-import ray
 
 #: Stages timed by :class:`PipelineMonitor` (seconds summed over a reporting window).
 STAGES = ("env_step", "inference", "assembly", "enqueue_wait", "serialize_put", "send_wait")
@@ -111,30 +107,6 @@ def merge_monitors(snapshots: list[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
-def episode_arrays(records: Mapping[str, Any], assignment: Mapping[str, Any]) -> dict[str, Any]:
-    """Completed-episode records (``FragmentBuilder.pop_completed_episodes``) as small numpy arrays.
-
-    Keys as the local actor's ``completed_episodes``: ``"return"`` (all agents summed), ``"return/<policy>"``
-    (the agents that policy acts for, via ``assignment`` slots), ``"length"``, all ``[K]``; plus
-    ``"agents/<group>"`` ``[K, A]``, every agent's own return (``K`` may be 0). ``{}`` before any fragment.
-    """
-    if not records:
-        return {}
-    per_policy, agents = {}, {}
-    for group, r in records.items():  # the same tensor ops as Actor.completed_episodes: the same floats
-        agent_return = r.get("agent_return").squeeze(-1)  # [K, A]
-        agents[f"agents/{group}"] = agent_return.double().numpy()
-        for pid, slots in assignment[group].slots.items():
-            part = (agent_return * slots).sum(-1)
-            per_policy[pid] = per_policy[pid] + part if pid in per_policy else part
-    import torch  # workers have it loaded; the statistics actor's process never runs this
-
-    out = {f"return/{pid}": v.double().numpy() for pid, v in per_policy.items()}
-    out["return"] = torch.stack(list(per_policy.values())).sum(0).double().numpy()
-    out["length"] = next(iter(records.values())).get("length").reshape(-1).double().numpy()
-    return {**out, **agents}
-
-
 class EpisodeStatistics:
     """Aggregates completed episodes from all rollout workers: overall, per policy and per agent.
 
@@ -191,7 +163,7 @@ def fragment_accounting(reports: Mapping[str, Mapping], reported: Mapping[int, i
     """Classifies every fragment the fleet produced, per learner: ``accepted``, ``stale``, ``lost``, ``in_flight``.
 
     Args:
-        reports: policy id -> ``LearnerServer.report()`` (per-worker ledgers with the highest sequence heard).
+        reports: policy id -> ``Learner.report()`` (per-worker ledgers with the highest sequence heard).
         reported: worker id -> fragments the worker reported producing (its last report).
         dead: worker ids of dead incarnations.
 
@@ -218,14 +190,29 @@ def fragment_accounting(reports: Mapping[str, Mapping], reported: Mapping[int, i
         values: dict[str, float] = {f"fragments_{k}": v for k, v in counts.items()}
         counters = report["counters"]
         values.update(fragments_duplicate=counters["duplicates"], fragments_max_uses=counters["max_uses"],
-                      trained_max_lag=counters["max_trained_lag"], weights_serializations=counters["serializations"],
-                      policy_version=report["version"])
+                      trained_max_lag=counters["max_trained_lag"], policy_version=report["version"])
+        if "serializations" in counters:  # Ray learners: weights put in the object store once per version
+            values["weights_serializations"] = counters["serializations"]
         out[pid] = values
     return sum(produced.values()), out
 
 
-#: The statistics actor: light (no CPU reserved), made remote once.
-RemoteEpisodeStatistics = ray.remote(num_cpus=0)(EpisodeStatistics)
+def episode_metrics(history: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Means over the last finished episodes: ``episode_return_mean`` (100), ``episode_return_mean_10``,
+    ``episode_length_mean`` and, with several policies, ``episode_return_mean/<policy>``."""
+    out: dict[str, float] = {}
+    several = sum(k.startswith("return/") for k in history) > 1
+    for key, window in history.items():
+        if key.startswith("return/") and not several:
+            continue
+        name = {"return": "episode_return_mean", "length": "episode_length_mean"}.get(
+            key, key.replace("return/", "episode_return_mean/"))
+        out[name] = sum(window) / len(window) if window else math.nan
+    last10 = list(history.get("return", []))[-10:]
+    out["episode_return_mean_10"] = sum(last10) / len(last10) if last10 else math.nan
+    out.setdefault("episode_return_mean", math.nan)
+    return out
 
-__all__ = ["STAGES", "EpisodeStatistics", "PipelineMonitor", "RemoteEpisodeStatistics", "TimedEnv", "episode_arrays",
-           "fragment_accounting", "merge_monitors"]
+
+__all__ = ["STAGES", "EpisodeStatistics", "PipelineMonitor", "TimedEnv", "episode_metrics", "fragment_accounting",
+           "merge_monitors"]

@@ -1,0 +1,177 @@
+"""The one builder: policies, learners, actors, fleets and trainers from a :class:`TrainConfig`.
+
+Every entry point builds through here: local and Ray training, Ray rollout workers and learner actors,
+``shoal evaluate``, ``shoal export``, resume and the league. So a policy, a learner or the agent -> policy
+assignment is spelled once, and both backends start from the same weights.
+
+Usage::
+
+    trainer = build_trainer(config)          # config.backend picks the fleet and the learners
+    while trainer.iteration < config.iterations:
+        metrics = trainer.train()
+    trainer.close()
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Collection, Mapping
+
+import torch
+
+from core.policies import GroupPolicy, make_policies
+from core.specs import Tree, groups
+from orchestration.actor import Actor
+from orchestration.assignment import GroupAssignment, assign, groups_of
+from orchestration.config import TrainConfig
+from orchestration.envs import make_run_env
+from orchestration.learner import FixedLearner, PPOLearner, resolve_device
+
+
+def fixed_policy_ids(config: TrainConfig) -> set[str]:
+    """Policy ids that do not learn: ``random`` and ``config.fixed_policies``."""
+    return {"random", *config.fixed_policies}
+
+
+def is_fixed(config: TrainConfig, policy_id: str) -> bool:
+    """Whether ``policy_id`` (possibly ``"<id>@<group>"``, see :func:`assignment_for`) does not learn."""
+    return policy_id.split("@", 1)[0] in fixed_policy_ids(config)
+
+
+def assignment_for(config: TrainConfig, tree: Tree) -> dict[str, GroupAssignment]:
+    """Group -> policies acting in it: the tree's default mapping with ``config.policy_mapping`` applied; a
+    fixed policy acting in groups with different spaces gets one module per group (``"<id>@<group>"``)."""
+    return assign(tree, dict(config.policy_mapping), per_group=fixed_policy_ids(config))
+
+
+def policy_module(config: TrainConfig, tree: Tree, assignment: Mapping[str, GroupAssignment],
+                  policy_id: str, built: Mapping[str, GroupPolicy] | None = None) -> GroupPolicy:
+    """A module with the architecture of ``policy_id``: its group's, or a fresh copy of the first group's it
+    acts in (a policy id that is not a group name). Initial values are drawn from the global generator.
+
+    Raises:
+        ValueError: a learning policy acting in groups whose spaces differ (parameters cannot be shared).
+    """
+    policies = built if built is not None else make_policies(tree, config.policy)
+    acting = [g for g, a in assignment.items() if policy_id in a.policies]
+    specs = groups(tree)
+    if len({specs[g].agent for g in acting}) > 1:
+        raise ValueError(f"policy {policy_id!r} acts for groups {acting}, whose observation or action spaces "
+                         f"differ: one network cannot serve them; map their agents to different policy ids")
+    if policy_id in policies:
+        return policies[policy_id]
+    policy = copy.deepcopy(policies[acting[0]])
+    for module in policy.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return policy
+
+
+def build_policies(config: TrainConfig, tree: Tree,
+                   assignment: Mapping[str, GroupAssignment]) -> tuple[dict[str, GroupPolicy], set[str]]:
+    """Policy id -> initial module, and the ids that do not learn; the same draws on every backend
+    (call right after ``torch.manual_seed(config.seed)``). ``random`` gets a uniform policy."""
+    made = make_policies(tree, config.policy)
+    out, fixed = {}, set()
+    for pid in sorted({p for a in assignment.values() for p in a.policies}):
+        policy = policy_module(config, tree, assignment, pid, made)
+        if is_fixed(config, pid):
+            fixed.add(pid)
+            if pid.split("@", 1)[0] == "random":
+                policy = _uniform(policy)
+        out[pid] = policy
+    return out, fixed
+
+
+def _uniform(policy: GroupPolicy) -> GroupPolicy:
+    """The random policy: zero action-parameter layer, so every legal action is equally likely."""
+    policy = copy.deepcopy(policy)
+    with torch.no_grad():
+        policy.actor_out.weight.zero_()
+        policy.actor_out.bias.zero_()
+    return policy
+
+
+def build_learner(config: TrainConfig, assignment: Mapping[str, GroupAssignment], policy_id: str,
+                  policy: GroupPolicy, *, device: str | torch.device | None = None,
+                  batch_steps: int | None = None) -> PPOLearner:
+    """The PPO learner of ``policy_id`` (trains ``policy`` itself: pass a copy to keep the original)."""
+    return PPOLearner(policy, groups_of(assignment, policy_id), policy_id=policy_id, ppo=config.ppo, lr=config.lr,
+                      batch_steps=batch_steps or config.steps_per_iteration, seed=config.seed,
+                      device=device if device is not None else resolve_device(config.device),
+                      max_staleness=config.max_staleness if config.mode == "async" else None,
+                      reuse_limit=config.reuse_limit)
+
+
+def build_learners(config: TrainConfig, assignment: Mapping[str, GroupAssignment],
+                   policies: Mapping[str, GroupPolicy], fixed: Collection[str]) -> dict[str, Any]:
+    """Policy id -> :class:`PPOLearner` or :class:`FixedLearner` (local objects)."""
+    return {pid: FixedLearner(policy) if pid in fixed else build_learner(config, assignment, pid, policy)
+            for pid, policy in policies.items()}
+
+
+def worker_id_of(slot: int, incarnation: int) -> int:
+    """``(incarnation << 16) | slot``: incarnation 0 of slot ``i`` is worker ``i`` on every backend."""
+    if not (0 <= slot < 2**16 and 0 <= incarnation < 2**15):
+        raise ValueError(f"slot {slot} or incarnation {incarnation} out of range")
+    return (incarnation << 16) | slot
+
+
+def worker_seed(seed: int, slot: int, incarnation: int) -> int:
+    """Seed of a worker's env and sampling generator; a re-created worker gets a fresh stream."""
+    return seed + 1000 * slot + 10**7 * incarnation
+
+
+def build_actor(config: TrainConfig, env, policies: Mapping[str, GroupPolicy],
+                assignment: Mapping[str, GroupAssignment], *, slot: int = 0, incarnation: int = 0) -> Actor:
+    """The training actor of rollout worker ``slot`` (its ``incarnation``-th re-creation) on ``env``."""
+    return Actor(env, policies, assignment, fragment_length=config.rollout.fragment_length,
+                 seed=worker_seed(config.seed, slot, incarnation), worker_id=worker_id_of(slot, incarnation))
+
+
+def build_evaluator(config: TrainConfig, policies: Mapping[str, GroupPolicy], assignment: Mapping[str, GroupAssignment],
+                    fixed: Collection[str], num_envs: int | None = None) -> Actor:
+    """A deterministic actor on its own envs: learned policies act with their modes, fixed ones keep sampling."""
+    env = make_run_env(config, num_envs or min(config.rollout.num_envs, config.eval_episodes))
+    copies = {pid: copy.deepcopy(p).cpu() for pid, p in policies.items()}
+    return Actor(env, copies, assignment, seed=config.seed + 10**6, record=False,
+                 deterministic=[p for p in policies if p not in fixed])
+
+
+def build_trainer(config: TrainConfig):
+    """The composition root: a :class:`orchestration.trainer.Trainer` over the backend ``config`` names.
+
+    ``local``: actors in this process (:class:`LocalFleet`) and local learners; ``ray``: rollout workers and
+    learner actors (:func:`orchestration.ray_session.build_ray_parts`). Both start from the same weights.
+    """
+    from orchestration.fleet import LocalFleet
+    from orchestration.trainer import Trainer
+
+    torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point
+    rc = config.rollout
+    if config.backend == "ray":
+        probe = make_run_env(config, 1)
+        tree = probe.tree
+        probe.close()
+        assignment = assignment_for(config, tree)
+        policies, fixed = build_policies(config, tree, assignment)
+        from orchestration.ray_session import build_ray_parts
+
+        fleet, learners, close = build_ray_parts(config, tree, policies, fixed)
+        learners.update({pid: FixedLearner(policies[pid]) for pid in fixed})
+    else:
+        envs = [make_run_env(config, rc.num_envs) for _ in range(rc.num_workers)]
+        tree = envs[0].tree
+        assignment = assignment_for(config, tree)
+        policies, fixed = build_policies(config, tree, assignment)
+        learners = build_learners(config, assignment, policies, fixed)
+        actors = [build_actor(config, env, {pid: learners[pid].actor_policy() for pid in policies}, assignment, slot=i)
+                  for i, env in enumerate(envs)]
+        fleet = LocalFleet(actors, {pid: lrn for pid, lrn in learners.items() if lrn.learns})
+        close = None
+    evaluator = build_evaluator(config, policies, assignment, fixed) if config.eval_every else None
+    return Trainer(config, fleet, learners, evaluator, tree, on_close=close)
+
+
+__all__ = ["assignment_for", "build_actor", "build_evaluator", "build_learner", "build_learners", "build_policies",
+           "build_trainer", "fixed_policy_ids", "is_fixed", "policy_module", "worker_id_of", "worker_seed"]

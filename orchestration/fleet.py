@@ -1,0 +1,179 @@
+"""Fleets (seed 004): where fragments come from. A fleet runs actors, delivers every fragment they produce to
+the learners (``learner.receive(fragment, meta)``), and takes new weights.
+
+The Fleet protocol, which every backend implements (:class:`LocalFleet` here: in-process actors;
+:class:`orchestration.ray_fleet.RayFleet`: rollout workers as Ray actors). Usage loop (what
+:class:`orchestration.trainer.Trainer` does)::
+
+    reports = fleet.collect(steps, weights, fresh_steps)   # sync: >= steps env steps delivered, acting with weights
+    fleet.start(weights)                                   # async: begin producing
+    fleet.pump(weights)                                    # async: let it produce (local: one fragment per actor)
+    fleet.broadcast({pid: (version, weights)})             # new weights, loaded at each actor's next fragment
+    episodes = fleet.episodes()                            # completed since the last call, per key
+    fleet.stop(); fleet.close()
+
+``weights`` maps policy id -> ``(version, weights)`` in the form the learners publish (a TensorDict locally,
+an object-store ref on Ray; a Ray fleet puts TensorDicts it is handed in the object store itself).
+Bookkeeping every fleet keeps for the fragment accounting (:func:`orchestration.statistics.fragment_accounting`):
+``reported`` (worker id -> fragments produced), ``dead`` (ids of dead workers) and ``restarts``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from tensordict import TensorDictBase
+
+from orchestration.actor import Actor
+from orchestration.statistics import EpisodeStatistics
+
+#: policy id -> (version, weights in the fleet's transport form)
+Weights = Mapping[str, tuple[int, Any]]
+
+
+class Fleet(Protocol):
+    """The fleet interface (module docstring)."""
+
+    fragment_steps: int
+    reported: dict[int, int]
+    dead: set[int]
+    restarts: int
+    resume_exact: bool
+
+    def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int]) -> list[dict]: ...
+
+    def start(self, weights: Weights) -> None: ...
+
+    def pump(self, weights: Weights) -> None: ...
+
+    def broadcast(self, weights: Weights, wait: bool = False) -> None: ...
+
+    def episodes(self) -> dict[str, Any]: ...
+
+    def monitors(self) -> list[dict]: ...
+
+    def actor_weights(self, policy_id: str) -> list[TensorDictBase]: ...
+
+    def state(self) -> list[dict]: ...
+
+    def load_state_(self, states: Sequence[Mapping[str, Any]]) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalFleet:
+    """Actors in this process, stepped one after the other (Sample Factory's serial mode).
+
+    Synchronous mode: every actor loads the given weights, then the actors produce rounds of one fragment
+    each until the target is reached. Asynchronous mode, deterministic under a seed: each :meth:`pump` is one
+    round, and an actor loads the newest weights it was handed only at its own fragment boundary, so data
+    produced before a training step reaches the learner after it, as on a real asynchronous fleet.
+
+    Args:
+        actors: the training actors (one per worker; worker id = index).
+        learners: policy id -> learner that receives every fragment (the learning ones).
+        stats: where completed episodes go (a fresh :class:`EpisodeStatistics` when None).
+    """
+
+    restarts = 0
+
+    def __init__(self, actors: Sequence[Actor], learners: Mapping[str, Any],
+                 stats: EpisodeStatistics | None = None) -> None:
+        self.actors, self.learners = list(actors), dict(learners)
+        self.stats = stats or EpisodeStatistics()
+        first = self.actors[0]
+        self.fragment_steps = first.env.num_envs * first.fragment_length
+        self.reported: dict[int, int] = {}
+        self.dead: set[int] = set()
+        self._latest: dict[str, tuple[int, Any]] = {}
+
+    def _produce(self, actor: Actor) -> dict:
+        fragment = actor.collect()
+        meta = actor.fragment_meta(fragment)
+        for learner in self.learners.values():
+            learner.receive(fragment, meta)
+        self.stats.add(meta["worker_id"], meta["sequence"], actor.completed_episodes())
+        self.reported[meta["worker_id"]] = meta["sequence"] + 1
+        return meta
+
+    def _load(self, actor: Actor, weights: Weights) -> None:
+        for pid, (version, w) in weights.items():
+            if pid in actor.policies:
+                actor.set_weights(pid, version, w)
+
+    def _report(self, actor: Actor) -> dict:
+        return {"worker_id": actor.worker_id, "produced": self.reported.get(actor.worker_id, 0), "push_failures": 0,
+                "monitor": {}}
+
+    # -- synchronous mode --------------------------------------------------------------------------------
+    def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int] | None = None) -> list[dict]:
+        """Every actor loads ``weights``, then rounds of one fragment per actor until ``target_steps``."""
+        for actor in self.actors:
+            self._load(actor, weights)
+        rounds = math.ceil(target_steps / (self.fragment_steps * len(self.actors)))
+        for _ in range(rounds):
+            for actor in self.actors:
+                self._produce(actor)
+        return [self._report(actor) for actor in self.actors]
+
+    # -- asynchronous mode -------------------------------------------------------------------------------
+    def start(self, weights: Weights) -> None:
+        """Records the weights the actors load at their next fragment boundary."""
+        self._latest.update(weights)
+
+    def pump(self, weights: Weights | None = None) -> None:
+        """One round: each actor loads the newest weights it was handed, then produces one fragment."""
+        for actor in self.actors:
+            self._load(actor, self._latest)
+            self._produce(actor)
+
+    def broadcast(self, weights: Weights, wait: bool = False) -> None:
+        """Hands new weights to every actor: loaded at its next fragment boundary, or now with ``wait``."""
+        self._latest.update(weights)
+        if wait:
+            for actor in self.actors:
+                self._load(actor, weights)
+
+    # -- statistics, state -------------------------------------------------------------------------------
+    def episodes(self) -> dict[str, Any]:
+        """Episodes completed since the last call (:meth:`EpisodeStatistics.drain`)."""
+        return self.stats.drain()
+
+    def monitors(self) -> list[dict]:
+        """No pipeline stages to time in one thread."""
+        return []
+
+    def actor_weights(self, policy_id: str) -> list[TensorDictBase]:
+        """The weights every actor acts with for ``policy_id``."""
+        return [actor.policy_weights(policy_id) for actor in self.actors]
+
+    def state(self) -> list[dict]:
+        """Every actor's :meth:`Actor.state`."""
+        return [actor.state() for actor in self.actors]
+
+    def load_state_(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Inverse of :meth:`state`; the produced-fragment counts follow the actors' sequence numbers."""
+        for actor, state in zip(self.actors, states):
+            actor.load_state_(state)
+            self.reported[actor.worker_id] = actor.builder.sequence
+
+    @property
+    def resume_exact(self) -> bool:
+        """Whether every env can save its state (a resumed run then continues bit for bit)."""
+        return all(hasattr(actor.env, "state_dict") for actor in self.actors)
+
+    def stop(self) -> None:
+        """Nothing runs between calls."""
+
+    def close(self) -> None:
+        """Closes the actors' envs."""
+        for actor in self.actors:
+            close = getattr(actor.env, "close", None)
+            if close is not None:
+                close()
+
+
+__all__ = ["Fleet", "LocalFleet", "Weights"]

@@ -1,0 +1,37 @@
+"""The unchecked TensorDict constructors (tensordict private API, quarantined in core.tensordicts) build what
+the checked constructor builds."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from core import tensordicts
+from core.tensordicts import make_td, nested_td
+
+
+def _source():
+    return {"a": torch.arange(6.0).reshape(3, 2),
+            "g": TensorDict({"x": torch.ones(3, 4, 1)}, batch_size=[3, 4]), "f": torch.zeros(3, dtype=torch.bool)}
+
+
+def test_make_td_equals_the_checked_constructor_and_behaves_like_one():
+    fast, checked = make_td(_source(), torch.Size([3])), TensorDict(_source(), batch_size=[3])
+    assert type(fast) is TensorDict and fast.batch_size == checked.batch_size and fast.device is None
+    assert set(fast.keys(True, True)) == set(checked.keys(True, True))
+    assert (fast == checked).all()
+    assert (fast[1:] == checked[1:]).all() and (torch.stack([fast, fast]) == torch.stack([checked, checked])).all()
+    fast.set("new", torch.ones(3))  # a usable TensorDict: writes, clones, indexing
+    assert fast.clone()["new"].sum() == 3 and fast.get(("g", "x")).shape == (3, 4, 1)
+
+
+def test_nested_td_turns_plain_dicts_into_tensordicts():
+    td = nested_td({"a": {"b": torch.ones(2, 3)}, "c": torch.zeros(2)}, torch.Size([2]))
+    assert isinstance(td.get("a"), TensorDict) and td.get(("a", "b")).shape == (2, 3)
+    assert (td == TensorDict({"a": {"b": torch.ones(2, 3)}, "c": torch.zeros(2)}, batch_size=[2])).all()
+
+
+def test_the_direct_path_is_taken_only_when_the_private_layout_matches():
+    probe = TensorDict({"x": torch.zeros(1)}, batch_size=[1])
+    layout = tuple(sorted(vars(probe)))
+    assert tensordicts._DIRECT == (layout == tuple(sorted(tensordicts._FIELDS)) and tensordicts._new_unsafe is not None)
