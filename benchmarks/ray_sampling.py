@@ -28,32 +28,30 @@ import time
 import ray
 import torch
 
-from orchestration.actor import Actor
-from orchestration.config import RolloutConfig, TrainConfig
-from orchestration.envs import make_env
-from orchestration.ray_backend import RayConfig, build_ray_trainer, init_ray, initial_policies
-from orchestration.ray_stats import merge_monitors
+from orchestration.builder import assignment_for, build_actor, build_policies, build_trainer
+from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+from orchestration.envs import make_run_env
+from orchestration.ray_session import init_ray
+from orchestration.statistics import merge_monitors
 
 
 def local_rate(config: TrainConfig, seconds: float) -> float:
     """Env steps per second of ``Actor.collect()`` in this process."""
-    rc = config.rollout
-    env = make_env(config.env, rc.num_envs)
-    assignment, policies, _ = initial_policies(config, env.tree)
-    actor = Actor(env, policies, assignment, fragment_length=rc.fragment_length, seed=0)
+    env = make_run_env(config, config.rollout.num_envs)
+    assignment = assignment_for(config, env.tree)
+    policies, _ = build_policies(config, env.tree, assignment)
+    actor = build_actor(config, env, policies, assignment)
     actor.collect()  # warm-up: layout capture, allocator
-    actor.outbox.clear()
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         steps += actor.collect().batch_size.numel()
-        actor.outbox.clear()
     return steps / (time.perf_counter() - start)
 
 
-def ray_rate(config: TrainConfig, ray_config: RayConfig, seconds: float) -> tuple[float, dict]:
+def ray_rate(config: TrainConfig, seconds: float) -> tuple[float, dict]:
     """Env steps per second the learner accepted from a streaming fleet, and the merged pipeline monitors."""
-    trainer = build_ray_trainer(config, ray_config)
-    (learner,) = trainer.handles.values()
+    trainer = build_trainer(config)
+    (learner,) = [lrn.handle for lrn in trainer.trainable.values()]
     try:
         trainer.fleet.start(trainer.weights)
         while ray.get(learner.report.remote())["totals"]["accepted"] < 2 * config.rollout.num_workers:
@@ -82,10 +80,10 @@ def main() -> None:
     if args.worker_niceness is not None:
         os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
     torch.set_num_threads(1)
-    base = TrainConfig(env=args.env, rollout=RolloutConfig(num_envs=args.num_envs,
-                                                          fragment_length=args.fragment_length))
     # 2 cores: the worker(s) and the learner share them; reservations would only block scheduling
-    ray_config = RayConfig(mode="async", worker_num_cpus=0, learner_num_cpus=0, max_staleness=10**6)
+    ray_config = RayConfig(worker_num_cpus=0, learner_num_cpus=0)
+    base = TrainConfig(env=args.env, rollout=RolloutConfig(num_envs=args.num_envs, fragment_length=args.fragment_length),
+                       backend="ray", mode="async", max_staleness=10**6, ray=ray_config)
     init_ray(base, ray_config)
     runs: dict[str, list[float]] = {"local": [], "ray_1_worker": [], "ray_2_workers": []}
     stages: dict[str, list[dict]] = {"ray_1_worker": [], "ray_2_workers": []}
@@ -93,7 +91,7 @@ def main() -> None:
         runs["local"].append(local_rate(base, args.seconds))
         for n, name in ((1, "ray_1_worker"), (2, "ray_2_workers")):
             config = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, num_workers=n))
-            rate, monitors = ray_rate(config, ray_config, args.seconds)
+            rate, monitors = ray_rate(config, args.seconds)
             runs[name].append(rate)
             stages[name].append(monitors)
     medians = {k: statistics.median(v) for k, v in runs.items()}

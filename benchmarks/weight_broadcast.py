@@ -24,8 +24,9 @@ import torch
 from tensordict import TensorDict
 
 from core.policies import PolicyConfig
-from orchestration.config import RolloutConfig, TrainConfig
-from orchestration.ray_backend import RayConfig, build_ray_trainer, init_ray
+from orchestration.builder import build_trainer
+from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+from orchestration.ray_session import init_ray
 from orchestration.wire import to_wire
 
 
@@ -45,15 +46,15 @@ def hidden_for(params: float) -> int:
 def measure(num_params: float, worker_counts: list[int], repeats: int) -> dict:
     hidden = hidden_for(num_params)
     config = TrainConfig(env="builtin:cartpole", policy=PolicyConfig(hidden_sizes=(hidden, hidden)),
-                         rollout=RolloutConfig(num_envs=1, fragment_length=1, num_workers=max(worker_counts)))
-    trainer = build_ray_trainer(config, RayConfig(worker_num_cpus=0, learner_num_cpus=0))
+                         rollout=RolloutConfig(num_envs=1, fragment_length=1, num_workers=max(worker_counts)),
+                         backend="ray", ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0))
+    trainer = build_trainer(config)
     receivers = [RawReceiver.remote() for _ in range(max(worker_counts))]
     ray.get([r.get.remote([ray.put({})]) for r in receivers])
     (pid, (version, _)), = trainer.weights.items()
-    policy = trainer.learners[pid].policy  # a local mirror: the same tensors the learner publishes
-    weights = TensorDict.from_module(policy).detach()
-    n_params = sum(p.numel() for p in policy.parameters())
-    state = {k: v.clone() for k, v in policy.state_dict().items()}
+    weights = trainer.learners[pid].weights()[1]  # the tensors the learner publishes
+    n_params = sum(v.numel() for v in weights.values(True, True))
+    state = {".".join(k): v.clone() for k, v in weights.items(True, True)}
     results, slots = {}, list(trainer.fleet.slots)
     for k in worker_counts:
         ours, raw, raw_np, puts = [], [], [], 0

@@ -6,7 +6,7 @@ as backward has accumulated it, so every process clips, checks and steps with th
 the copies stay identical (a non-finite gradient on one rank makes the average non-finite everywhere, so all
 ranks skip the same step). Ranks must run the same number of minibatches: give them equal shards.
 
-No Ray here: the processes may be Ray actors (:mod:`orchestration.ray_data_parallel`), ``torch.multiprocessing``
+No Ray here: the processes may be Ray actors (:mod:`orchestration.ray_learner`), ``torch.multiprocessing``
 workers or ``torchrun`` ranks. CPU uses the gloo backend, CUDA nccl.
 """
 

@@ -181,9 +181,13 @@ class LearnerServer:
         """The fragments of the last training step, as wire messages (tests and debugging)."""
         return [to_wire(e.fragment, e.meta) for e in self._last]
 
-    def pooled_addresses(self) -> list[int]:
-        """Data addresses of the first leaf of every pooled fragment (tests: shared, not copied)."""
-        return [next(iter(e.fragment.values(True, True))).data_ptr() for e in self.learner.inbox.pool.values()]
+    def pooled_memory(self) -> dict[str, Any]:
+        """Data addresses of the first leaf of every pooled fragment and this process's memory map (tests:
+        learners on a node map one object-store copy)."""
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+        return {"addresses": [next(iter(e.fragment.values(True, True))).data_ptr()
+                              for e in self.learner.inbox.pool.values()], "maps": maps}
 
     def crash(self) -> None:
         """Ends this process at once, as a fatal error would (tests of learner restarts)."""

@@ -27,20 +27,21 @@ SCENARIO = textwrap.dedent("""
     import torch
     from ray.cluster_utils import Cluster
 
-    from orchestration.config import RolloutConfig, TrainConfig
-    from orchestration.ray_backend import RayConfig, build_ray_trainer
+    from orchestration.builder import build_trainer
+    from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 
     torch.set_num_threads(1)
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 2, "resources": {"head": 1}, "include_dashboard": False})
     second = cluster.add_node(num_cpus=2, resources={"second": 1})
     cluster.wait_for_nodes()
-    config = TrainConfig(env="builtin:cartpole", iterations=50, train_batch_size=128, address=cluster.address,
-                         rollout=RolloutConfig(num_envs=4, fragment_length=16, num_workers=2))
-    ray_config = RayConfig(mode="async", worker_num_cpus=1, learner_num_cpus=0, worker_strategy="SPREAD",
+    ray_config = RayConfig(worker_num_cpus=1, learner_num_cpus=0, worker_strategy="SPREAD",
                            learner_resources=(("head", 0.5),))
+    config = TrainConfig(env="builtin:cartpole", iterations=50, train_batch_size=128, address=cluster.address,
+                         rollout=RolloutConfig(num_envs=4, fragment_length=16, num_workers=2), backend="ray",
+                         mode="async", ray=ray_config)
     try:
-        trainer = build_ray_trainer(config, ray_config)
+        trainer = build_trainer(config)
         head_id = ray.get_runtime_context().get_node_id()
         nodes = sorted({ray.get(h.info.remote())["node_id"] for h in trainer.fleet.handles()})
         before = [trainer.train()["policy_version"] for _ in range(3)]

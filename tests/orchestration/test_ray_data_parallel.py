@@ -28,7 +28,7 @@ def _setup():
 
 
 def test_two_ranks_on_the_same_shard_equal_one_learner(ray_session):
-    from orchestration.ray_data_parallel import DataParallelGroup
+    from orchestration.ray_learner import DataParallelGroup
 
     config, _, fragments, policy, groups = _setup()
     reference = PPOLearner(copy.deepcopy(policy), groups, ppo=config.ppo, lr=config.lr, batch_steps=256, seed=5)
@@ -55,21 +55,20 @@ def test_two_ranks_on_the_same_shard_equal_one_learner(ray_session):
 
 def test_ray_backend_trains_each_policy_with_two_data_parallel_learners(ray_session):
     from orchestration.config import RayConfig
-    from orchestration.ray_backend import build_ray_trainer
 
-    config = TrainConfig(env="builtin:cartpole", seed=0, iterations=3,
+    config = TrainConfig(env="builtin:cartpole", seed=0, iterations=3, backend="ray",
                          rollout=RolloutConfig(num_envs=4, fragment_length=16, num_workers=2),
                          ppo=PPOConfig(minibatch_size=32, num_epochs=2),
                          ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0, learners_per_policy=2))
-    trainer = build_ray_trainer(config)
+    trainer = build_trainer(config)
     try:
-        before = TensorDict.from_module(trainer.learners["agent"].policy).clone()
+        before = trainer.learners["agent"].weights()[1].clone()
         for _ in range(3):
             metrics = trainer.train()
         assert metrics["policy_version"] == 3 and metrics["fragments_lost"] == 0
-        after = TensorDict.from_module(trainer.learners["agent"].policy)
+        after = trainer.learners["agent"].weights()[1]
         assert not (after == before).all()
-        server = trainer.handles["agent"]
+        server = trainer.learners["agent"].handle
         peers = ray_session.get(server.peer_handles.remote())
         assert len(peers) == 1
         assert all(ray_session.get([server.in_sync.remote()] + [p.in_sync.remote() for p in peers]))

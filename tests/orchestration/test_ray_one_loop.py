@@ -1,0 +1,83 @@
+"""The one loop on the Ray backend: the league swaps opponents in every rollout worker, learners on one node
+share a fragment's memory, async mode runs the same inbox rules as the local backend."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from tensordict import TensorDict
+
+from core.losses import PPOConfig
+from orchestration.builder import build_trainer
+from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+from orchestration.league import LeagueTrainer
+from orchestration.wire import to_wire
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+RAY = RayConfig(worker_num_cpus=0, learner_num_cpus=0)
+
+
+def test_league_on_ray_swaps_the_opponent_in_every_worker_and_counts_games_against_it(ray_session):
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3", seed=0, iterations=4, lr=1e-3, backend="ray",
+                         policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",), ray=RAY,
+                         rollout=RolloutConfig(num_envs=4, fragment_length=32, num_workers=2),
+                         ppo=PPOConfig(minibatch_size=128))
+    league = LeagueTrainer(build_trainer(config), learner="player", opponent="opponent", snapshot_every=1, seed=1)
+    try:
+        games = 0
+        for _ in range(4):
+            metrics = league.train()
+            workers = league.trainer.fleet.actor_weights("opponent")
+            assert len(workers) == 2
+            assert all((w == league.current.weights).all() for w in workers)  # the drawn member, everywhere
+            games += metrics["league_games"]
+            assert metrics["league_games"] == metrics["episodes"]  # every game of the iteration was against it
+        assert len(league.pool) == 5 and sum(m.games for m in league.pool) == games > 0
+        drawn = {league.pool.index(m) for m in league.pool if m.games}
+        assert drawn - {0}, "a past snapshot was drawn and played"
+        learner_now = league.trainer.learners["player"].weights()[1]
+        assert not (learner_now == league.pool[1].weights).all()  # snapshots are copies, not views
+    finally:
+        league.trainer.close()
+
+
+def _backing(addresses: list[int], maps: str) -> list[tuple[str, int]]:
+    """(mapped file, offset in it) of each address, from a /proc/<pid>/maps text."""
+    out = []
+    for address in addresses:
+        for line in maps.splitlines():
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                out.append((parts[5] if len(parts) > 5 else "", int(parts[2], 16) + address - lo))
+                break
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/<pid>/maps")
+def test_two_learners_on_one_node_read_one_object_store_copy_of_a_shared_fragment(ray_session):
+    from core.specs import to_json
+    from orchestration.ray_learner import RemoteLearner
+
+    config = TrainConfig(env="builtin:spread", mode="async", max_staleness=10, ray=RAY,
+                         policy_mapping=(("agents_1", "other"),), rollout=RolloutConfig(num_envs=4, fragment_length=16))
+    local = build_trainer(config)
+    fragment = local.fleet.actors[0].collect()
+    meta = local.fleet.actors[0].fragment_meta(fragment)
+    servers = [RemoteLearner.options(num_cpus=0).remote(pid, config, to_json(local.tree),
+                                                       to_wire(local.learners[pid].published()[1]))
+               for pid in ("agents", "other")]
+    ref = ray_session.put(to_wire(fragment))
+    ray_session.get([s.push.remote(meta, [ref]) for s in servers])
+    seen = ray_session.get([s.pooled_memory.remote() for s in servers])
+    backing = [_backing(s["addresses"], s["maps"]) for s in seen]
+    assert all(len(b) == 1 for b in backing)
+    (file_a, offset_a), (file_b, offset_b) = backing[0][0], backing[1][0]
+    assert re.search(r"plasma|/dev/shm|memfd", file_a), file_a  # the object store's shared memory, not a copy
+    assert (file_a, offset_a) == (file_b, offset_b)  # one copy, mapped by both learner processes
+    for server in servers:
+        ray_session.kill(server)
+    local.close()
