@@ -161,13 +161,13 @@ def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list
     from core.policies import export_policy
     from core.policies.export import deployment_signature, leaf_name
     from core.specs import deployment_view, from_json, groups, rand, to_json
-    from orchestration.assignment import assign
+    from orchestration.builder import assignment_for, is_fixed
 
     weights, _, state = load_checkpoint(checkpoint)
     config, tree = load_config(state), from_json(state["tree"])
-    assignment = assign(tree, dict(config.policy_mapping))
+    assignment = assignment_for(config, tree)
     group_specs = groups(tree)
-    policies = _export_policies(weights, state, config, tree, assignment, group_specs)
+    policies = _export_policies(weights, config, tree, assignment)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest: dict = {"format": "shoal.export/2", "tree": to_json(deployment_view(tree)), "layout": _EXPORT_LAYOUT,
@@ -176,7 +176,8 @@ def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list
     example = rand(tree, (2,), torch.Generator().manual_seed(0))
     for pid, policy in policies.items():
         files, agents = {}, []
-        for i, (group, slots) in enumerate(_acting_groups(pid, assignment, group_specs).items()):
+        acting = {g: a.slots[pid] for g, a in assignment.items() if pid in a.policies}
+        for i, (group, slots) in enumerate(acting.items()):
             stem = _file_stem(pid) + ("" if i == 0 else f"@{_file_stem(group)}")
             name, k = f"{stem}.pt2", 1
             while name in manifest["programs"]:  # two ids that differ only in characters a file name cannot hold
@@ -198,7 +199,7 @@ def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list
             files[group], agents = name, agents + list(slot_of)
         manifest["policies"][pid] = {
             "file": next(iter(files.values())), "files": files, "agents": agents,
-            "fixed": pid.split("@", 1)[0] in ("random", *config.fixed_policies),
+            "fixed": is_fixed(config, pid),
             "version": state.get("learners", {}).get(pid, {}).get("version"),
             "observation_keys": [leaf_name("observation", k) for k in policy.actor_encoder.paths],
             "action_keys": [leaf_name("action", k) for k in policy.heads.paths],
@@ -226,52 +227,20 @@ def _file_stem(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.@" else "_" for c in name)
 
 
-def _acting_groups(pid: str, assignment, group_specs) -> dict[str, torch.Tensor]:
-    """Group -> bool ``[A]`` slots that ``pid`` acts for, groups in tree order.
+def _export_policies(weights, config, tree, assignment) -> dict:
+    """Policy id -> module with the checkpoint's weights, for every policy of the run (the one builder's ids
+    and architectures: a policy id that is not a group name has the architecture of its first group)."""
+    from orchestration.builder import build_policies
 
-    A ``"<id>@<group>"`` id (one module per group of a fixed policy) acts for ``<id>``'s slots of ``<group>``;
-    a checkpoint policy acting for no agent gets its own group's layout with no slot (or fails to load).
-    """
-    acts = {g: a.slots[pid] for g, a in assignment.items() if pid in a.policies}
-    if not acts and "@" in pid:
-        base, group = pid.rsplit("@", 1)
-        if group in assignment and base in assignment[group].policies:
-            acts = {group: assignment[group].slots[base]}
-    if not acts and pid in group_specs:
-        acts = {pid: torch.zeros(group_specs[pid].capacity, dtype=torch.bool)}
-    return acts
-
-
-def _export_policies(weights, state, config, tree, assignment, group_specs) -> dict:
-    """Policy id -> module with the checkpoint's weights, for every policy id of the checkpoint.
-
-    Ids: ``state["learners"]`` in order, then any other ``"<pid>/"`` prefix of the weights. A group name
-    gets its group's architecture; another id, like the trainer's ``build_policies``, a copy of the module of
-    the first group it acts in.
-    """
-    import copy
-
-    from core.policies import make_policies
-
-    base = make_policies(tree, config.policy)
-    pids = list(state.get("learners", {}))
-    pids += [p for p in dict.fromkeys(k.split("/", 1)[0] for k in weights) if p not in pids]
-    out = {}
-    for pid in pids:
-        if pid in base:
-            policy = base[pid]
-        else:
-            group = next(iter(_acting_groups(pid, assignment, group_specs)), None)
-            if group is None:
-                raise ValueError(f"checkpoint policy {pid!r} is not a group and acts for no agent of the "
-                                 f"policy mapping {dict(config.policy_mapping)}: no architecture to load it into")
-            policy = copy.deepcopy(base[group])
+    policies, _ = build_policies(config, tree, assignment)
+    for pid, policy in policies.items():
         own = {k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")}
         if not own:
-            raise ValueError(f"checkpoint policy {pid!r} has no weights (no '{pid}/' keys)")
+            raise ValueError(f"checkpoint policy {pid!r} has no weights (no '{pid}/' keys); its policies are "
+                             f"{sorted({k.split('/', 1)[0] for k in weights})}")
         policy.load_state_dict(own)
-        out[pid] = policy.eval()
-    return out
+        policy.eval()
+    return policies
 
 
 def main(argv: Sequence[str] | None = None) -> None:

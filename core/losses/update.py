@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from core.buffers.batching import minibatches
 from core.layout import (ADVANTAGE, ENV_ID, EPISODE_ID, FRAGMENT_ID, LOG_PROB, MASK, NEXT, POLICY_VERSION,
                          STATE_VALUE, VALUE_TARGET, WORKER_ID)
 from core.losses.adam_step import OptimizerStep
@@ -41,9 +42,10 @@ def ppo_update_(
     of batch ``[N, A]`` holding ``advantage``, ``log_prob``, ``state_value``, ``value_target`` ``[N, A, 1]``
     and optionally ``mask`` ``[N, A]``. ``("next", ...)`` entries and the fragment metadata (policy version,
     worker, fragment, episode and env ids) are dropped before minibatching (PPO does not read them).
-    Each epoch draws one ``torch.randperm(N, generator=generator)``, indexes the batch once
-    and splits it into minibatches of ``cfg.minibatch_size`` transitions (the last may be smaller): every
-    transition is used once per epoch (detail 6), and the agents of a transition stay together.
+    Each epoch takes :func:`core.buffers.minibatches` of the batch (the function whose partition properties
+    the tests check): one ``torch.randperm(N, generator=generator)``, one index of the batch, minibatches of
+    ``cfg.minibatch_size`` transitions (the last may be smaller): every transition is used once per epoch
+    (detail 6), and the agents of a transition stay together.
 
     ``evaluate(minibatch)`` gets the root minibatch (batch ``[n]``, so it can read ``("shared", ...)`` or
     other groups, e.g. for a centralised critic) and returns a TensorDict or plain dict with ``log_prob``,
@@ -90,7 +92,7 @@ def ppo_update_(
     # trained and the optimizer's parameters: 20 us a step cheaper than Optimizer.zero_grad here.
     stepped = (q for g in optimizer.param_groups for q in g["params"])
     owned = list({id(p): p for p in (*params, *stepped)}.values())
-    data, n = _prepared(batch, group)
+    data, _ = _prepared(batch, group)
     step = OptimizerStep(optimizer)  # optimizer.step(), or fused Adam's kernel called directly
     rows: list[torch.Tensor] = []  # per applied step: loss_policy, loss_value, loss_entropy, grad_norm
     kept: list[tuple] = []  # per applied step: inputs of the diagnostics, computed once at the end
@@ -98,7 +100,7 @@ def ppo_update_(
     for _ in range(cfg.num_epochs):
         epochs += 1
         epoch_start = len(kept)
-        for mb in data[torch.randperm(n, generator=generator)].split(cfg.minibatch_size):
+        for mb in minibatches(data, cfg.minibatch_size, generator):
             num_minibatches += 1
             behaviour = mb.get(group)
             adv, old_lp, old_v, target = (behaviour.get(k) for k in _BEHAVIOUR_KEYS)
