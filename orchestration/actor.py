@@ -301,7 +301,7 @@ class Actor:
         self.builder.tracker.episode_count = tensors["episode_count"].clone()
         if meta["carry"] is not None:
             self.builder.tracker.carry = _unflat("carry", tensors, meta["carry"])
-        self._rnn = {(g, p): tensors[f"rnn/{g}/{p}"] for g, p in meta["rnn"]}
+        self._rnn = {(g, p): tensors[f"rnn/{g}/{p}"] for g, p in meta.get("rnn", [])}
         if meta["env_state"] and hasattr(self.env, "load_state_dict"):
             self.env.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("env/")})
             self._obs = _unflat("obs", tensors, meta["obs"])

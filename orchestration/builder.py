@@ -99,8 +99,9 @@ def build_learner(config: TrainConfig, assignment: Mapping[str, GroupAssignment]
     return PPOLearner(policy, groups_of(assignment, policy_id), policy_id=policy_id, ppo=config.ppo, lr=config.lr,
                       batch_steps=batch_steps or config.steps_per_iteration, seed=config.seed,
                       device=device if device is not None else resolve_device(config.device),
+                      # synchronous mode trains on each fragment once, with the weights that made it
                       max_staleness=config.max_staleness if config.mode == "async" else None,
-                      reuse_limit=config.reuse_limit)
+                      reuse_limit=config.reuse_limit if config.mode == "async" else 1)
 
 
 def build_learners(config: TrainConfig, assignment: Mapping[str, GroupAssignment],

@@ -41,13 +41,13 @@ class Fleet(Protocol):
     restarts: int
     resume_exact: bool
 
-    def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int]) -> list[dict]: ...
+    def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int] | None) -> list[dict]: ...
 
     def start(self, weights: Weights) -> None: ...
 
     def pump(self, weights: Weights) -> None: ...
 
-    def broadcast(self, weights: Weights, wait: bool = False) -> None: ...
+    def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None: ...
 
     def episodes(self) -> dict[str, Any]: ...
 
@@ -99,10 +99,10 @@ class LocalFleet:
         self.reported[meta["worker_id"]] = meta["sequence"] + 1
         return meta
 
-    def _load(self, actor: Actor, weights: Weights) -> None:
+    def _load(self, actor: Actor, weights: Weights, force: bool = False) -> None:
         for pid, (version, w) in weights.items():
             if pid in actor.policies:
-                actor.set_weights(pid, version, w)
+                actor.set_weights(pid, version, w, force=force)
 
     def _report(self, actor: Actor) -> dict:
         return {"worker_id": actor.worker_id, "produced": self.reported.get(actor.worker_id, 0), "push_failures": 0,
@@ -130,12 +130,13 @@ class LocalFleet:
             self._load(actor, self._latest)
             self._produce(actor)
 
-    def broadcast(self, weights: Weights, wait: bool = False) -> None:
-        """Hands new weights to every actor: loaded at its next fragment boundary, or now with ``wait``."""
+    def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:
+        """Hands new weights to every actor: loaded at its next fragment boundary, or now with ``wait``
+        (``force``: even where the actor holds that version number already, e.g. a restored checkpoint)."""
         self._latest.update(weights)
         if wait:
             for actor in self.actors:
-                self._load(actor, weights)
+                self._load(actor, weights, force)
 
     # -- statistics, state -------------------------------------------------------------------------------
     def episodes(self) -> dict[str, Any]:

@@ -164,7 +164,7 @@ class Inbox:
         # synchronous mode trains in (worker, sequence) order on every backend; async in arrival order
         order = torch.tensor([(e.meta["worker_id"] << 32) | e.meta["sequence"] if take_all else e.arrival
                               for e in entries], dtype=torch.long)
-        recency = torch.tensor([e.meta["sequence"] for e in entries], dtype=torch.long)
+        recency = torch.tensor([e.arrival for e in entries], dtype=torch.long)  # across workers: arrival order
         chosen = [entries[i] for i in select_batch(steps, uses, order, recency, self.batch_steps, take_all).tolist()]
         for entry in chosen:
             fid = int(entry.meta["fragment_id"])

@@ -6,8 +6,10 @@ replaces it by a member of a growing pool: snapshots of the learning policy take
 iterations, plus whatever the pool was seeded with. Opponents are drawn with prioritized fictitious self-play
 (AlphaStar's PFSP): weight ``(1 - win_rate)^p``, so the ones the learner still loses to come up more often.
 The swap goes through :meth:`Trainer.set_weights`, which loads the opponent into every actor (in this process
-or in Ray rollout workers) before any of them produces the next fragment: the games counted against a member
-are games against it, on every backend.
+or in Ray rollout workers) at a fragment boundary, before any of them produces the next fragment. In
+synchronous mode the games counted against a member are games against it, on every backend; in asynchronous
+mode on Ray, games that end in fragments already queued at the swap (at most ``RayConfig.queue_size`` per
+worker) are credited to the new member.
 
 Usage::
 

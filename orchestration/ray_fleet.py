@@ -70,29 +70,53 @@ class RolloutWorker:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._delay = 0.0
+        self._forced: set[str] = set()
+        self._streaming = False
         self.set_latest(weights)
         self._load(force=True)
         self._sender = threading.Thread(target=self._send_loop, name="fragment-sender", daemon=True)
         self._sender.start()
 
     # -- weights -----------------------------------------------------------------------------------------
-    def set_latest(self, weights: Weights) -> None:
-        """Records newer weights refs; the sampling loop loads them at its next fragment boundary."""
+    def set_latest(self, weights: Weights, force: bool = False) -> None:
+        """Records newer weights refs; the sampling loop loads them at its next fragment boundary.
+
+        Versions only move forward (calls to a threaded actor may run out of order), unless ``force`` (a
+        restored checkpoint may hold a version number again with other weights).
+        """
         with self._lock:
-            self._latest.update({pid: (int(version), list(refs)) for pid, (version, refs) in weights.items()})
+            for pid, (version, refs) in weights.items():
+                if force or int(version) > self._latest.get(pid, (-1,))[0]:
+                    self._latest[pid] = (int(version), list(refs))
+                    self._forced |= {pid} if force else set()
 
     def _load(self, force: bool = False) -> None:
         with self._lock:
-            latest = dict(self._latest)
+            latest, forced, self._forced = dict(self._latest), self._forced, set()
         with self._loading:
             for pid, (version, refs) in latest.items():
-                if force or version != self.actor.versions[pid]:
-                    self.actor.set_weights(pid, version, from_wire(ray.get(refs[0])), force=force)
+                if force or pid in forced or version != self.actor.versions[pid]:
+                    try:
+                        weights = from_wire(ray.get(refs[0]))
+                    except ray.exceptions.RayError:  # its learner died with the object: keep acting, newer come
+                        continue
+                    self.actor.set_weights(pid, version, weights, force=True)
 
-    def sync_weights(self, weights: Weights) -> dict[str, int]:
-        """Loads ``weights`` now (not at the next fragment boundary); returns the versions held."""
-        self.set_latest(weights)
-        self._load()
+    def sync_weights(self, weights: Weights, force: bool = False, timeout_s: float = 300.0) -> dict[str, int]:
+        """Has the actor act with ``weights`` before it produces another fragment; returns the versions held.
+
+        An idle worker loads them now; a streaming one at its current fragment's end (never mid-fragment):
+        this call returns once the sampling loop has loaded them.
+        """
+        self.set_latest(weights, force)
+        if not self._streaming:
+            self._load()
+        else:
+            deadline = time.monotonic() + timeout_s
+            while any(self.actor.versions[pid] < v for pid, (v, _) in weights.items()) or self._forced:
+                if time.monotonic() > deadline or self._stop.is_set():
+                    break
+                time.sleep(0.002)
         return dict(self.actor.versions)
 
     # -- sampling loop (one thread) ----------------------------------------------------------------------
@@ -151,8 +175,12 @@ class RolloutWorker:
     def run(self, weights: Weights) -> dict[str, Any]:
         """Asynchronous mode: streams fragments until :meth:`stop`; delivers what it built, then returns."""
         self.set_latest(weights)
-        while not self._stop.is_set():
-            self._produce()
+        self._streaming = True
+        try:
+            while not self._stop.is_set():
+                self._produce()
+        finally:
+            self._streaming = False
         self._flush()
         return self.report()
 
@@ -299,11 +327,12 @@ class RayFleet:
         self.reported[wid] = max(self.reported.get(wid, 0), report["produced"])
 
     # -- synchronous mode --------------------------------------------------------------------------------
-    def collect(self, target_steps: int, weights: Weights, new_steps: Callable[[], int]) -> list[dict]:
+    def collect(self, target_steps: int, weights: Weights, new_steps: Callable[[], int] | None) -> list[dict]:
         """Has the workers deliver at least ``target_steps`` env steps acting with ``weights``; their reports.
 
         Every worker collects the same number of fragments (rounds of one per worker, as the local fleet);
-        if workers died, ``new_steps()`` (fresh steps the learners hold) tells what the live ones must add.
+        if workers died, ``new_steps()`` (fresh steps the learners hold) tells what the live ones must add
+        (None: nothing learns, nothing to top up).
         """
         weights = self._refs(weights)
         n = len(self.slots)
@@ -322,7 +351,7 @@ class RayFleet:
                     continue
                 self._record(report)
                 reports.append(report)
-            missing = target_steps - new_steps()
+            missing = target_steps - new_steps() if new_steps is not None else 0
             if missing <= 0:
                 return reports
             share = math.ceil(math.ceil(missing / self.fragment_steps) / n)
@@ -336,15 +365,15 @@ class RayFleet:
         for slot in self.slots:
             slot.run_ref = slot.handle.run.remote(weights)
 
-    def broadcast(self, weights: Weights, wait: bool = False) -> None:
+    def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:
         """Hands new weights refs to every worker, loaded at its next fragment boundary (fire-and-forget: a
         dead worker is found by :meth:`check`), or with ``wait`` loaded now by all before returning."""
         weights = self._refs(weights)
         if wait:
-            ray.get([slot.handle.sync_weights.remote(weights) for slot in self.slots])
+            ray.get([slot.handle.sync_weights.remote(weights, force) for slot in self.slots])
             return
         for slot in self.slots:
-            slot.handle.set_latest.remote(weights)
+            slot.handle.set_latest.remote(weights, force)
 
     def check(self, weights: Weights) -> int:
         """Re-creates (and restarts streaming on) every worker whose ``run`` ended; returns how many."""

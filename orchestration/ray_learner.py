@@ -58,7 +58,7 @@ class LearnerServer:
             TensorDict.from_module(policy).update_(from_wire(initial_weights))
         self.policy_id, self.resolve_timeout_s = policy_id, resolve_timeout_s
         self.learner = build_learner(config, assignment, policy_id, policy)
-        self.counters = {"serializations": 0}
+        self.counters = {"serializations": 0, "fragments_pushed": 0}
         self._last: list = []
         self._peers: list = []
         self._checkpoints = checkpoints
@@ -78,10 +78,11 @@ class LearnerServer:
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> int:
         """Takes one fragment (``meta`` + ``[ref]`` of its wire message); returns the learner's version."""
         inbox = self.learner.inbox
+        self.counters["fragments_pushed"] += 1
         if inbox.announce(meta):
             try:  # no copy: a read-only view of the object store, shared with the node's other learners
                 fragment = from_wire(ray.get(refs[0], timeout=self.resolve_timeout_s))
-            except (ray.exceptions.RayError, TimeoutError):  # owner died (OwnerDiedError), object lost, timeout
+            except Exception:  # owner died (OwnerDiedError), object lost, timeout, a malformed message
                 inbox.lost(meta)
             else:
                 inbox.add(fragment, meta, self.learner.version)

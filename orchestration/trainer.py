@@ -85,8 +85,11 @@ class Trainer:
         self._produced = produced
         wall = time.perf_counter() - start
         new_steps = self.env_steps - steps_before
+        # sync: collecting and learning alternate, so the sampling rate is per collect second; async: they
+        # overlap (learners' times may add up past the wall clock), so the rate is per wall second
+        sampling_s = t_collect if cfg.mode == "sync" else wall
         metrics.update(iteration=self.iteration, env_steps=self.env_steps, time_collect=t_collect, time_learn=t_learn,
-                       time_iteration=wall, env_steps_per_s=new_steps / max(t_collect, 1e-9),
+                       time_iteration=wall, env_steps_per_s=new_steps / max(sampling_s, 1e-9),
                        wall_env_steps_per_s=new_steps / max(wall, 1e-9))
         if self.evaluator is not None and cfg.eval_every and self.iteration % cfg.eval_every == 0:
             metrics.update(self.evaluate())
@@ -104,7 +107,8 @@ class Trainer:
 
     def _train_sync(self, progress: float, lr: float | None):
         start = time.perf_counter()
-        reports = self.fleet.collect(self.config.steps_per_iteration, self.weights, self._fresh_steps)
+        reports = self.fleet.collect(self.config.steps_per_iteration, self.weights,
+                                     self._fresh_steps if self.trainable else None)
         if any(r.get("push_failures") for r in reports) or self._refresh_weights():
             self._settle()  # deliveries that reached no learner (one was down): lost, so nothing stays in flight
         collected = time.perf_counter()
@@ -147,7 +151,7 @@ class Trainer:
             for pid in retry:
                 pending[pid] = self.trainable[pid].submit(progress, lr)
         wall = time.perf_counter() - start
-        return metrics, [r["monitor"] for r in self.fleet.monitors()], wall - t_learn, t_learn
+        return metrics, [r["monitor"] for r in self.fleet.monitors()], max(wall - t_learn, 0.0), t_learn
 
     def _refresh_weights(self, broadcast: bool = False) -> bool:
         """Takes weights a learner published outside a training result (a restarted learner resumed from its
@@ -222,8 +226,9 @@ class Trainer:
 
     @property
     def resume_exact(self) -> bool:
-        """Whether a run resumed from :meth:`state` continues bit for bit (every env saves its state)."""
-        return bool(self.fleet.resume_exact)
+        """Whether a run resumed from :meth:`state` continues bit for bit: synchronous mode (nothing waits in a
+        learner's pool between iterations) and every env saves its state."""
+        return self.config.mode == "sync" and bool(self.fleet.resume_exact)
 
     def state(self) -> dict[str, Any]:
         """Counters, episode history, every learner's state and the fleet's actors' states."""
@@ -245,26 +250,28 @@ class Trainer:
                 learner_state.pop("inbox", None)
             learner.load_state_(learner_state)
             self.weights[pid] = learner.published()
-        self.fleet.broadcast(self.weights, wait=True)  # every actor acts with the restored weights
+        self.fleet.broadcast(self.weights, wait=True, force=True)  # every actor acts with the restored weights
         if restores_actors:
             self.fleet.load_state_(state["actors"])
-        self._produced = int(state.get("produced", 0)) if restores_actors else 0
+        self._produced = sum(self.fleet.reported.values()) if restores_actors else 0
 
     def close(self) -> None:
         """Stops the fleet, settles the accounting, releases fleet and learners."""
         if self._closed:
             return
-        self.fleet.stop()
-        self._settle()  # every worker flushed: what a learner never got is lost (in flight only while running)
-        self._final = self.accounting()
         self._closed = True
-        self.fleet.close()
-        for learner in self.learners.values():
-            close = getattr(learner, "close", None)
-            if close is not None:
-                close()
-        if self._on_close is not None:
-            self._on_close()
+        try:
+            self.fleet.stop()
+            self._settle()  # every worker flushed: what a learner never got is lost (in flight only while running)
+            self._final = self.accounting()
+        finally:  # released even when a learner could not be reached
+            self.fleet.close()
+            for learner in self.learners.values():
+                close = getattr(learner, "close", None)
+                if close is not None:
+                    close()
+            if self._on_close is not None:
+                self._on_close()
 
 
 __all__ = ["Trainer"]

@@ -108,3 +108,16 @@ def test_set_weights_reaches_every_actor_and_refuses_a_learning_policy():
     with pytest.raises(ValueError, match="learns"):
         trainer.set_weights("player", new)
     trainer.close()
+
+
+def test_sync_mode_trains_each_fragment_once_and_async_resume_says_it_is_not_exact():
+    sync = build_trainer(dataclasses.replace(ASYNC, mode="sync", reuse_limit=3))
+    for _ in range(3):
+        sync.train()
+    assert not sync.learners["agent"].inbox.pool  # nothing kept for reuse: no pool growing run-long
+    assert set(sync.learners["agent"].inbox.trained.values()) == {1} and sync.resume_exact
+    sync.close()
+    streaming = build_trainer(ASYNC)
+    streaming.train()
+    assert not streaming.resume_exact  # fragments wait in the pool between iterations; a checkpoint drops them
+    streaming.close()

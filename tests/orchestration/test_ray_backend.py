@@ -100,7 +100,7 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
 
 
 def _assert_same_checkpoint(local, remote) -> None:
-    """The Ray trainer's checkpoint (learner mirrors) holds what the local trainer's holds."""
+    """The Ray trainer's checkpoint (its learners' states) holds what the local trainer's holds."""
     from orchestration.run_state import trainer_state
 
     (w_local, t_local, s_local), (w_ray, t_ray, s_ray) = trainer_state(local), trainer_state(remote)
