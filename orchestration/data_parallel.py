@@ -12,8 +12,14 @@ workers or ``torchrun`` ranks. CPU uses the gloo backend, CUDA nccl.
 
 from __future__ import annotations
 
+import socket
+from typing import Any, Mapping
+
 import torch
 import torch.distributed as dist
+
+from orchestration.learner import PPOLearner, resolve_device
+from orchestration.wire import from_wire, to_wire
 
 
 def init_process_group(rank: int, world_size: int, address: str, port: int, device: torch.device) -> None:
@@ -48,4 +54,47 @@ def check_in_sync(module: torch.nn.Module) -> bool:
     return bool(diff == 0)
 
 
-__all__ = ["average_gradients_", "check_in_sync", "init_process_group"]
+def free_port() -> int:
+    """A TCP port free on this host now (where a rank 0 hosts the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class DataParallelRank:
+    """A peer rank of a data-parallel learner: a PPOLearner whose gradients are averaged over the group.
+
+    Usage (each rank a process; :mod:`orchestration.ray_learner` makes them Ray actors)::
+
+        rank.join(rank_index, world_size, address, port)
+        metrics = rank.train(shard_message, progress=0.3)     # wire-form fragments of this rank's shard
+    """
+
+    def __init__(self, policy, groups, *, ppo, lr: float, batch_steps: int, seed: int, device: str = "auto") -> None:
+        torch.set_num_threads(1)
+        self.learner = PPOLearner(policy, groups, ppo=ppo, lr=lr, batch_steps=batch_steps, seed=seed,
+                                  device=resolve_device(device))
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This host's address and a free port (for a group whose rank 0 is this one)."""
+        return socket.gethostbyname(socket.gethostname()), free_port()
+
+    def join(self, rank: int, world_size: int, address: str, port: int) -> None:
+        init_process_group(rank, world_size, address, port, self.learner.device)
+        average_gradients_(self.learner.policy)
+
+    def train(self, *messages: Mapping[str, Any], progress: float = 0.0, lr: float | None = None) -> dict[str, float]:
+        """One averaged update on this rank's shard (:func:`orchestration.wire.to_wire` messages)."""
+        if lr is not None:
+            self.learner.set_lr(lr)
+        return self.learner.update_([from_wire(m) for m in messages], progress)
+
+    def in_sync(self) -> bool:
+        return check_in_sync(self.learner.policy)
+
+    def published(self) -> tuple[int, dict]:
+        version, weights = self.learner.published()
+        return version, to_wire(weights)
+
+
+__all__ = ["DataParallelRank", "average_gradients_", "check_in_sync", "free_port", "init_process_group"]

@@ -19,7 +19,6 @@ of :class:`DataParallelRank` actors; every batch is split by env rows into one s
 
 from __future__ import annotations
 
-import socket
 import time
 import warnings
 from typing import Any, Mapping, Sequence
@@ -32,16 +31,10 @@ from core.buffers import concat_fragments
 from core.specs import from_json
 from orchestration.builder import assignment_for, build_learner, policy_module
 from orchestration.config import TrainConfig
-from orchestration.data_parallel import average_gradients_, check_in_sync, init_process_group
-from orchestration.learner import PPOLearner, resolve_device
+from orchestration.data_parallel import (DataParallelRank, average_gradients_, check_in_sync, free_port,
+                                         init_process_group)
 from orchestration.ray_session import kill_actor
 from orchestration.wire import from_wire, to_wire
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class LearnerServer:
@@ -126,7 +119,7 @@ class LearnerServer:
             raise ValueError(f"policy {self.policy_id!r}: {rows} env rows cannot be split evenly over {world} "
                              f"data-parallel learners (RayConfig.learners_per_policy)")
         shards = batch.split(rows // world, dim=0)
-        futures = [peer.train.remote([ray.put(to_wire(shard))], progress, lr)
+        futures = [peer.train.remote(ray.put(to_wire(shard)), progress=progress, lr=lr)
                    for peer, shard in zip(self._peers, shards[1:])]
         metrics = self.learner.update_([shards[0]], progress)
         ray.get(futures)  # every rank ran the same number of averaged steps
@@ -135,7 +128,7 @@ class LearnerServer:
     # -- data-parallel group -----------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port, where the data-parallel group of this policy meets."""
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def join_data_parallel(self, peers: Sequence[Any], address: str, port: int) -> None:
         """Becomes rank 0 of a group with ``peers`` (:class:`DataParallelRank` actors joining concurrently)."""
@@ -232,35 +225,6 @@ class LearnerCheckpoints:
                 "restarts": self.restarts[policy_id]}
 
 
-class DataParallelRank:
-    """A peer rank of a data-parallel learner: a PPOLearner whose gradients are averaged over the group."""
-
-    def __init__(self, policy, groups, *, ppo, lr: float, batch_steps: int, seed: int, device: str = "auto") -> None:
-        torch.set_num_threads(1)
-        self.learner = PPOLearner(policy, groups, ppo=ppo, lr=lr, batch_steps=batch_steps, seed=seed,
-                                  device=resolve_device(device))
-
-    def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), _free_port()
-
-    def join(self, rank: int, world_size: int, address: str, port: int) -> None:
-        init_process_group(rank, world_size, address, port, self.learner.device)
-        average_gradients_(self.learner.policy)
-
-    def train(self, refs: Sequence[ray.ObjectRef], progress: float = 0.0, lr: float | None = None) -> dict[str, float]:
-        """Trains on this rank's shard: ``[ref]`` of wire-form fragments."""
-        if lr is not None:
-            self.learner.set_lr(lr)
-        return self.learner.update_([from_wire(m) for m in ray.get(list(refs))], progress)
-
-    def in_sync(self) -> bool:
-        return check_in_sync(self.learner.policy)
-
-    def published(self) -> tuple[int, dict]:
-        version, weights = self.learner.published()
-        return version, to_wire(weights)
-
-
 RemoteLearner = ray.remote(LearnerServer)
 RemoteLearnerCheckpoints = ray.remote(num_cpus=0)(LearnerCheckpoints)
 RemoteRank = ray.remote(DataParallelRank)
@@ -275,7 +239,7 @@ class DataParallelGroup:
         self.ranks = [RemoteRank.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
             policy, groups, ppo=ppo, lr=lr, batch_steps=batch_steps // world_size, seed=seed,
             device="cuda" if num_gpus else "cpu") for _ in range(world_size)]
-        address, port = ray.get(self.ranks[0].address.remote())
+        address, port = ray.get(self.ranks[0].rendezvous.remote())
         ray.get([r.join.remote(i, world_size, address, port) for i, r in enumerate(self.ranks)])
 
     def train(self, fragments: Sequence[TensorDict], progress: float = 0.0,
@@ -287,7 +251,7 @@ class DataParallelGroup:
                 raise ValueError(f"{len(fragments)} fragments cannot be split evenly over {world} ranks")
             shards = [list(range(r, len(fragments), world)) for r in range(world)]
         refs = [ray.put(to_wire(f)) for f in fragments]  # one object-store copy per fragment
-        return ray.get([rank.train.remote([refs[i] for i in shard], progress)
+        return ray.get([rank.train.remote(*[refs[i] for i in shard], progress=progress)
                         for rank, shard in zip(self.ranks, shards)])[0]
 
     def in_sync(self) -> bool:
@@ -312,10 +276,7 @@ class _Pending:
         return bool(ray.wait([self.ref], timeout=0)[0])
 
     def result(self) -> dict | None:
-        result = self.learner._get(self.ref)  # None: not ready, or the learner died (its batch is lost)
-        if result is not None:
-            self.learner._trained(result)
-        return result
+        return self.learner.finish(self.ref)
 
 
 class RayLearner:
@@ -358,11 +319,17 @@ class RayLearner:
                       RuntimeWarning, stacklevel=2)
         self._published = ray.get(self.handle.published.remote())
 
-    def _trained(self, result: Mapping[str, Any]) -> None:
-        self._published = (result["version"], result["weights"])
-        self._steps += 1
-        if self.checkpoint_every and self._steps % self.checkpoint_every == 0:
-            self.snapshot()
+    def finish(self, ref) -> dict | None:
+        """The result of a training request: None when the learner had no batch, or died (its batch is lost;
+        it resumed from its checkpoint). Takes the new weights and, every ``checkpoint_every`` steps, a
+        checkpoint."""
+        result = self._get(ref)
+        if result is not None:
+            self._published = (result["version"], result["weights"])
+            self._steps += 1
+            if self.checkpoint_every and self._steps % self.checkpoint_every == 0:
+                self.snapshot()
+        return result
 
     # -- the Learner protocol ----------------------------------------------------------------------------
     def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False) -> _Pending:
