@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,42 @@ def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
+def _parse(name: str) -> tuple[int, int] | None:
+    """``ckpt-000042`` -> (42, 0), ``ckpt-000042.3`` -> (42, 3); None for anything else."""
+    if not name.startswith(_PREFIX):
+        return None
+    step, _, again = name[len(_PREFIX):].partition(".")
+    if not step.isdigit() or (again and not again.isdigit()):
+        return None
+    return int(step), int(again or 0)
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories under ``root``, oldest first (by step, then by re-save)."""
+    found = [(key, p) for p in root.iterdir() if (key := _parse(p.name)) is not None and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def clean_stale(root: str | Path) -> int:
+    """Removes half-written ``.tmp-*`` directories and pointer files a killed writer left; returns how many."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    stale = [p for p in root.iterdir() if p.name.startswith((".tmp-", f".{LATEST}.tmp"))]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    return len(stale)
+
+
 def save_checkpoint(root: str | Path, step: int, *, weights: dict[str, torch.Tensor],
                     tensors: dict[str, torch.Tensor], state: dict[str, Any], keep: int = 3) -> Path:
     """Writes checkpoint ``step`` under ``root`` atomically and points ``latest`` at it.
+
+    Order: write a temporary directory, fsync it, rename it into place under a name no checkpoint has
+    (saving an existing step again makes ``ckpt-000042.1``), fsync ``root``, replace the ``latest`` pointer,
+    fsync ``root``; only then remove older checkpoints. A kill at any point leaves ``latest`` pointing at a
+    complete checkpoint (the new one or the previous one); nothing ``latest`` names is removed before its
+    replacement is durable.
 
     Args:
         root: the checkpoint directory (created if needed).
@@ -67,45 +101,146 @@ def save_checkpoint(root: str | Path, step: int, *, weights: dict[str, torch.Ten
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_PREFIX}{step:06d}"
+    name, again = f"{_PREFIX}{step:06d}", 0
+    while (root / name).exists():
+        again += 1
+        name = f"{_PREFIX}{step:06d}.{again}"
+    final = root / name
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         _save_tensors(tmp / "weights.safetensors", weights)
         _save_tensors(tmp / "state.safetensors", tensors)
         _write_json(tmp / "state.json", state)
         _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name)
+    with open(pointer, "w") as f:
+        f.write(final.name)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
-    for old in sorted(p for p in root.glob(f"{_PREFIX}*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in _checkpoints(root)[:-keep]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _complete(directory: Path) -> bool:
+    return all((directory / f).is_file() for f in ("weights.safetensors", "state.safetensors", "state.json"))
+
+
 def resolve(path: str | Path) -> Path:
-    """The checkpoint directory that ``path`` names: a checkpoint itself, or a root with ``latest``."""
+    """The checkpoint directory that ``path`` names: a checkpoint itself, or a root with ``latest``.
+
+    When ``latest`` is missing or names an incomplete checkpoint (a crash mid-write), the newest complete
+    checkpoint under the root is used instead, with a warning.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint there; the message says what was looked for.
+    """
     path = Path(path)
     if (path / "state.json").exists():
         return path
-    if (path / LATEST).exists():
-        return path / (path / LATEST).read_text().strip()
-    raise FileNotFoundError(f"no checkpoint at {path} (neither state.json nor a '{LATEST}' pointer)")
+    named = (path / LATEST).read_text().strip() if (path / LATEST).is_file() else None
+    if named is not None and _parse(named) is not None and _complete(path / named):
+        return path / named
+    complete = [p for p in _checkpoints(path) if _complete(p)] if path.is_dir() else []
+    if complete:
+        warnings.warn(f"checkpoint pointer {path / LATEST} is {'missing' if named is None else 'stale'}; "
+                      f"using the newest complete checkpoint, {complete[-1].name}", RuntimeWarning, stacklevel=2)
+        return complete[-1]
+    raise FileNotFoundError(f"no checkpoint at {path}: neither a checkpoint directory (state.json) nor a "
+                            f"checkpoint root with complete '{_PREFIX}*' directories")
+
+
+MAX_JSON_BYTES = 64 << 20
+"""state.json larger than this is refused (a real one is a few hundred KB)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is refused: the message names the file or tensor and what is wrong with it."""
+
+
+def _check_files(directory: Path) -> None:
+    if directory.is_symlink():
+        raise CheckpointError(f"{directory} is a symbolic link; copy the checkpoint instead of linking it")
+    for name in ("weights.safetensors", "state.safetensors", "state.json"):
+        file = directory / name
+        if file.is_symlink() or not file.is_file():
+            raise CheckpointError(f"{file} is {'a symbolic link' if file.is_symlink() else 'missing'}: "
+                                  f"a checkpoint holds three plain files")
+    if (directory / "state.json").stat().st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{directory / 'state.json'} is larger than {MAX_JSON_BYTES >> 20} MiB")
+
+
+def _expect(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise CheckpointError(f"state.json: {where} must be {what}")
+
+
+def _is_int(x: Any, low: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def validate_state(state: Any) -> None:
+    """Checks the types and ranges of a checkpoint's ``state.json`` (what resuming and evaluating read).
+
+    Raises:
+        CheckpointError: naming the first field that is wrong.
+    """
+    _expect(isinstance(state, dict), "the document", "a JSON object")
+    _expect(isinstance(state.get("config"), dict), "'config'", "an object (the run's TrainConfig)")
+    _expect(isinstance(state.get("config", {}).get("env"), str), "'config.env'", "a string")
+    _expect(isinstance(state.get("tree"), str), "'tree'", "a string (the env's tree as JSON)")
+    for key in ("iteration", "env_steps"):
+        _expect(_is_int(state.get(key)), f"'{key}'", "an integer >= 0")
+    history = state.get("history", {})
+    _expect(isinstance(history, dict) and all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+                                              for v in history.values()), "'history'", "an object of number lists")
+    learners = state.get("learners")
+    _expect(isinstance(learners, dict) and bool(learners), "'learners'", "a non-empty object")
+    for pid, entry in learners.items():
+        _expect(isinstance(entry, dict) and _is_int(entry.get("version")), f"'learners.{pid}.version'",
+                "an integer >= 0")
+    _expect(isinstance(state.get("actors", []), list), "'actors'", "a list")
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """Reads ``(weights, tensors, state)`` from a checkpoint or a root directory (its ``latest``)."""
+    """Reads ``(weights, tensors, state)`` from a checkpoint or a root directory (its ``latest``).
+
+    Reads safetensors and JSON only, so an untrusted checkpoint cannot run code here; its files are checked
+    (no symbolic links, bounded JSON), its JSON against :func:`validate_state`, and every floating-point
+    tensor must be finite.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``path``.
+        CheckpointError: a refused checkpoint, naming the file, field or tensor at fault.
+    """
     directory = resolve(path)
-    weights = load_file(str(directory / "weights.safetensors"))
-    tensors = load_file(str(directory / "state.safetensors"))
-    with open(directory / "state.json") as f:
-        state = json.load(f)
+    _check_files(directory)
+    try:
+        weights = load_file(str(directory / "weights.safetensors"))
+        tensors = load_file(str(directory / "state.safetensors"))
+    except Exception as err:  # safetensors' own header checks: a truncated or crafted file
+        raise CheckpointError(f"{directory}: unreadable tensors ({err})") from err
+    try:
+        with open(directory / "state.json") as f:
+            state = json.load(f)
+    except ValueError as err:
+        raise CheckpointError(f"{directory / 'state.json'}: not valid JSON ({err})") from err
+    validate_state(state)
+    for kind, table in (("weight", weights), ("state tensor", tensors)):
+        for name, tensor in table.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(f"{directory}: {kind} {name!r} holds NaN or Inf values")
+    unknown = sorted({k.split("/", 1)[0] for k in weights} - set(state["learners"]))
+    if unknown:
+        raise CheckpointError(f"{directory}: weights of policies {unknown} that state.json does not list")
     return weights, tensors, state
 
 
@@ -136,4 +271,5 @@ def restore_optimizer(prefix: str, optimizer: torch.optim.Optimizer, tensors: di
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-__all__ = ["flatten_optimizer", "load_checkpoint", "resolve", "restore_optimizer", "save_checkpoint"]
+__all__ = ["CheckpointError", "clean_stale", "flatten_optimizer", "load_checkpoint", "resolve", "restore_optimizer", "save_checkpoint",
+           "validate_state"]

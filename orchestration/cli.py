@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import sys
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import tyro
 
-from orchestration.checkpoint import load_checkpoint, save_checkpoint
+from orchestration.checkpoint import clean_stale, load_checkpoint, save_checkpoint
 from orchestration.config import TrainConfig
 from orchestration.metrics_log import MetricsLog, plot_learning_curve
 from orchestration.run_state import load_config, restore_trainer_, trainer_state
@@ -56,53 +58,120 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool, boo
     return rest, config_file, resume, progress
 
 
+class _Stop:
+    """SIGINT / SIGTERM during training: the first one ends the run after the current iteration (with a
+    checkpoint); a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a test runner's worker): no handlers
+                pass
+        return self
+
+    def _handle(self, sig: int, frame) -> None:
+        if self.signal is not None and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = sig
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def train(argv: Sequence[str]) -> dict[str, float]:
     """``shoal train [ENV] [--config-file F] [--resume] [--no-progress] [TrainConfig flags]``."""
     from tqdm import tqdm
 
     from orchestration.builder import build_trainer
+    from orchestration.envs import imports_code
 
     rest, config_file, resume, progress = _split_train_args(list(argv))
     default = _config_from_file(config_file) if config_file else TrainConfig()
     ckpt_root = None
     if resume:
         ckpt_root = Path(default.run_dir if config_file else _run_dir_from(rest, default)) / "checkpoints"
-        default = load_config(load_checkpoint(ckpt_root)[2])
+        saved = load_config(load_checkpoint(ckpt_root)[2])
+        default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
+        if "--env" not in rest and (why := imports_code(saved.env)):
+            raise SystemExit(f"shoal train --resume: the checkpoint names env {saved.env!r}; {why}, and an env "
+                             f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
+                             f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train",
                       description="Train with PPO. ENV may be given as the first argument.")
     torch.set_num_threads(config.threads)
     run_dir = Path(config.run_dir)
     ckpt_root = run_dir / "checkpoints"
+    clean_stale(ckpt_root)  # half-written checkpoints a killed run left
     trainer = build_trainer(config)
     if resume:
         restore_trainer_(trainer, *load_checkpoint(ckpt_root))
-    log = MetricsLog(run_dir, resume=resume)
+        if not trainer.resume_exact:
+            print("shoal train --resume: this continuation is not bit-identical to an uninterrupted run: "
+                  + ("envs that cannot save their state were reset (a new episode starts in every env)"
+                     if config.mode == "sync" else "asynchronous mode: fragments waiting in a learner's pool and "
+                     "in flight at the checkpoint are not restored") + "; learners, optimizers and schedules are.",
+                  file=sys.stderr)
+    log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str))
     bar = tqdm(total=config.iterations, initial=trainer.iteration, disable=not progress, unit="it",
                dynamic_ncols=True, file=sys.stdout)
     metrics: dict[str, float] = {}
-    try:
-        while trainer.iteration < config.iterations:
-            metrics = trainer.train()
-            log.write(trainer.env_steps, metrics)
-            bar.update(1)
-            bar.set_postfix(ret=f"{metrics['episode_return_mean']:.1f}", sps=f"{metrics['env_steps_per_s']:.0f}")
-            if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration
-                shown = {k: round(v, 2) for k, v in metrics.items()
-                         if k.startswith(("pipeline/", "fragments_", "workers_restarted", "learners_restarted"))}
-                bar.write(f"iteration {trainer.iteration}: " + json.dumps(shown))
-            if config.checkpoint_every and trainer.iteration % config.checkpoint_every == 0:
-                save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
+    last_save = time.monotonic()
+
+    def checkpoint() -> None:
+        nonlocal last_save
         save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
+        last_save = time.monotonic()
+
+    stopped = None
+    try:
+        with _Stop() as stop:
+            while trainer.iteration < config.iterations and stop.signal is None:
+                try:
+                    metrics = trainer.train()
+                except BaseException:
+                    _save_anyway(checkpoint)  # what was trained so far survives an env error or Ctrl-C
+                    raise
+                log.write(trainer.env_steps, metrics)
+                bar.update(1)
+                bar.set_postfix(ret=f"{metrics['episode_return_mean']:.1f}", sps=f"{metrics['env_steps_per_s']:.0f}")
+                if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration
+                    shown = {k: round(v, 2) for k, v in metrics.items()
+                             if k.startswith(("pipeline/", "fragments_", "workers_restarted", "learners_restarted"))}
+                    bar.write(f"iteration {trainer.iteration}: " + json.dumps(shown))
+                due = config.checkpoint_every and trainer.iteration % config.checkpoint_every == 0
+                late = config.checkpoint_every_s and time.monotonic() - last_save >= config.checkpoint_every_s
+                if due or late:
+                    checkpoint()
+            stopped = stop.signal
+        checkpoint()
     finally:
         bar.close()
         log.close()
         trainer.close()
+    if stopped is not None:
+        print(f"shoal train: stopped by {signal.Signals(stopped).name} after iteration {trainer.iteration}; "
+              f"continue with: shoal train --resume --run-dir {run_dir}", file=sys.stderr)
+        raise SystemExit(128 + stopped)
     png = plot_learning_curve(log.csv_path, run_dir / "learning_curve.png", title=config.env)
     final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10", "env_steps")}
     print(json.dumps({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
                       "checkpoint": str(ckpt_root), **final}))
     return metrics
+
+
+def _save_anyway(checkpoint) -> None:
+    """Writes a checkpoint on the way out of a failed iteration; a failure to do so must not hide the error."""
+    try:
+        checkpoint()
+    except Exception as err:  # noqa: BLE001 -- reported, then the original error propagates
+        print(f"shoal train: could not write a checkpoint after the error ({err})", file=sys.stderr)
 
 
 def _checkpoint_parts(trainer):
@@ -119,21 +188,42 @@ def _run_dir_from(args: list[str], default: TrainConfig) -> str:
     return default.run_dir
 
 
-def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4) -> float:
-    """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return."""
+def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4,
+             env: str | None = None, threads: int = 1) -> float:
+    """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return
+    and its standard deviation.
+
+    Args:
+        checkpoint: a checkpoint directory, or a run's ``checkpoints`` directory (its newest checkpoint).
+        episodes: episodes to play.
+        num_envs: envs stepped together.
+        env: the env to play in (default: the checkpoint's, unless naming it would import a module: an env
+            read from a checkpoint never imports code).
+        threads: torch CPU threads (1 is fastest for small networks on a shared machine).
+    """
+    import statistics
+
     from core.specs import from_json
     from orchestration.builder import assignment_for, build_evaluator, build_policies
+    from orchestration.envs import imports_code
 
+    torch.set_num_threads(threads)
     weights, _, state = load_checkpoint(checkpoint)
     config = load_config(state)
+    if env is None and (why := imports_code(config.env)):
+        raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "
+                         f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
+    config = dataclasses.replace(config, env=env or config.env)
     tree = from_json(state["tree"])
     assignment = assignment_for(config, tree)
     policies, fixed = build_policies(config, tree, assignment)
     for pid, policy in policies.items():
         policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
     actor = build_evaluator(config, policies, assignment, fixed, num_envs=num_envs)
-    results = {k.replace("return", "eval_return_mean", 1): sum(v) / max(len(v), 1)
-               for k, v in actor.run_episodes(episodes).items()}
+    results = {}
+    for key, values in actor.run_episodes(episodes).items():
+        results[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
+        results[key.replace("return", "eval_return_std", 1)] = statistics.pstdev(values) if values else math.nan
     print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results}))
     return results["eval_return_mean"]
 

@@ -110,7 +110,10 @@ class TrainConfig:
     lr: float = 2.5e-3
     """Adam learning rate."""
     anneal_lr: bool = True
-    """Decay the learning rate linearly to 0 over ``iterations`` (37 details, detail 4)."""
+    """Decay the learning rate linearly to 0 over ``anneal_iterations`` (37 details, detail 4)."""
+    anneal_iterations: int = 0
+    """Horizon of the learning-rate schedule in iterations; 0 means ``iterations``. A resumed run keeps the
+    horizon it started with, whatever ``--iterations`` says, so its schedule continues unchanged."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Experience collection."""
     ppo: PPOConfig = field(default_factory=lambda: PPOConfig(minibatch_size=256))
@@ -127,7 +130,13 @@ class TrainConfig:
     eval_episodes: int = 10
     """Episodes per evaluation."""
     checkpoint_every: int = 0
-    """Write a checkpoint every N iterations (and at the end); 0 writes only the final one."""
+    """Write a checkpoint every N iterations (and at the end); 0: only the time-based ones and the end."""
+    checkpoint_every_s: float = 600.0
+    """Also write a checkpoint when this many seconds passed since the last one (0 disables). A run also
+    writes one when interrupted (SIGINT, SIGTERM) or when an iteration raises."""
+    max_skipped_updates: int = 3
+    """Stop with an error naming the policy and the first non-finite tensor after this many consecutive
+    updates whose every step was skipped (non-finite loss or gradients); 0 never stops."""
     run_dir: str = "runs/shoal"
     """Directory for metrics.csv, TensorBoard files, the learning-curve PNG and checkpoints."""
     device: str = "auto"
@@ -157,6 +166,9 @@ class TrainConfig:
                                ("train_batch_size", self.train_batch_size >= 0, ">= 0"),
                                ("lr", self.lr > 0, "> 0"), ("threads", self.threads >= 1, ">= 1"),
                                ("max_staleness", self.max_staleness >= 0, ">= 0"),
+                               ("anneal_iterations", self.anneal_iterations >= 0, ">= 0"),
+                               ("checkpoint_every_s", self.checkpoint_every_s >= 0, ">= 0"),
+                               ("max_skipped_updates", self.max_skipped_updates >= 0, ">= 0"),
                                ("reuse_limit", self.reuse_limit >= 1, ">= 1")):
             if not ok:
                 raise ValueError(f"TrainConfig.{name} must be {rule}, got {getattr(self, name)!r}")
@@ -165,6 +177,11 @@ class TrainConfig:
         if self.train_batch_size and self.train_batch_size % (self.rollout.num_envs * self.rollout.fragment_length):
             raise ValueError(f"train_batch_size {self.train_batch_size} must be a multiple of num_envs * "
                              f"fragment_length = {self.rollout.num_envs * self.rollout.fragment_length}")
+
+    @property
+    def schedule_iterations(self) -> int:
+        """Iterations over which the learning rate anneals."""
+        return self.anneal_iterations or self.iterations
 
     @property
     def steps_per_iteration(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from functools import partial
 from typing import Any, Iterable
 
@@ -62,10 +63,32 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
     return make_gymnasium(name, num_envs, check=check, **kwargs)
 
 
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_GYM_ID = re.compile(r"^[A-Za-z0-9_\-/.]+$")
+
+
+def imports_code(name: str) -> str | None:
+    """Why building env ``name`` could import a module that ``name`` itself chooses, or None when it cannot.
+
+    Safe forms: ``builtin:<name>``, ``mpe2:<module>`` and ``pettingzoo:<family>.<module>`` (dotted
+    identifiers inside those installed packages) and gymnasium ids without a module part (``CartPole-v1``,
+    ``ALE/Pong-v5``). Gymnasium's ``module:Env-v0`` form imports ``module``: an env id read from a checkpoint
+    must never do that (the checkpoint could name any module on the path).
+    """
+    family, sep, rest = name.partition(":")
+    if not sep:
+        return None if _GYM_ID.match(name) else f"env id {name!r} is not a gymnasium id"
+    if family == "builtin":
+        return None if rest.isidentifier() else f"built-in env {rest!r} is not a name"
+    if family in ("mpe2", "pettingzoo"):
+        return None if _DOTTED.match(rest) else f"{family} module {rest!r} is not a dotted module name"
+    return f"env id {name!r} makes gymnasium import the module {family!r}"
+
+
 def make_run_env(config, num_envs: int):
     """``num_envs`` envs of a :class:`orchestration.config.TrainConfig`'s environment (every backend uses this)."""
     return make_env(config.env, num_envs, check=config.rollout.check, kwargs=parse_kwargs(config.env_kwargs),
                     shared_state=None if config.policy.critic == "central" else False)
 
 
-__all__ = ["make_env", "make_run_env", "parse_kwargs"]
+__all__ = ["imports_code", "make_env", "make_run_env", "parse_kwargs"]

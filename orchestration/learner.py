@@ -60,6 +60,10 @@ def _tensor(array) -> torch.Tensor:
     return torch.from_numpy(np.array(array))  # np.array: a writable copy of a possibly read-only view
 
 
+class NonFiniteTraining(RuntimeError):
+    """Training cannot go on: every update step of several updates in a row was skipped as non-finite."""
+
+
 class Done:
     """A training request that has finished (a local learner trains when asked): ``result()`` at once."""
 
@@ -95,14 +99,18 @@ class PPOLearner:
         device: where the policy trains.
         max_staleness: drop data lagging the learner by more than this many versions (None: never).
         reuse_limit: times a fragment may be trained on (asynchronous mode tops batches up with reused data).
+        max_skipped_updates: raise :class:`NonFiniteTraining` after this many consecutive updates whose every
+            step was skipped (0: never).
     """
 
     learns = True
 
     def __init__(self, policy: GroupPolicy, groups: Mapping[str, torch.Tensor | None], *, policy_id: str = "policy",
                  ppo: PPOConfig, lr: float, batch_steps: int, seed: int = 0, device: str | torch.device = "cpu",
-                 max_staleness: int | None = None, reuse_limit: int = 1) -> None:
+                 max_staleness: int | None = None, reuse_limit: int = 1, max_skipped_updates: int = 0) -> None:
         self.device = torch.device(device)
+        self.max_skipped_updates = max_skipped_updates
+        self._skipped_in_a_row = 0
         self.policy = policy.to(self.device)
         self.groups = dict(groups)
         self.policy_id = policy_id
@@ -210,11 +218,29 @@ class PPOLearner:
             for k, v in out.items():
                 metrics[f"{group}/{k}" if len(self.groups) > 1 else k] = float(v)
             self.counters["skipped_steps"] += int(out.get("skipped_steps", 0))
+            all_skipped = int(out["num_minibatches"]) > 0 and int(out["skipped_steps"]) == int(out["num_minibatches"])
+            self._check_skipped(all_skipped, flat)
         self.counters["env_steps_trained"] += batch.batch_size.numel()
         self.counters["train_steps"] += 1
         self.version += 1
         self._published = self._snapshot()
         return metrics
+
+    def _check_skipped(self, all_skipped: bool, batch: TensorDictBase) -> None:
+        """Counts updates whose every step was skipped; past the limit, raises naming the first non-finite
+        tensor (a parameter, else an entry of the batch)."""
+        self._skipped_in_a_row = self._skipped_in_a_row + 1 if all_skipped else 0
+        if not self.max_skipped_updates or self._skipped_in_a_row < self.max_skipped_updates:
+            return
+        culprit = next((f"parameter {n!r}" for n, p in self.policy.named_parameters()
+                        if not bool(torch.isfinite(p).all())), None)
+        if culprit is None:
+            culprit = next((f"batch entry {k!r}" for k, v in batch.items(True, True)
+                            if v.is_floating_point() and not bool(torch.isfinite(v).all())), "the loss")
+        raise NonFiniteTraining(f"policy {self.policy_id!r}: {self._skipped_in_a_row} consecutive updates were "
+                                f"skipped entirely (non-finite loss or gradients); first non-finite tensor: "
+                                f"{culprit}. Lower the learning rate, check the env's rewards and observations, "
+                                f"or raise TrainConfig.max_skipped_updates")
 
     def train(self, progress: float = 0.0, *, lr: float | None = None, take_all: bool = True) -> dict[str, float]:
         """One PPO update on the inbox's next batch (``take_all``: every fresh fragment); ``{}`` if it has none.
@@ -350,4 +376,4 @@ class FixedLearner:
         self._published = TensorDict.from_module(self.policy).detach().clone()
 
 
-__all__ = ["Done", "FixedLearner", "PPOLearner", "meta_of", "resolve_device"]
+__all__ = ["Done", "FixedLearner", "NonFiniteTraining", "PPOLearner", "meta_of", "resolve_device"]

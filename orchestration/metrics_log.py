@@ -18,14 +18,25 @@ class MetricsLog:
     (CSV readers choke on a header that changes mid-file).
     """
 
-    def __init__(self, directory: str | Path, *, tensorboard: bool = True, resume: bool = False) -> None:
+    def __init__(self, directory: str | Path, *, tensorboard: bool = True, resume: bool = False,
+                 upto_iteration: int | None = None) -> None:
+        """``resume``: append to an existing CSV; ``upto_iteration``: first drop its rows past that iteration
+        (written after the checkpoint a run resumes from, and about to be written again)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.directory / "metrics.csv"
         self._columns: list[str] | None = None
         if resume and self.csv_path.exists():
-            with open(self.csv_path) as f:
-                self._columns = next(csv.reader(f), None)
+            with open(self.csv_path, newline="") as f:
+                rows = list(csv.reader(f))
+            self._columns = rows[0] if rows else None
+            if upto_iteration is not None and self._columns and "iteration" in self._columns:
+                at = self._columns.index("iteration")
+                kept = [r for r in rows[1:] if len(r) > at and r[at] and float(r[at]) <= upto_iteration]
+                tmp = self.csv_path.with_suffix(".csv.tmp")
+                with open(tmp, "w", newline="") as f:
+                    csv.writer(f).writerows([self._columns, *kept])
+                tmp.replace(self.csv_path)
         elif self.csv_path.exists():
             self.csv_path.unlink()
         self._writer = None

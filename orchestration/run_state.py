@@ -81,7 +81,18 @@ def _tensor(value) -> torch.Tensor:
 
 
 def load_config(state: dict[str, Any]) -> TrainConfig:
-    """The :class:`TrainConfig` stored in a checkpoint's state."""
+    """The :class:`TrainConfig` stored in a checkpoint's state.
+
+    Raises:
+        ValueError: a field that is unknown or out of range, named (the config's own validation).
+    """
+    try:
+        return _load_config(state)
+    except TypeError as err:  # an unknown or missing field: dataclasses name it
+        raise ValueError(f"checkpoint config: {err}") from err
+
+
+def _load_config(state: dict[str, Any]) -> TrainConfig:
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
     from orchestration.config import RayConfig, RolloutConfig

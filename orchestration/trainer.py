@@ -68,7 +68,7 @@ class Trainer:
         if self._closed:
             raise RuntimeError("this trainer was closed")
         cfg = self.config
-        progress = self.iteration / max(cfg.iterations, 1)
+        progress = self.iteration / max(cfg.schedule_iterations, 1)
         lr = cfg.lr * max(0.0, 1.0 - progress) if cfg.anneal_lr else None  # past the budget: stay at 0
         steps_before = self.env_steps
         start = time.perf_counter()

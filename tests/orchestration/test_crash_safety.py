@@ -1,0 +1,300 @@
+"""Nothing lost, nothing run: atomic checkpoints under kills, untrusted checkpoints refused, interrupted and
+failing runs leave a checkpoint that resumes, metrics match the checkpoint, non-finite training stops."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from orchestration import checkpoint as ckpt
+from orchestration.builder import build_trainer
+from orchestration.config import RolloutConfig, TrainConfig
+from orchestration.learner import NonFiniteTraining
+from orchestration.run_state import trainer_state
+
+ARGS = ["builtin:cartpole", "--rollout.num-envs", "8", "--rollout.fragment-length", "32", "--seed", "3",
+        "--no-progress", "--checkpoint-every-s", "0"]
+FAST = TrainConfig(env="builtin:cartpole", iterations=4, rollout=RolloutConfig(num_envs=8, fragment_length=32))
+
+
+def _parts(trainer) -> dict:
+    weights, tensors, state = trainer_state(trainer)
+    return {"weights": weights, "tensors": tensors, "state": state}
+
+
+def _shoal(*args: str, cwd, check: bool = True, env=None) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "orchestration.cli", *args], cwd=cwd, capture_output=True,
+                            text=True, timeout=300, env=env)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _iterations(path: Path) -> list[int]:
+    with open(path) as f:
+        return [int(float(r["iteration"])) for r in csv.DictReader(f)]
+
+
+# -- atomic writes -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_kill_at_any_point_of_resaving_a_step_leaves_a_complete_checkpoint(tmp_path, monkeypatch, fail_at):
+    trainer = build_trainer(FAST)
+    trainer.train()
+    first = ckpt.save_checkpoint(tmp_path, 1, **_parts(trainer))
+    trainer.train()
+    calls = {"n": 0}
+    real = os.replace
+
+    def dying_replace(a, b):  # the process dies at the fail_at-th rename: nothing after it happens
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise KeyboardInterrupt("killed")
+        return real(a, b)
+
+    monkeypatch.setattr(ckpt.os, "replace", dying_replace)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, 1, **_parts(trainer))  # the same step again (the CLI's final save)
+        raise KeyboardInterrupt  # fail_at past the last rename: completed, count it as the kill after
+    monkeypatch.setattr(ckpt.os, "replace", real)
+    weights, _, state = ckpt.load_checkpoint(tmp_path)  # always a complete checkpoint
+    assert state["iteration"] in (1, 2)
+    assert first.exists() or ckpt.resolve(tmp_path) != first
+
+
+def test_stale_temporaries_are_cleaned_and_a_missing_pointer_falls_back_to_the_newest(tmp_path):
+    trainer = build_trainer(FAST)
+    trainer.train()
+    ckpt.save_checkpoint(tmp_path, 1, **_parts(trainer))
+    trainer.train()
+    newest = ckpt.save_checkpoint(tmp_path, 2, **_parts(trainer))
+    (tmp_path / ".tmp-dead").mkdir()
+    (tmp_path / ".tmp-dead" / "weights.safetensors").write_bytes(b"half")
+    assert ckpt.clean_stale(tmp_path) == 1 and not (tmp_path / ".tmp-dead").exists()
+    (tmp_path / "latest").unlink()
+    with pytest.warns(RuntimeWarning, match="newest complete checkpoint"):
+        assert ckpt.resolve(tmp_path) == newest
+    (newest / "state.json").unlink()  # incomplete: the previous one is used
+    (tmp_path / "latest").write_text(newest.name)
+    with pytest.warns(RuntimeWarning):
+        assert ckpt.resolve(tmp_path).name == "ckpt-000001"
+
+
+# -- untrusted checkpoints -----------------------------------------------------------------------------------
+def _valid(tmp_path: Path) -> Path:
+    trainer = build_trainer(FAST)
+    trainer.train()
+    return ckpt.save_checkpoint(tmp_path / "root", 1, **_parts(trainer))
+
+
+def _edit_state(directory: Path, change) -> None:
+    path = directory / "state.json"
+    state = json.loads(path.read_text())
+    change(state)
+    path.write_text(json.dumps(state))
+
+
+CRAFTED = {
+    "pickle payload as state.json": lambda d: (d / "state.json").write_bytes(
+        b"\x80\x04\x95\x1f\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06system\x94\x93\x94."),
+    "state.json is a list": lambda d: (d / "state.json").write_text("[]"),
+    "iteration negative": lambda d: _edit_state(d, lambda s: s.update(iteration=-1)),
+    "iteration a string": lambda d: _edit_state(d, lambda s: s.update(iteration="1; rm -rf /")),
+    "version a bool": lambda d: _edit_state(d, lambda s: s["learners"]["agent"].update(version=True)),
+    "learners empty": lambda d: _edit_state(d, lambda s: s.update(learners={})),
+    "config missing": lambda d: _edit_state(d, lambda s: s.pop("config")),
+    "tree not a string": lambda d: _edit_state(d, lambda s: s.update(tree={"__class__": "os.system"})),
+    "history of strings": lambda d: _edit_state(d, lambda s: s.update(history={"return": ["x"]})),
+    "NaN weights": lambda d: save_file({"agent/actor_out.weight": torch.full((2, 64), float("nan"))},
+                                       str(d / "weights.safetensors")),
+    "Inf optimizer moment": lambda d: save_file({"optimizer/agent/state/0/exp_avg": torch.tensor([float("inf")])},
+                                                str(d / "state.safetensors")),
+    "weights of an unknown policy": lambda d: save_file({"intruder/w": torch.zeros(1)}, str(d / "weights.safetensors")),
+    "garbage weights file": lambda d: (d / "weights.safetensors").write_bytes(b"\xff" * 64),
+    "truncated weights file": lambda d: (d / "weights.safetensors").write_bytes(
+        (d / "weights.safetensors").read_bytes()[:40]),
+    "state.json symlinked out of the run": lambda d: ((d / "state.json").unlink(),
+                                                      (d / "state.json").symlink_to("/etc/hostname")),
+    "weights symlinked": lambda d: ((d / "weights.safetensors").rename(d.parent / "w"),
+                                    (d / "weights.safetensors").symlink_to(d.parent / "w")),
+    "missing state tensors": lambda d: (d / "state.safetensors").unlink(),
+    "unknown config key": lambda d: _edit_state(d, lambda s: s["config"].update(evil=1)),
+    "config value out of range": lambda d: _edit_state(d, lambda s: s["config"].update(lr=-1.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_checkpoint_is_refused_with_a_named_error(tmp_path, case):
+    from orchestration.run_state import load_config
+
+    directory = _valid(tmp_path)
+    CRAFTED[case](directory)
+    with pytest.raises((ckpt.CheckpointError, ValueError, FileNotFoundError)) as err:
+        load_config(ckpt.load_checkpoint(directory)[2])
+    assert str(err.value)  # a message, naming what is wrong
+
+
+def test_a_pointer_out_of_the_root_and_a_huge_json_are_refused(tmp_path, monkeypatch):
+    directory = _valid(tmp_path)
+    (directory.parent / "latest").write_text("../../etc")
+    with pytest.warns(RuntimeWarning):  # not followed: the newest checkpoint inside the root is used
+        assert ckpt.resolve(directory.parent) == directory
+    monkeypatch.setattr(ckpt, "MAX_JSON_BYTES", 100)
+    with pytest.raises(ckpt.CheckpointError, match="larger than"):
+        ckpt.load_checkpoint(directory)
+
+
+def test_a_checkpoint_naming_a_module_env_imports_nothing(tmp_path):
+    directory = _valid(tmp_path)
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_ckpt_mod.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    _edit_state(directory, lambda s: s["config"].update(env="evil_ckpt_mod:Evil-v0"))
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    os.rename(directory, run_dir / "checkpoints" / directory.name)
+    (run_dir / "checkpoints" / "latest").write_text(directory.name)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for args in (["evaluate", str(run_dir / "checkpoints")], ["train", "--resume", "--run-dir", str(run_dir)]):
+        out = _shoal(*args, cwd=tmp_path, check=False, env=env)
+        assert out.returncode != 0 and "never allowed to import code" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+    assert not marker.exists()
+
+
+# -- interrupted and failing runs ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_sigint_ends_the_run_with_a_checkpoint_that_resumes(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "train", *ARGS, "--iterations", "100000",
+                             "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    csv_path = run / "metrics.csv"
+    deadline = time.monotonic() + 120
+    while (not csv_path.exists() or len(_iterations(csv_path)) < 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT and "continue with: shoal train --resume" in err, err[-2000:]
+    state = ckpt.load_checkpoint(run / "checkpoints")[2]
+    assert state["iteration"] == _iterations(csv_path)[-1] >= 2
+    _shoal("train", "--resume", "--run-dir", str(run), "--iterations", str(state["iteration"] + 1), "--no-progress",
+           cwd=tmp_path)
+    assert _iterations(csv_path) == list(range(1, state["iteration"] + 2))
+
+
+RAISING_ENV = textwrap.dedent("""
+    import gymnasium as gym
+    from gymnasium.envs.classic_control import CartPoleEnv
+
+    class RaisingCartPole(CartPoleEnv):
+        steps = 0
+        def step(self, action):
+            RaisingCartPole.steps += 1
+            if RaisingCartPole.steps > 8 * 32 * 3:
+                raise RuntimeError("the simulator crashed")
+            return super().step(action)
+
+    gym.register("RaisingCartPole-v0", entry_point=RaisingCartPole, max_episode_steps=500)
+""")
+
+
+@pytest.mark.slow
+def test_an_env_exception_leaves_a_checkpoint_of_the_iterations_before_it(tmp_path):
+    (tmp_path / "raising_env.py").write_text(RAISING_ENV)
+    run = tmp_path / "run"
+    args = ["train", "raising_env:RaisingCartPole-v0", "--rollout.num-envs", "1", "--rollout.fragment-length", "32",
+            "--rollout.num-workers", "8", "--iterations", "10", "--no-progress", "--run-dir", str(run)]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = _shoal(*args, cwd=tmp_path, check=False, env=env)
+    assert out.returncode != 0 and "the simulator crashed" in out.stderr
+    state = ckpt.load_checkpoint(run / "checkpoints")[2]
+    assert state["iteration"] == 3 == _iterations(run / "metrics.csv")[-1]
+
+
+def test_metrics_rows_past_the_checkpoint_are_cut_on_resume(tmp_path):
+    run = tmp_path / "run"
+    _shoal("train", *ARGS, "--iterations", "3", "--checkpoint-every", "2", "--run-dir", str(run), cwd=tmp_path)
+    root = run / "checkpoints"
+    for d in root.glob("ckpt-000003*"):  # the run died after writing row 3, before its checkpoint
+        import shutil
+
+        shutil.rmtree(d)
+    (root / "latest").write_text("ckpt-000002")
+    _shoal("train", "--resume", "--run-dir", str(run), "--iterations", "4", "--no-progress", cwd=tmp_path)
+    assert _iterations(run / "metrics.csv") == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_then_resume_ends_with_the_uninterrupted_weights(tmp_path):
+    """A chaos run: kill -9 at random moments (checkpoint writes slowed so some kills land inside them)."""
+    from safetensors.torch import load_file
+
+    args = [*ARGS, "--iterations", "6", "--checkpoint-every", "1"]
+    _shoal("train", *args, "--run-dir", str(tmp_path / "straight"), cwd=tmp_path)
+    slow = ("import sys, time; import orchestration.checkpoint as c; real = c._save_tensors\n"
+            "c._save_tensors = lambda p, t: (time.sleep(0.05), real(p, t))\n"
+            "from orchestration.cli import main; main(sys.argv[1:])\n")
+    run, rng, kills = tmp_path / "chaos", random.Random(7), 0
+    for _ in range(40):
+        resume = ["--resume"] if (run / "checkpoints" / "latest").exists() else []
+        proc = subprocess.Popen([sys.executable, "-c", slow, "train", *resume, *args, "--run-dir", str(run)],
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            proc.wait(timeout=rng.uniform(1.5, 6.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            kills += 1
+            continue
+        assert proc.returncode == 0, proc.stderr.read()[-2000:]
+        break
+    assert kills >= 3, "the chaos run was never interrupted: lower the wait times"
+    assert _iterations(run / "metrics.csv") == list(range(1, 7))  # every iteration once
+    straight = load_file(str(ckpt.resolve(tmp_path / "straight/checkpoints") / "weights.safetensors"))
+    chaos = load_file(str(ckpt.resolve(run / "checkpoints") / "weights.safetensors"))
+    assert straight.keys() == chaos.keys() and all(torch.equal(straight[k], chaos[k]) for k in straight)
+
+
+# -- schedules and non-finite training ---------------------------------------------------------------------------
+def test_resume_with_more_iterations_keeps_the_learning_rate_schedule(tmp_path):
+    from safetensors.torch import load_file
+
+    _shoal("train", *ARGS, "--iterations", "4", "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
+    _shoal("train", *ARGS, "--iterations", "4", "--checkpoint-every", "2", "--run-dir", str(tmp_path / "b"),
+           cwd=tmp_path)
+    root = tmp_path / "b" / "checkpoints"
+    (root / "latest").write_text("ckpt-000002")  # as if it had stopped at 2
+    for d in root.glob("ckpt-000004*"):
+        import shutil
+
+        shutil.rmtree(d)
+    _shoal("train", "--resume", "--run-dir", str(tmp_path / "b"), "--iterations", "4", "--checkpoint-every", "2",
+           "--no-progress", cwd=tmp_path)
+    wa = load_file(str(ckpt.resolve(tmp_path / "a/checkpoints") / "weights.safetensors"))
+    wb = load_file(str(ckpt.resolve(root) / "weights.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    _shoal("train", "--resume", "--run-dir", str(tmp_path / "b"), "--iterations", "6", "--no-progress", cwd=tmp_path)
+    state = json.loads((ckpt.resolve(root) / "state.json").read_text())
+    assert state["config"]["anneal_iterations"] == 4  # the schedule's horizon survived --iterations 6
+
+
+def test_training_that_only_skips_updates_stops_naming_the_policy_and_tensor():
+    trainer = build_trainer(TrainConfig(env="builtin:cartpole", iterations=10, max_skipped_updates=2,
+                                        rollout=RolloutConfig(num_envs=8, fragment_length=32)))
+    learner = trainer.learners["agent"]
+    with torch.no_grad():
+        learner.policy.actor_out.weight.fill_(float("nan"))
+    trainer.train()  # the first all-skipped update
+    with pytest.raises(NonFiniteTraining, match=r"policy 'agent'.*parameter 'actor_out.weight'"):
+        trainer.train()
