@@ -140,7 +140,9 @@ def train(argv: Sequence[str]) -> dict[str, float]:
                     raise
                 log.write(trainer.env_steps, metrics)
                 bar.update(1)
-                bar.set_postfix(ret=f"{metrics['episode_return_mean']:.1f}", sps=f"{metrics['env_steps_per_s']:.0f}")
+                faults = int(sum(v for k, v in metrics.items() if k.startswith("env/")))
+                bar.set_postfix(ret=f"{metrics['episode_return_mean']:.1f}", sps=f"{metrics['env_steps_per_s']:.0f}",
+                                **({"env_faults": faults} if faults else {}))
                 if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration
                     shown = {k: round(v, 2) for k, v in metrics.items()
                              if k.startswith(("pipeline/", "fragments_", "workers_restarted", "learners_restarted"))}

@@ -21,11 +21,24 @@ class RolloutConfig:
     """Rollout workers (actors), each with ``num_envs`` envs."""
     check: Literal["strict", "lenient"] = "strict"
     """Bad env output: raise a named error (strict) or truncate that env's episode and count it (lenient)."""
+    env_processes: int = 0
+    """Run each actor's envs in this many subprocesses (``adapters.env_worker.EnvWorkerPool``): slow Python envs
+    use more cores, and an env that hangs, crashes or raises is restarted, its episodes truncated and counted
+    (``env/env_restarts``, ``env/step_timeouts``, ``env/episodes_lost``). 0: in the actor's process."""
+    env_timeout_s: float = 0.0
+    """A step or reset slower than this counts as hung: the env's process is killed and restarted. Setting it
+    runs the envs in subprocesses (one unless ``env_processes`` says more); 0: the pool's default (30 s)."""
 
     def __post_init__(self) -> None:
         for name in ("num_envs", "fragment_length", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.env_processes < 0 or self.env_timeout_s < 0:
+            raise ValueError(f"RolloutConfig.env_processes and env_timeout_s must be >= 0, got "
+                             f"{self.env_processes} and {self.env_timeout_s}")
+        if self.env_processes > self.num_envs:
+            raise ValueError(f"RolloutConfig.env_processes ({self.env_processes}) cannot exceed num_envs "
+                             f"({self.num_envs}): every process runs at least one env")
 
     @property
     def steps_per_round(self) -> int:

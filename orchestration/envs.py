@@ -86,9 +86,19 @@ def imports_code(name: str) -> str | None:
 
 
 def make_run_env(config, num_envs: int):
-    """``num_envs`` envs of a :class:`orchestration.config.TrainConfig`'s environment (every backend uses this)."""
-    return make_env(config.env, num_envs, check=config.rollout.check, kwargs=parse_kwargs(config.env_kwargs),
+    """``num_envs`` envs of a :class:`orchestration.config.TrainConfig`'s environment (every backend uses this);
+    in ``rollout.env_processes`` subprocesses (an :class:`adapters.env_worker.EnvWorkerPool`) when asked."""
+    rc = config.rollout
+    build = partial(make_env, config.env, check=rc.check, kwargs=parse_kwargs(config.env_kwargs),
                     shared_state=None if config.policy.critic == "central" else False)
+    processes = min(rc.env_processes or (1 if rc.env_timeout_s else 0), num_envs)
+    if not processes:
+        return build(num_envs)
+    from adapters.env_worker import EnvWorkerConfig, EnvWorkerPool
+
+    sizes = [num_envs // processes + (k < num_envs % processes) for k in range(processes)]
+    pool_config = EnvWorkerConfig(step_timeout_s=rc.env_timeout_s) if rc.env_timeout_s else EnvWorkerConfig()
+    return EnvWorkerPool([partial(build, n) for n in sizes], pool_config)
 
 
 __all__ = ["imports_code", "make_env", "make_run_env", "parse_kwargs"]

@@ -106,7 +106,7 @@ class LocalFleet:
 
     def _report(self, actor: Actor) -> dict:
         return {"worker_id": actor.worker_id, "produced": self.reported.get(actor.worker_id, 0), "push_failures": 0,
-                "monitor": {}}
+                "monitor": {}, "env_counters": dict(getattr(actor.env, "counters", {}))}
 
     # -- synchronous mode --------------------------------------------------------------------------------
     def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int] | None = None) -> list[dict]:
@@ -144,8 +144,8 @@ class LocalFleet:
         return self.stats.drain()
 
     def monitors(self) -> list[dict]:
-        """No pipeline stages to time in one thread."""
-        return []
+        """Each actor's report (no pipeline stages to time in one thread; the env's fault counters)."""
+        return [self._report(actor) for actor in self.actors]
 
     def actor_weights(self, policy_id: str) -> list[TensorDictBase]:
         """The weights every actor acts with for ``policy_id``."""

@@ -237,7 +237,7 @@ class RolloutWorker:
         """Fragments produced and sent by this incarnation, and the pipeline monitor's window (then reset)."""
         return {"worker_id": self.worker_id, "slot": self.slot, "incarnation": self.incarnation,
                 "produced": self.produced, "sent": self.sent, "push_failures": self.push_failures,
-                "monitor": self.monitor.snapshot(reset=True)}
+                "monitor": self.monitor.snapshot(reset=True), "env_counters": dict(getattr(self.env, "counters", {}))}
 
     def info(self) -> dict[str, Any]:
         """Where this worker runs: worker id, node id, process id."""

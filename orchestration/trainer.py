@@ -61,6 +61,7 @@ class Trainer:
         self._started = self._closed = False
         self._final: dict[str, float] | None = None
         self._on_close = on_close
+        self._env_counters: dict[int, dict[str, int]] = {}
 
     # -- one iteration -----------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -73,13 +74,17 @@ class Trainer:
         steps_before = self.env_steps
         start = time.perf_counter()
         if cfg.mode == "sync":
-            metrics, monitors, t_collect, t_learn = self._train_sync(progress, lr)
+            metrics, reports, t_collect, t_learn = self._train_sync(progress, lr)
         else:
-            metrics, monitors, t_collect, t_learn = self._train_async(progress, lr)
+            metrics, reports, t_collect, t_learn = self._train_async(progress, lr)
         self.iteration += 1
         metrics.update(self._episodes())
         metrics.update(self.accounting())
-        metrics.update(merge_monitors(monitors))
+        metrics.update(merge_monitors([r["monitor"] for r in reports]))
+        for report in reports:  # env faults: lenient truncations, restarts, timeouts (running totals per worker)
+            self._env_counters[report["worker_id"]] = report.get("env_counters", {})
+        for name in sorted({k for c in self._env_counters.values() for k in c}):
+            metrics[f"env/{name}"] = sum(c.get(name, 0) for c in self._env_counters.values())
         produced = int(metrics["fragments_produced"])  # env steps: every fragment the fleet produced, counted once
         self.env_steps += (produced - self._produced) * self.fleet.fragment_steps
         self._produced = produced
@@ -119,7 +124,7 @@ class Trainer:
             if result is not None:
                 self._take(pid, result, metrics)
         self._refresh_weights()
-        return metrics, [r["monitor"] for r in reports], collected - start, time.perf_counter() - collected
+        return metrics, reports, collected - start, time.perf_counter() - collected
 
     def _train_async(self, progress: float, lr: float | None):
         if not self._started:
@@ -151,7 +156,7 @@ class Trainer:
             for pid in retry:
                 pending[pid] = self.trainable[pid].submit(progress, lr)
         wall = time.perf_counter() - start
-        return metrics, [r["monitor"] for r in self.fleet.monitors()], max(wall - t_learn, 0.0), t_learn
+        return metrics, self.fleet.monitors(), max(wall - t_learn, 0.0), t_learn
 
     def _refresh_weights(self, broadcast: bool = False) -> bool:
         """Takes weights a learner published outside a training result (a restarted learner resumed from its

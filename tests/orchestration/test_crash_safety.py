@@ -298,3 +298,58 @@ def test_training_that_only_skips_updates_stops_naming_the_policy_and_tensor():
     trainer.train()  # the first all-skipped update
     with pytest.raises(NonFiniteTraining, match=r"policy 'agent'.*parameter 'actor_out.weight'"):
         trainer.train()
+
+
+FAULTY_ENV = textwrap.dedent("""
+    import os, time
+    import gymnasium as gym
+    from gymnasium.envs.classic_control import CartPoleEnv
+
+    MARKER = os.environ["SHOAL_TEST_MARKER"]
+
+    class FaultyCartPole(CartPoleEnv):
+        def __init__(self, fault="hang", **kw):
+            super().__init__(**kw)
+            self.fault, self.steps = fault, 0
+
+        def step(self, action):
+            self.steps += 1
+            if self.steps == 40 and self._first():  # once per run, not once per process or restart
+                if self.fault == "hang":
+                    time.sleep(3600)
+                elif self.fault == "crash":
+                    os._exit(9)
+                else:
+                    raise RuntimeError("the simulator raised")
+            return super().step(action)
+
+        @staticmethod
+        def _first():
+            try:
+                os.close(os.open(MARKER, os.O_CREAT | os.O_EXCL))  # atomic: one env of all processes wins
+                return True
+            except FileExistsError:
+                return False
+
+    gym.register("FaultyCartPole-v0", entry_point=FaultyCartPole, max_episode_steps=500)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,counter", [("hang", "step_timeouts"), ("crash", "worker_crashes"),
+                                           ("raise", "worker_errors")])
+def test_a_faulty_env_from_the_cli_is_restarted_counted_and_the_run_finishes(tmp_path, fault, counter):
+    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+    _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", fault, "--rollout.num-envs", "4",
+           "--rollout.fragment-length", "32", "--rollout.env-processes", "2", "--rollout.env-timeout-s", "2",
+           "--rollout.check", "lenient", "--iterations", "3", "--no-progress", "--run-dir", str(run),
+           cwd=tmp_path, env=env)
+    with open(run / "metrics.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert (tmp_path / "fault-happened").exists()
+    assert float(last[f"env/{counter}"]) == 1 and float(last["env/env_restarts"]) == 1
+    assert float(last["env/episodes_lost"]) == 2  # the restarted process's two envs
+    assert int(float(last["iteration"])) == 3

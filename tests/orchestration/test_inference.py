@@ -197,6 +197,7 @@ def test_weights_swap_between_batches_only():
     service.set_weights("cartpole", 1, weights[1])  # staged before any batch: the first batch uses it
     last_version, seen, done = 20, threading.Condition(), threading.Event()
     observed: list = []
+    versions_seen: set[int] = set()
 
     def caller(i):
         def run():
@@ -206,16 +207,19 @@ def test_weights_swap_between_batches_only():
                                   timeout_s=TIMEOUT, deterministic=True)
                 with seen:
                     observed.append(got)
+                    versions_seen.add(got.version)
                     seen.notify_all()
                 r += 1
         return run
 
     def swapper():
-        for version in range(2, last_version + 1):
-            service.set_weights("cartpole", version, weights[version % 2])
-            with seen:  # the next version only once a caller got this one: many versions, however slow
-                assert seen.wait_for(lambda: any(o.version == version for o in observed[-8:]), TIMEOUT)
-        done.set()
+        try:
+            for version in range(2, last_version + 1):
+                service.set_weights("cartpole", version, weights[version % 2])
+                with seen:  # the next version only once a caller got this one: many versions, however slow
+                    assert seen.wait_for(lambda: version in versions_seen, TIMEOUT)
+        finally:
+            done.set()
 
     with service:
         assert first.result(TIMEOUT).version == 1 and (first.result().action == 1).all()
@@ -226,7 +230,7 @@ def test_weights_swap_between_batches_only():
         assert (got.action == got.version % 2).all(), got.version
         versions_of_batch.setdefault(got.batch, set()).add(got.version)
     assert all(len(v) == 1 for v in versions_of_batch.values())
-    assert {o.version for o in observed} >= set(range(2, last_version + 1))
+    assert versions_seen >= set(range(2, last_version + 1))
     assert 2 <= stats["weight_swaps"] <= last_version and service.versions["cartpole"] == last_version
 
 

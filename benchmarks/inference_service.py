@@ -1,0 +1,144 @@
+"""Batched inference service: actions/s at 1, 16, 64 concurrent callers vs one direct batched forward.
+
+Ours: ``c`` caller threads, each asking an :class:`orchestration.inference.InferenceService` for the actions
+of its own ``rows`` env rows (``[rows, A, obs]`` plus an action mask) in a loop, sampling; actions/s counts
+agent actions (``rows * A`` per answer) answered inside a timed window. Reference, in the same run: one
+``GroupPolicy.act_step`` of the same policy on the callers' total batch ``[c * rows, A, obs]``, already
+formed (on the service's device; on CUDA its actions and log-probs come back to the CPU, as the service's
+do), in a loop for the same window. Rounds interleave ours and the reference for every caller count; the
+figures are medians over rounds. Target (issue 13): at 64 callers, ours >= 0.5 of the reference.
+
+What limits ours here: Python threads. Every answer costs the interpreter a future, a queue put, a wake-up
+and a result object on each side, all under the GIL, so on this 2-core machine the callers and the service
+thread mostly take turns; the forward of a small policy is tens of µs, comparable to the per-request
+overhead of a handful of callers. Bigger networks (``--hidden``) make the forward dominate.
+
+    python benchmarks/inference_service.py [--env builtin:spread] [--rows 4] [--callers 1 16 64]
+        [--hidden 64 64] [--rounds 5] [--seconds 0.4] [--max-wait-s 0.001] [--device auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+from core.layout import ACTION, ACTION_MASK, LOG_PROB, OBSERVATION
+from core.policies import PolicyConfig, make_policies
+from orchestration.envs import make_env
+from orchestration.inference import InferenceConfig, InferenceService
+
+
+def requests(policy, callers: int, rows: int, seed: int) -> list[dict]:
+    """One fixed request per caller: ``{"observation": [rows, A, F], "action_mask": [rows, A, k]}``."""
+    g = torch.Generator().manual_seed(seed)
+    a, f, k = policy.num_agents, policy.actor_encoder.out_features, policy.heads.num_params
+    return [{OBSERVATION: torch.randn(rows, a, f, generator=g), ACTION_MASK: torch.ones(rows, a, k, dtype=torch.bool)}
+            for _ in range(callers)]
+
+
+def ours(service: InferenceService, pid: str, asks: list[dict], seconds: float) -> tuple[float, dict]:
+    """Agent actions/s answered to ``len(asks)`` caller threads, and the service's counters over the window."""
+    done = [0] * len(asks)
+    stop = threading.Event()
+    barrier = threading.Barrier(len(asks) + 1)
+
+    def caller(i: int) -> None:
+        obs, n = asks[i], asks[i][OBSERVATION].shape[:2].numel()
+        barrier.wait()
+        while not stop.is_set():
+            service.act(pid, obs, timeout_s=30.0)
+            done[i] += n
+
+    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    time.sleep(min(0.1, seconds / 4))  # past the start-up ramp
+    start, before, stats0 = time.perf_counter(), sum(done), service.stats()
+    time.sleep(seconds)
+    elapsed, answered, stats1 = time.perf_counter() - start, sum(done) - before, service.stats()
+    stop.set()
+    for t in threads:
+        t.join()
+    window = {k: stats1[k] - stats0[k] for k in ("batches", "rows", "served", "dropped")}
+    return answered / elapsed, window
+
+
+def reference(policy, asks: list[dict], generator: torch.Generator, seconds: float) -> float:
+    """Agent actions/s of one ``act_step`` on the callers' total batch, repeated for ``seconds``."""
+    device = next(policy.parameters()).device
+    batch = {k: torch.cat([a[k] for a in asks]).to(device) for k in asks[0]}
+    n, iterations = batch[OBSERVATION].shape[:2].numel(), 0
+    cuda = device.type == "cuda"
+    with torch.no_grad():
+        start = time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            out = policy.act_step(batch, None, generator, False, with_value=False, with_log_prob=True)
+            if cuda:  # the service's callers get theirs on the CPU
+                out[ACTION].cpu(), out[LOG_PROB].cpu()
+            iterations += 1
+    return iterations * n / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--env", default="builtin:spread")
+    parser.add_argument("--rows", type=int, default=4, help="env rows per request (each of A agents)")
+    parser.add_argument("--callers", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[64, 64])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.4, help="timed window per measurement")
+    parser.add_argument("--max-wait-s", type=float, default=InferenceConfig().max_wait_s)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    env = make_env(args.env, 1)
+    torch.manual_seed(0)
+    pid, policy = next(iter(make_policies(env.tree, PolicyConfig(hidden_sizes=tuple(args.hidden))).items()))
+    env.close()
+    config = InferenceConfig(max_batch_rows=max(args.callers) * args.rows, max_wait_s=args.max_wait_s,
+                             device=args.device)
+    service = InferenceService({pid: policy}, config).start()
+    direct = policy.to(service.device)
+    generator = torch.Generator(device=service.device).manual_seed(1)
+    asks = {c: requests(policy, c, args.rows, seed=c) for c in args.callers}
+    runs: dict[int, dict[str, list]] = {c: {"ours": [], "direct": [], "rows": [], "requests": []} for c in args.callers}
+    for c in args.callers:  # warm-up: first calls, allocator, threads
+        ours(service, pid, asks[c], 0.05), reference(direct, asks[c], generator, 0.05)
+    for _ in range(args.rounds):
+        for c in args.callers:
+            rate, window = ours(service, pid, asks[c], args.seconds)
+            runs[c]["ours"].append(rate)
+            runs[c]["direct"].append(reference(direct, asks[c], generator, args.seconds))
+            runs[c]["rows"].append(window["rows"] / max(window["batches"], 1))
+            runs[c]["requests"].append(window["served"] / max(window["batches"], 1))
+    service.close()
+
+    results = {}
+    for c, r in runs.items():
+        o, d = statistics.median(r["ours"]), statistics.median(r["direct"])
+        results[f"{c}_callers"] = {
+            "ours_actions_per_s": round(o), "direct_actions_per_s": round(d), "ratio": round(o / d, 4),
+            "total_batch_rows": c * args.rows, "mean_rows_per_batch": round(statistics.median(r["rows"]), 1),
+            "mean_requests_per_batch": round(statistics.median(r["requests"]), 1),
+            "ours_runs": [round(x) for x in r["ours"]], "direct_runs": [round(x) for x in r["direct"]]}
+    top = f"{max(args.callers)}_callers"
+    print(json.dumps({
+        "benchmark": "inference_service", "env": args.env, "policy": pid, "agents": policy.num_agents,
+        "rows_per_request": args.rows, "hidden": args.hidden, "device": str(service.device),
+        "torch_threads": args.threads, "cpus": os.cpu_count(),
+        "max_wait_s": args.max_wait_s, "rounds": args.rounds, "seconds_per_run": args.seconds,
+        "results": results, "target": {"callers": max(args.callers), "min_ratio": 0.5},
+        "meets_target": results[top]["ratio"] >= 0.5}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
