@@ -36,7 +36,7 @@ class Uniform:
     def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """``[n]`` float64 draws."""
         u = torch.rand(check_count(n), generator=generator, dtype=torch.float64)
-        return self.low + self.high * u
+        return self.low + (self.high - self.low) * u
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -90,9 +90,8 @@ def test_pool_equals_in_process_stepping(pool_factory):
 
 
 def test_pool_of_gymnasium_adapters_equals_in_process_stepping(pool_factory):
-    make_gymnasium = getattr(pytest.importorskip("adapters.gymnasium_env"), "make_gymnasium", None)
-    if make_gymnasium is None:
-        pytest.skip("adapters.gymnasium_env.make_gymnasium is not there")
+    from adapters.gymnasium_env import make_gymnasium
+
     pool = pool_factory([functools.partial(make_gymnasium, "CartPole-v1", 2)] * 2)
     refs = [make_gymnasium("CartPole-v1", 2) for _ in range(2)]
     assert (pool.reset(seed=0) == torch.cat([r.reset(seed=2 * k) for k, r in enumerate(refs)])).all()

@@ -202,8 +202,14 @@ def test_unknown_or_vanishing_agent_strict_and_lenient(fault, agent, key):
     assert out["walker", "mask"][0].tolist() == [True, True, False]  # reset
 
 
-def test_custom_env_passes_pettingzoo_parallel_api_test():
+def test_shoal_follows_a_custom_env_that_passes_the_pettingzoo_api_test_over_many_episodes():
+    """The fixture is a valid PettingZoo env (PettingZoo's own check), and Shoal's adapter reports what the raw
+    env does at every step of 30 steps (several join/leave episodes and resets), masks and rewards included."""
     parallel_api_test(JoinLeaveEnv(), num_cycles=30)
+    outs, env = run_parallel_pair(JoinLeaveEnv, 2, 30)  # asserts step by step against raw copies of the env
+    assert sum(int(o["next", "done"].sum()) for o in outs) >= 8  # 2 copies x at least 4 episodes each
+    assert {tuple(o["walker", "mask"][0].tolist()) for o in outs} >= {(True, True, False), (True, True, True),
+                                                                      (False, True, True)}
 
 
 def aec_reference(env_fn, seed: int, decisions: int, rng: np.random.Generator):
