@@ -50,6 +50,9 @@ class EnvWorkerConfig:
     """Multiprocessing start method: ``"forkserver"`` (fast restarts) or ``"spawn"``."""
     torch_threads: int = 1
     """``torch.set_num_threads`` in each worker."""
+    restart: bool = True
+    """Restart a failed worker (lenient); False raises :class:`EnvWorkerFault` naming the worker, its envs and
+    the fault instead (strict)."""
 
     def __post_init__(self) -> None:
         if self.step_timeout_s <= 0 or self.start_timeout_s <= 0 or self.max_restarts < 0 or self.torch_threads < 1:
@@ -97,6 +100,10 @@ def _collect(workers: list[_Worker], timeout: float) -> dict[int, object]:
     return replies
 
 
+class EnvWorkerFault(RuntimeError):
+    """A worker hung, died or raised, and the pool was told not to restart it (``EnvWorkerConfig.restart``)."""
+
+
 class EnvWorkerPool:
     """K subprocess workers, each running ``factories[k]()``, as one :class:`BatchedEnv` (module doc)."""
 
@@ -111,6 +118,7 @@ class EnvWorkerPool:
         self._worker_counters: list[dict] = [{} for _ in factories]
         self._past_counters: dict[str, int] = {}
         self._seed, self._last, self._closed = None, None, False
+        self._fault: tuple[str, object] = ("error", "")
         self._workers = [_Worker(i, f, self._ctx, self.config.torch_threads) for i, f in enumerate(factories)]
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
         try:
@@ -158,6 +166,8 @@ class EnvWorkerPool:
             w.conn.send(("reset", None if seed is None else seed + self.offsets[w.index]))
         for i, reply in _collect(self._workers, self.config.step_timeout_s).items():
             if not self._accept(i, reply):
+                if not self.config.restart:
+                    self._raise(i)
                 self._restart(i)
         self._last = self._out.exclude(NEXT).clone()
         return self._last.clone()
@@ -172,6 +182,8 @@ class EnvWorkerPool:
             w.conn.send(("step", None))
         failed = [i for i, reply in _collect(self._workers, self.config.step_timeout_s).items()
                   if not self._accept(i, reply)]
+        if failed and not self.config.restart:
+            self._raise(failed[0])
         for i in failed:
             self._restart(i)
             self._own["episodes_lost"] += self._sizes[i]
@@ -203,7 +215,18 @@ class EnvWorkerPool:
             self._worker_counters[i] = payload
             return True
         self._own[{"timeout": "step_timeouts", "dead": "worker_crashes"}.get(kind, "worker_errors")] += 1
+        self._fault = (kind, payload)
         return False
+
+    def _raise(self, i: int) -> None:
+        kind, payload = self._fault
+        last = str(payload).strip().splitlines()[-1:] or [""]
+        what = {"timeout": f"did not answer within {self.config.step_timeout_s} s", "dead": "died"}.get(
+            kind, f"raised {last[0]}")
+        first, n = self.offsets[i], self._sizes[i]
+        self.close()
+        raise EnvWorkerFault(f"env worker {i} (envs {first}..{first + n - 1} of the batch) {what}. Strict mode stops "
+                             f"here; rollout.check='lenient' restarts the worker and counts the lost episodes")
 
     def _handshake(self, w: _Worker) -> tuple[str, int]:
         kind, *payload = _collect([w], self.config.start_timeout_s)[w.index]

@@ -97,7 +97,8 @@ def make_run_env(config, num_envs: int):
     from adapters.env_worker import EnvWorkerConfig, EnvWorkerPool
 
     sizes = [num_envs // processes + (k < num_envs % processes) for k in range(processes)]
-    pool_config = EnvWorkerConfig(step_timeout_s=rc.env_timeout_s) if rc.env_timeout_s else EnvWorkerConfig()
+    timeout = {"step_timeout_s": rc.env_timeout_s} if rc.env_timeout_s else {}
+    pool_config = EnvWorkerConfig(restart=rc.check == "lenient", **timeout)  # strict: a fault stops, named
     return EnvWorkerPool([partial(build, n) for n in sizes], pool_config)
 
 

@@ -51,7 +51,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +60,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from core.layout import ACTION, ACTION_MASK, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE
+from core.layout import ACTION, LOG_PROB, NEXT, RECURRENT_STATE
 from core.policies import GroupPolicy
+from orchestration.inference_requests import Request, concatenate, make_request, split, to_device
 from orchestration.learner import resolve_device
 
 #: Batches whose size sets the "nearly empty" threshold (the largest of them, halved).
@@ -116,19 +117,6 @@ class ServiceClosed(RuntimeError):
     """The service was closed before it served the request."""
 
 
-@dataclass(slots=True, eq=False)
-class _Request:
-    policy_id: str
-    inputs: dict  # observation, optional action_mask / mask
-    shared: Any
-    state: Tensor | None
-    start: Tensor | None
-    rows: int
-    deadline: float
-    deterministic: bool
-    future: Future
-
-
 class InferenceService:
     """Serves actions of ``policies`` in batches (module docstring: usage loop, shapes, batching rule).
 
@@ -149,7 +137,7 @@ class InferenceService:
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._clock = clock
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: a put costs the caller ~0.2 µs
-        self._carry: _Request | None = None  # taken but did not fit: opens the next batch
+        self._carry: Request | None = None  # taken but did not fit: opens the next batch
         self._lock = threading.Lock()  # orders submit against close, and guards _pending
         self._pending: dict[str, tuple[int, TensorDictBase]] = {}
         self._recent: deque[int] = deque(maxlen=_RECENT_BATCHES)
@@ -245,7 +233,7 @@ class InferenceService:
             except queue.Empty:
                 break
         for r in leftovers:
-            if isinstance(r, _Request) and r.future.set_running_or_notify_cancel():
+            if isinstance(r, Request) and r.future.set_running_or_notify_cancel():
                 r.future.set_exception(ServiceClosed(f"policy {r.policy_id!r}: the service closed first"))
 
     def __enter__(self) -> InferenceService:
@@ -271,11 +259,11 @@ class InferenceService:
                 if stop:
                     return
 
-    def _gather(self) -> tuple[list[_Request], bool]:
+    def _gather(self) -> tuple[list[Request], bool]:
         """Takes queued requests (the batching rule of the module docstring); ``(batch, stop after it)``."""
         limit = self.config.max_batch_rows
         enough = min(limit, (max(self._recent) + 1) // 2) if self._recent else 1
-        batch: list[_Request] = []
+        batch: list[Request] = []
         rows, wait_until = 0, None
         while rows < limit:
             item = self._take(block=not batch)
@@ -307,7 +295,7 @@ class InferenceService:
         except queue.Empty:
             return None
 
-    def _admit(self, r: _Request) -> bool:
+    def _admit(self, r: Request) -> bool:
         """Whether ``r`` joins the batch: not cancelled by its caller, deadline not passed (else dropped)."""
         if not r.future.set_running_or_notify_cancel():
             self._counts["cancelled"] += 1
@@ -328,7 +316,7 @@ class InferenceService:
             self._versions[pid] = version
             self._counts["weight_swaps"] += 1
 
-    def _serve_batch(self, batch: list[_Request]) -> None:
+    def _serve_batch(self, batch: list[Request]) -> None:
         c = self._counts
         index = c["batches"]
         rows = sum(r.rows for r in batch)
@@ -336,13 +324,13 @@ class InferenceService:
         c["rows"] += rows
         c["max_rows"] = max(c["max_rows"], rows)
         self._recent.append(rows)
-        groups: dict[tuple[str, bool], list[_Request]] = {}
+        groups: dict[tuple[str, bool], list[Request]] = {}
         for r in batch:
             groups.setdefault((r.policy_id, r.deterministic), []).append(r)
         for (pid, deterministic), requests in groups.items():
             self._serve(pid, deterministic, requests, index)
 
-    def _serve(self, pid: str, deterministic: bool, requests: list[_Request], index: int) -> None:
+    def _serve(self, pid: str, deterministic: bool, requests: list[Request], index: int) -> None:
         """One forward for ``requests``; on an error each is retried alone so that only the culprit fails."""
         try:
             results = self._forward(pid, deterministic, requests, index)
@@ -358,25 +346,25 @@ class InferenceService:
         for r, result in zip(requests, results):
             r.future.set_result(result)
 
-    def _forward(self, pid: str, deterministic: bool, requests: list[_Request], index: int) -> list[InferenceResult]:
+    def _forward(self, pid: str, deterministic: bool, requests: list[Request], index: int) -> list[InferenceResult]:
         policy = self._policies[pid]
         if len(requests) == 1:  # a lone caller: nothing to concatenate or split
             r = requests[0]
             inputs, shared, state, start = r.inputs, r.shared, r.state, r.start
         else:
-            inputs, shared, state, start = _concatenate(requests, policy)
+            inputs, shared, state, start = concatenate(requests, policy)
         if self.device.type != "cpu":
-            inputs, shared, state, start = (_to(x, self.device) for x in (inputs, shared, state, start))
+            inputs, shared, state, start = (to_device(x, self.device) for x in (inputs, shared, state, start))
         self._counts["forwards"] += 1
         out = policy.act_step(inputs, shared, self._generator, deterministic, state, start,
                               with_value=False, with_log_prob=True)
         if self.device.type != "cpu":
-            out = _to(out, torch.device("cpu"))  # blocking: the callers read it at once
+            out = to_device(out, torch.device("cpu"))  # blocking: the callers read it at once
         version, sizes = self._versions[pid], [r.rows for r in requests]
-        actions, log_probs = _split(out[ACTION], sizes), _split(out[LOG_PROB], sizes)
+        actions, log_probs = split(out[ACTION], sizes), split(out[LOG_PROB], sizes)
         if policy.gru is None:
             return [InferenceResult(a, lp, version, index) for a, lp in zip(actions, log_probs)]
-        used, nxt = _split(out[RECURRENT_STATE], sizes), _split(out[NEXT][RECURRENT_STATE], sizes)
+        used, nxt = split(out[RECURRENT_STATE], sizes), split(out[NEXT][RECURRENT_STATE], sizes)
         return [InferenceResult(a, lp, version, index, u, s) for a, lp, u, s in zip(actions, log_probs, used, nxt)]
 
     # -- request validation (in the caller's thread: a malformed request never reaches a batch) -----------
@@ -385,112 +373,10 @@ class InferenceService:
             raise KeyError(f"unknown policy id {policy_id!r}: this service serves {sorted(self._policies)}")
         return self._templates[policy_id]
 
-    def _request(self, pid, obs, shared, timeout_s, deterministic, state, start) -> _Request:
-        self._template(pid)
-        policy = self._policies[pid]
-        a = policy.num_agents
-        inputs = _as_tree(obs)
-        if not isinstance(inputs, dict) or OBSERVATION not in inputs:
-            raise ValueError(f"policy {pid!r}: a request is a dict with an {OBSERVATION!r} entry")
-        unknown = set(inputs) - {OBSERVATION, ACTION_MASK, MASK}
-        if unknown:
-            raise ValueError(f"policy {pid!r}: unknown request entries {sorted(unknown)}")
-        leaves = list(_leaves(inputs[OBSERVATION], OBSERVATION))
-        if not leaves or leaves[0][1].dim() < 2:
-            raise ValueError(f"policy {pid!r}: {OBSERVATION!r} must be [n, {a}, ...]")
-        n = leaves[0][1].shape[0]
-        if not 1 <= n <= self.config.max_batch_rows:
-            raise ValueError(f"policy {pid!r}: a request of {n} rows; this service takes 1 to "
-                             f"max_batch_rows={self.config.max_batch_rows}")
-        # (entry, tensor, leading shape it must have, its exact number of dims or None)
-        checks = [(path, leaf, (n, a), None) for path, leaf in leaves]
-        if inputs.get(MASK) is not None:
-            checks.append((MASK, inputs[MASK], (n, a), 2))
-        if inputs.get(ACTION_MASK) is not None:
-            checks.append((ACTION_MASK, inputs[ACTION_MASK], (n, a), 3))
-        if shared is not None:
-            shared = _as_tree(shared)
-            checks += [(path, leaf, (n,), None) for path, leaf in _leaves(shared, "shared")]
-        if state is not None or start is not None:
-            if policy.gru is None:
-                raise ValueError(f"policy {pid!r} is not recurrent: it takes no recurrent_state/episode_start")
-            if state is not None:
-                checks.append(("recurrent_state", state, (n, a, policy.config.recurrent_size), 3))
-            if start is not None:
-                if start.dtype != torch.bool or tuple(start.shape) not in ((n,), (n, a)):
-                    raise ValueError(f"policy {pid!r}: episode_start must be bool [{n}] or [{n}, {a}], "
-                                     f"got {start.dtype} {tuple(start.shape)}")
-                start = start.reshape(n, 1).expand(n, a) if start.dim() == 1 else start  # one layout to concatenate
-        for path, leaf, lead, ndim in checks:
-            if tuple(leaf.shape[: len(lead)]) != lead or (ndim is not None and leaf.dim() != ndim):
-                raise ValueError(f"policy {pid!r}: {path} has shape {tuple(leaf.shape)}, expected "
-                                 f"[{', '.join(map(str, lead))}{', ...' if ndim is None else ''}] "
-                                 f"({n} rows of {a} agents)")
-        return _Request(pid, inputs, shared, state, start, n, self._clock() + timeout_s, bool(deterministic),
-                        Future())
-
-
-# -- trees of tensors (nested plain dicts) ---------------------------------------------------------------
-def _as_tree(x):
-    """A TensorDict or mapping as nested plain dicts (the policy reads those fastest); tensors as they are."""
-    if isinstance(x, Tensor):
-        return x
-    if isinstance(x, (TensorDictBase, Mapping)):
-        return {k: _as_tree(v) for k, v in x.items()}
-    return x
-
-
-def _leaves(tree, path: str) -> Iterator[tuple[str, Tensor]]:
-    if isinstance(tree, Tensor):
-        yield path, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{path}/{k}")
-    else:
-        raise TypeError(f"{path} is a {type(tree).__name__}, expected a tensor or a dict of tensors")
-
-
-def _cat(parts: list):
-    if isinstance(parts[0], Tensor):
-        return torch.cat(parts)
-    return {k: _cat([p[k] for p in parts]) for k in parts[0]}
-
-
-def _split(tree, sizes: list[int]) -> list:
-    """``tree`` (leaves ``[N, ...]``) cut into views of ``sizes`` rows: one ``split`` per leaf, not per caller."""
-    if isinstance(tree, Tensor):
-        return list(tree.split(sizes))
-    parts = {k: _split(v, sizes) for k, v in tree.items()}
-    return [{k: v[i] for k, v in parts.items()} for i in range(len(sizes))]
-
-
-def _to(tree, device: torch.device):
-    """``tree`` on ``device``; asynchronous only towards an accelerator (a copy to the CPU must be complete
-    before a caller reads it)."""
-    if tree is None or isinstance(tree, Tensor):
-        return tree if tree is None else tree.to(device, non_blocking=device.type != "cpu")
-    return {k: _to(v, device) for k, v in tree.items()}
-
-
-def _concatenate(requests: list[_Request], policy: GroupPolicy):
-    """The batch's inputs: every entry concatenated along dim 0, missing optional ones filled (module docstring)."""
-    inputs = {OBSERVATION: _cat([r.inputs[OBSERVATION] for r in requests])}
-    for key in (MASK, ACTION_MASK):
-        parts = [r.inputs.get(key) for r in requests]
-        like = next((p for p in parts if p is not None), None)
-        if like is not None:  # an absent mask allows everything
-            inputs[key] = torch.cat([p if p is not None else torch.ones(r.rows, *like.shape[1:], dtype=torch.bool)
-                                     for p, r in zip(parts, requests)])
-    shared = _cat([r.shared for r in requests]) if all(r.shared is not None for r in requests) else None
-    state = start = None
-    if any(r.state is not None for r in requests):
-        h = policy.config.recurrent_size
-        state = torch.cat([r.state if r.state is not None else torch.zeros(r.rows, policy.num_agents, h)
-                           for r in requests])
-    if any(r.start is not None for r in requests):
-        start = torch.cat([r.start if r.start is not None else torch.zeros(r.rows, policy.num_agents, dtype=torch.bool)
-                           for r in requests])
-    return inputs, shared, state, start
+    def _request(self, pid, obs, shared, timeout_s, deterministic, state, start) -> Request:
+        self._template(pid)  # a known policy id
+        return make_request(pid, self._policies[pid], obs, shared, state, start, max_rows=self.config.max_batch_rows,
+                            deadline=self._clock() + timeout_s, deterministic=deterministic)
 
 
 __all__ = ["InferenceConfig", "InferenceResult", "InferenceService", "RequestExpired", "ServiceClosed"]

@@ -52,7 +52,7 @@ def freeze_json(value: Any, where: str) -> Any:
             raise CollectionError(where, f"expected a finite number, got {value!r}")
         return value
     if isinstance(value, (list, tuple)):
-        return list(freeze_json(v, f"{where}[{k}]") for k, v in enumerate(value))
+        return tuple(freeze_json(v, f"{where}[{k}]") for k, v in enumerate(value))
     if isinstance(value, Mapping):
         for key in value:
             if not isinstance(key, str):

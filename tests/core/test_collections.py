@@ -291,6 +291,18 @@ def test_structures_pick_their_training_and_evaluation_envs():
     assert single.training_ids() == single.evaluation_ids() == ("only",) and single.sample_params(3, _gen()) == {}
 
 
+def test_member_kwargs_are_a_frozen_copy():
+    kwargs = {"size": [5, 5], "walls": {"density": 0.2}}
+    member = EnvMember(env="Maze-v0", kwargs=kwargs)
+    kwargs["size"].append(6)
+    kwargs["walls"]["density"] = 0.9
+    assert member.kwargs["size"] == (5, 5) and member.kwargs["walls"]["density"] == 0.2
+    with pytest.raises(TypeError):
+        member.kwargs["size"] = 3  # type: ignore[index]
+    with pytest.raises(CollectionError, match=r"member.kwargs.seed: expected a finite number"):
+        EnvMember(env="Maze-v0", kwargs={"seed": math.nan})
+
+
 def test_several_envs_without_a_structure_are_refused_with_the_structures_listed():
     with pytest.raises(CollectionError, match="Split, Curriculum, AdversarialSet, PriorDistribution"):
         EnvCollection(members={"a": "A", "b": "B"})

@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -353,3 +354,18 @@ def test_a_faulty_env_from_the_cli_is_restarted_counted_and_the_run_finishes(tmp
     assert float(last[f"env/{counter}"]) == 1 and float(last["env/env_restarts"]) == 1
     assert float(last["env/episodes_lost"]) == 2  # the restarted process's two envs
     assert int(float(last["iteration"])) == 3
+
+
+@pytest.mark.slow
+def test_in_strict_mode_a_faulty_env_stops_the_run_with_a_named_error_and_a_checkpoint(tmp_path):
+    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+    out = _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", "raise", "--rollout.num-envs", "4",
+                 "--rollout.fragment-length", "32", "--rollout.env-processes", "2", "--iterations", "3",
+                 "--no-progress", "--run-dir", str(run), cwd=tmp_path, env=env, check=False)
+    assert out.returncode != 0
+    assert re.search(r"env worker \d \(envs \d\.\.\d of the batch\) raised RuntimeError: the simulator raised",
+                     out.stderr), out.stderr[-2000:]
+    assert ckpt.load_checkpoint(run / "checkpoints")[2]["iteration"] == 1  # the iteration before the fault survives

@@ -1,0 +1,164 @@
+"""Requests of the batched inference service (:mod:`orchestration.inference`): checked in the caller's
+thread, concatenated into one batch per policy, outputs split back per caller.
+
+Shapes (``n`` rows of one request, ``A`` agents of the policy's group, ``N`` rows of a batch)::
+
+    inputs["observation"]   [n, A, *obs]     leaf, or tree (nested dicts) of leaves each [n, A, ...]
+    inputs["action_mask"]   [n, A, k] bool   optional
+    inputs["mask"]          [n, A] bool      optional
+    shared                  [n, *]           optional, leaf or tree
+    state                   [n, A, H]        optional (recurrent policies)
+    start                   [n, A] bool      optional (``[n]`` is expanded when checked)
+    batch                   each of them concatenated along dim 0: [N, A, ...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor
+
+from core.layout import ACTION_MASK, MASK, OBSERVATION
+from core.policies import GroupPolicy
+
+_KEYS = frozenset({OBSERVATION, ACTION_MASK, MASK})
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One caller's request, checked (:func:`make_request`); the service resolves ``future``."""
+
+    policy_id: str
+    inputs: dict
+    shared: Any
+    state: Tensor | None
+    start: Tensor | None
+    rows: int
+    deadline: float
+    deterministic: bool
+    future: Future
+
+
+def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state: Tensor | None,
+                 start: Tensor | None, *, max_rows: int, deadline: float, deterministic: bool) -> Request:
+    """A :class:`Request` once its entries have the shapes of the module docstring (a few µs: it runs for
+    every request, in the caller's thread, so that a malformed one never reaches a batch).
+
+    Raises:
+        ValueError / TypeError: naming the policy id and the entry at fault.
+    """
+    inputs = dict(obs) if type(obs) is dict else _as_tree(obs)  # ours: the caller may reuse its dict
+    if not isinstance(inputs, dict) or OBSERVATION not in inputs:
+        raise ValueError(f"policy {pid!r}: a request is a dict with an {OBSERVATION!r} entry")
+    if not inputs.keys() <= _KEYS:
+        raise ValueError(f"policy {pid!r}: unknown request entries {sorted(inputs.keys() - _KEYS)}")
+    a, x = policy.num_agents, inputs[OBSERVATION]
+    if isinstance(x, Tensor):
+        leaves = [(OBSERVATION, x)]
+    else:
+        inputs[OBSERVATION] = x = _as_tree(x)
+        leaves = list(_leaves(x, OBSERVATION))
+    first = leaves[0][1] if leaves else None
+    if first is None or first.dim() < 2:
+        raise ValueError(f"policy {pid!r}: {OBSERVATION!r} must be [n, {a}, ...]")
+    n = first.shape[0]
+    if not 1 <= n <= max_rows:
+        raise ValueError(f"policy {pid!r}: a request of {n} rows; this service takes 1 to max_batch_rows={max_rows}")
+    for path, leaf in leaves:
+        _expect(pid, path, leaf, (n, a), None)
+    if (mask := inputs.get(MASK)) is not None:
+        _expect(pid, MASK, mask, (n, a), 2)
+    if (legal := inputs.get(ACTION_MASK)) is not None:
+        _expect(pid, ACTION_MASK, legal, (n, a), 3)
+    if shared is not None:
+        shared = _as_tree(shared)
+        for path, leaf in _leaves(shared, "shared"):
+            _expect(pid, path, leaf, (n,), None)
+    if state is not None or start is not None:
+        if policy.gru is None:
+            raise ValueError(f"policy {pid!r} is not recurrent: it takes no recurrent_state/episode_start")
+        if state is not None:
+            _expect(pid, "recurrent_state", state, (n, a, policy.config.recurrent_size), 3)
+        if start is not None:
+            if start.dtype != torch.bool or tuple(start.shape) not in ((n,), (n, a)):
+                raise ValueError(f"policy {pid!r}: episode_start must be bool [{n}] or [{n}, {a}], "
+                                 f"got {start.dtype} {tuple(start.shape)}")
+            start = start.reshape(n, 1).expand(n, a) if start.dim() == 1 else start  # one layout to concatenate
+    return Request(pid, inputs, shared, state, start, n, deadline, bool(deterministic), Future())
+
+
+def _expect(pid: str, path: str, t: Any, lead: tuple[int, ...], ndim: int | None) -> None:
+    """Raises unless ``t`` is a tensor whose shape starts with ``lead`` (and has ``ndim`` dims, if given)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"policy {pid!r}: {path} is a {type(t).__name__}, expected a tensor")
+    shape = t.shape
+    if shape[: len(lead)] != lead or (ndim is not None and len(shape) != ndim):
+        raise ValueError(f"policy {pid!r}: {path} has shape {tuple(shape)}, expected "
+                         f"[{', '.join(map(str, lead))}{', ...' if ndim is None else ''}]")
+
+
+def concatenate(requests: list[Request], policy: GroupPolicy) -> tuple[dict, Any, Tensor | None, Tensor | None]:
+    """``(inputs, shared, state, start)`` of a batch: every entry concatenated along dim 0. An entry some
+    requests lack is filled in: masks with True (an absent mask allows everything), the recurrent state
+    with zeros, ``episode_start`` with False; ``shared`` is kept only if every request has it."""
+    inputs = {OBSERVATION: _cat([r.inputs[OBSERVATION] for r in requests])}
+    for key in (MASK, ACTION_MASK):
+        parts = [r.inputs.get(key) for r in requests]
+        like = next((p for p in parts if p is not None), None)
+        if like is not None:
+            inputs[key] = torch.cat([p if p is not None else torch.ones(r.rows, *like.shape[1:], dtype=torch.bool)
+                                     for p, r in zip(parts, requests)])
+    shared = _cat([r.shared for r in requests]) if all(r.shared is not None for r in requests) else None
+    state = start = None
+    a, h = policy.num_agents, policy.config.recurrent_size
+    if any(r.state is not None for r in requests):
+        state = torch.cat([r.state if r.state is not None else torch.zeros(r.rows, a, h) for r in requests])
+    if any(r.start is not None for r in requests):
+        start = torch.cat([r.start if r.start is not None else torch.zeros(r.rows, a, dtype=torch.bool)
+                           for r in requests])
+    return inputs, shared, state, start
+
+
+def split(tree, sizes: list[int]) -> list:
+    """``tree`` (leaves ``[N, ...]``) cut into views of ``sizes`` rows: one ``split`` per leaf, not per caller."""
+    if isinstance(tree, Tensor):
+        return list(tree.split(sizes))
+    parts = {k: split(v, sizes) for k, v in tree.items()}
+    return [{k: v[i] for k, v in parts.items()} for i in range(len(sizes))]
+
+
+def to_device(tree, device: torch.device):
+    """``tree`` (or None) on ``device``; asynchronous only towards an accelerator (a copy to the CPU must be
+    complete before a caller reads it)."""
+    if tree is None or isinstance(tree, Tensor):
+        return tree if tree is None else tree.to(device, non_blocking=device.type != "cpu")
+    return {k: to_device(v, device) for k, v in tree.items()}
+
+
+def _as_tree(x):
+    """A TensorDict or mapping as nested plain dicts (the policy reads those fastest); tensors as they are."""
+    if isinstance(x, (TensorDictBase, Mapping)):
+        return {k: _as_tree(v) for k, v in x.items()}
+    return x
+
+
+def _leaves(tree, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{path}/{k}")
+    else:
+        yield path, tree
+
+
+def _cat(parts: list):
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts)
+    return {k: _cat([p[k] for p in parts]) for k in parts[0]}
+
+
+__all__ = ["Request", "concatenate", "make_request", "split", "to_device"]
