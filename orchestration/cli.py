@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -86,12 +87,17 @@ class _Stop:
 
 def train(argv: Sequence[str]) -> dict[str, float]:
     """``shoal train [ENV] [--config-file F] [--resume] [--no-progress] [TrainConfig flags]``."""
-    from tqdm import tqdm
+    with user_errors("train"):
+        trainer, config, resume, progress = _setup_training(list(argv))
+    return _run(trainer, config, resume, progress)
 
+
+def _setup_training(argv: list[str]):
+    """Config, trainer and restored state of ``shoal train``: every user error surfaces here."""
     from orchestration.builder import build_trainer
     from orchestration.envs import imports_code
 
-    rest, config_file, resume, progress = _split_train_args(list(argv))
+    rest, config_file, resume, progress = _split_train_args(argv)
     default = _config_from_file(config_file) if config_file else TrainConfig()
     ckpt_root = None
     if resume:
@@ -105,12 +111,25 @@ def train(argv: Sequence[str]) -> dict[str, float]:
     config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train",
                       description="Train with PPO. ENV may be given as the first argument.")
     torch.set_num_threads(config.threads)
-    run_dir = Path(config.run_dir)
-    ckpt_root = run_dir / "checkpoints"
+    ckpt_root = Path(config.run_dir) / "checkpoints"
     clean_stale(ckpt_root)  # half-written checkpoints a killed run left
     trainer = build_trainer(config)
+    try:
+        if resume:
+            restore_trainer_(trainer, *load_checkpoint(ckpt_root))
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer, config, resume, progress
+
+
+def _run(trainer, config: TrainConfig, resume: bool, progress: bool) -> dict[str, float]:
+    """The training loop of ``shoal train``: metrics, checkpoints, signals."""
+    from tqdm import tqdm
+
+    run_dir = Path(config.run_dir)
+    ckpt_root = run_dir / "checkpoints"
     if resume:
-        restore_trainer_(trainer, *load_checkpoint(ckpt_root))
         if not trainer.resume_exact:
             print("shoal train --resume: this continuation is not bit-identical to an uninterrupted run: "
                   + ("envs that cannot save their state were reset (a new episode starts in every env)"
@@ -335,6 +354,24 @@ def _export_policies(weights, config, tree, assignment) -> dict:
     return policies
 
 
+@contextlib.contextmanager
+def user_errors(command: str):
+    """Turns a user's mistake found while setting a run up (a bad flag value, an unknown env id, agent or
+    policy, a missing or refused checkpoint) into one paragraph on stderr and exit status 2, not a traceback.
+    Errors once training runs (an env that raises, a diverging update) keep their traceback."""
+    try:
+        yield
+    except (ValueError, KeyError, LookupError, FileNotFoundError, ImportError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"shoal {command}: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as err:
+        if type(err).__module__.split(".")[0] != "gymnasium":  # gymnasium's own id errors name the nearest id
+            raise
+        print(f"shoal {command}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``shoal`` command."""
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -346,9 +383,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command == "train":
         train(rest)
     elif command == "evaluate":
-        tyro.cli(evaluate, args=rest, prog="shoal evaluate")
+        with user_errors("evaluate"):
+            tyro.cli(evaluate, args=rest, prog="shoal evaluate")
     elif command == "export":
-        tyro.cli(export, args=rest, prog="shoal export")
+        with user_errors("export"):
+            tyro.cli(export, args=rest, prog="shoal export")
     else:
         raise SystemExit(f"unknown command {command!r}: use train, evaluate or export")
 

@@ -48,7 +48,12 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
         raise ValueError(f"unknown built-in env {which!r}: use builtin:cartpole or builtin:spread")
     if name.startswith(("mpe2:", "pettingzoo:")):
         family, module_name = name.split(":", 1)
-        module = importlib.import_module(f"{family}.{module_name}")
+        try:
+            module = importlib.import_module(f"{family}.{module_name}")
+        except ModuleNotFoundError as err:
+            hint = ("PettingZoo ids are pettingzoo:<family>.<name>, e.g. pettingzoo:classic.connect_four_v3"
+                    if family == "pettingzoo" else "mpe2 ids are mpe2:<name>, e.g. mpe2:simple_spread_v3")
+            raise ValueError(f"env {name!r}: no module {family}.{module_name} ({err.name} is missing); {hint}") from None
         from adapters.pettingzoo_env import PettingZooAECEnv, PettingZooParallelEnv
 
         adapter_kwargs = {k: kwargs.pop(k) for k in ("payoff", "action_mask", "state") if k in kwargs}

@@ -1,9 +1,11 @@
 """Batched inference service (seed 003): many callers ask one service for actions; it answers in batches.
 
 A thread owned by the service forms a batch from the requests waiting, concatenates them along the batch
-dim, runs ONE :meth:`core.policies.GroupPolicy.act_step` per policy on the service's device (CUDA when
-present), splits the outputs back and resolves each caller's :class:`concurrent.futures.Future`. Plain
-Python + torch + threads: no Ray here (a Ray actor may host it later, as the seeds' rollout workers would).
+dim (on the CPU, then one copy per entry to the service's device: CUDA when present), runs ONE
+:meth:`core.policies.GroupPolicy.act_step` per policy (two when one batch mixes deterministic and sampling
+requests of a policy), splits the outputs back (CPU tensors) and resolves each caller's
+:class:`concurrent.futures.Future`. The service acts with its own copies of the policies. Plain Python +
+torch + threads: no Ray here (a Ray actor or the external-environment server may host it).
 
 Usage loop::
 
@@ -16,14 +18,15 @@ Usage loop::
     # the learner, whenever it publishes (loaded between batches, never during one):
     service.set_weights("agents", version, weights)
     service.stats()                      # batches, rows per batch, drops, weight swaps
-    service.close()                      # requests still queued fail with ServiceClosed
+    service.close()                      # serves what is queued, then refuses (ServiceClosed)
 
 Shapes (``n`` rows of one request, ``A`` agents of the policy's group, ``N`` rows of a batch)::
 
     request  observation        [n, A, *obs]     leaf, or tree of leaves each [n, A, ...]
              "action_mask"      [n, A, k] bool   optional (illegal actions are never chosen)
              "mask"             [n, A] bool      optional (agent present)
-             shared             [n, *]           optional, leaf or tree (read by policies that need it)
+             shared             [n, *]           optional, leaf or tree (passed on; no critic runs here, and
+                                                 the actor networks do not read it today)
              recurrent_state    [n, A, H]        optional, recurrent policies only (None: zeros)
              episode_start      [n] or [n, A]    optional bool: rows whose state is zeroed first
     batch    every entry concatenated along dim 0: [N, A, ...]; a key some requests lack is filled with
@@ -133,6 +136,10 @@ class InferenceService:
         self.device = resolve_device(config.device)
         self._policies = {pid: copy.deepcopy(p).to(self.device).eval() for pid, p in policies.items()}
         self._templates = {pid: TensorDict.from_module(p) for pid, p in self._policies.items()}
+        unknown = set(versions or {}) - set(self._policies)
+        if unknown:
+            raise KeyError(f"versions of unknown policy ids {sorted(unknown)}: "
+                           f"the service serves {sorted(self._policies)}")
         self._versions = {pid: int((versions or {}).get(pid, 0)) for pid in self._policies}
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._clock = clock
@@ -166,6 +173,9 @@ class InferenceService:
             KeyError: unknown policy id. ValueError / TypeError: a malformed request (the message names the
             policy id and the entry). ServiceClosed: the service is closed.
         """
+        if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+            raise ValueError(f"policy {policy_id!r}: timeout_s must be a number >= 0 (every request has a deadline), "
+                             f"got {timeout_s!r}")
         request = self._request(policy_id, obs, shared, timeout_s, deterministic, recurrent_state, episode_start)
         with self._lock:
             if self._closed:
@@ -184,6 +194,9 @@ class InferenceService:
         """Stages ``weights`` (``TensorDict.from_module`` layout) as ``version`` of ``policy_id``; the service
         loads them before its next batch, so no batch mixes versions. A later call before that wins."""
         template = self._template(policy_id)
+        extra = set(weights.keys(True, True)) - set(template.keys(True, True))
+        if extra:
+            raise ValueError(f"policy {policy_id!r}: weights entries {sorted(map(str, extra))} are not in the policy")
         for key, value in template.items(True, True):
             got = weights.get(key, None)
             if got is None or got.shape != value.shape:
@@ -218,14 +231,17 @@ class InferenceService:
         return self
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Serves the batch being formed, then stops; requests still queued fail with :class:`ServiceClosed`."""
+        """Refuses new requests (:class:`ServiceClosed`), serves those queued before (as usual: expired ones
+        are dropped), then stops the thread; requests to a service never started fail with ServiceClosed."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(_STOP)
+            self._queue.put(_STOP)  # the thread serves everything before it, then ends
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():  # stuck in a forward: it still answers its queue when it returns
+                return
         leftovers = [self._carry] if self._carry is not None else []
         while True:
             try:

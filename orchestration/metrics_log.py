@@ -82,6 +82,8 @@ def plot_learning_curve(csv_path: str | Path, png_path: str | Path, *, y: str = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not Path(csv_path).exists():  # no iteration ran (--iterations 0, or a resume of a finished run)
+        return None
     data = read_csv(csv_path)
     if y not in data or not data[y]:
         return None

@@ -84,11 +84,23 @@ def _members(members: object) -> Mapping[str, EnvMember]:
         raise CollectionError("members", f"expected a non-empty mapping env id -> env, got {members!r}")
     out = {}
     for env_id, member in members.items():
-        check_id(env_id, f"members[{env_id!r}]")
-        out[env_id] = EnvMember(env=member) if isinstance(member, str) else member
-        if not isinstance(out[env_id], EnvMember):
-            raise CollectionError(f"members[{env_id!r}]", f"expected an env name or EnvMember, got {member!r}")
+        where = f"members[{env_id!r}]"
+        check_id(env_id, where)
+        if isinstance(member, str):
+            member = member_from(env_id, env=member)
+        if not isinstance(member, EnvMember):
+            raise CollectionError(where, f"expected an env name or EnvMember, got {member!r}")
+        out[env_id] = member
     return MappingProxyType(out)
+
+
+def member_from(env_id: str, **fields: Any) -> EnvMember:
+    """``EnvMember(**fields)``, its errors naming the member: ``members['maze'].env`` rather than ``member.env``."""
+    try:
+        return EnvMember(**fields)
+    except CollectionError as err:
+        where = f"members[{env_id!r}]{err.where.removeprefix('member')}"
+        raise CollectionError(where, str(err).removeprefix(f"{err.where}: ")) from None
 
 
 def _structure_names() -> str:
@@ -182,4 +194,5 @@ class EnvCollection:
         return from_json(text)
 
 
-__all__ = ["STRUCTURES", "EnvCollection", "EnvMember", "Structure", "StructureProtocol", "freeze_json"]
+__all__ = ["STRUCTURES", "EnvCollection", "EnvMember", "Structure", "StructureProtocol", "freeze_json",
+           "member_from"]

@@ -22,7 +22,7 @@ from dataclasses import MISSING, fields
 from typing import Any, Mapping
 
 from .adversarial import AdversarialSet
-from .collection import EnvCollection, EnvMember
+from .collection import EnvCollection, EnvMember, member_from
 from .curriculum import Curriculum
 from .ids import CollectionError, hint
 from .priors import Choice, Normal, PriorDistribution, Uniform
@@ -110,7 +110,7 @@ def _distribution(data: object, where: str) -> Any:
 def _member(data: object, where: str) -> EnvMember | str:
     if isinstance(data, str):
         return data
-    return EnvMember(**_object(data, where, EnvMember))
+    return member_from(where.removeprefix("members."), **_object(data, where, EnvMember))
 
 
 def collection_from_dict(data: object) -> EnvCollection:

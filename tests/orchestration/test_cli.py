@@ -83,3 +83,31 @@ print(json.dumps(action.tolist()))
     assert out.returncode == 0, out.stderr[-2000:]
     assert manifest["policies"]["agent"]["observation_keys"] == ["observation"]
     assert len(json.loads(out.stdout)) == 5
+
+
+@pytest.mark.parametrize("args, named", [
+    (["train", "CartPol-v1"], "Did you mean: `CartPole`"),
+    (["train", "pettingzoo:connect_four_v3"], "pettingzoo:classic.connect_four_v3"),
+    (["train", "builtin:spread", "--policy-mapping", "agent_9", "x"], "did you mean 'agents_3'"),
+    (["train", "--resume", "--run-dir", "nowhere"], "no checkpoint at nowhere"),
+    (["evaluate", "nowhere"], "no checkpoint at nowhere"),
+    (["train", "builtin:cartpole", "--rollout.num-envs", "2", "--rollout.env-processes", "3"], "cannot exceed"),
+])
+def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkeypatch, capsys, args, named):
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--no-progress"] if args[0] == "train" else args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and named in err and "Traceback" not in err
+    if "--rollout.env-processes" not in args:  # a flag value tyro refuses comes in tyro's own box
+        assert len(err.strip().splitlines()) == 1  # one paragraph
+
+
+def test_zero_iterations_is_a_valid_run(tmp_path, monkeypatch):
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["train", "builtin:cartpole", "--iterations", "0", "--no-progress", "--run-dir", "z"])
+    assert (tmp_path / "z" / "checkpoints" / "latest").exists()

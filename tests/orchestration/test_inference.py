@@ -130,6 +130,23 @@ def test_concurrent_callers_get_exactly_their_own_actions(callers, rounds, max_r
     assert stats["batches"] == len(rows_per_batch)
 
 
+def test_one_batch_of_both_policies_and_mixed_masks_answers_each_caller_alone():
+    """Requests of two policies, with and without action masks and presence masks, queued together: one
+    batch, one forward per policy (the missing masks filled in), each caller its own direct-forward result."""
+    asks = [("spread", _obs("spread", 3, 0)), ("cartpole", _obs("cartpole", 2, 1, with_mask=True)),
+            ("spread", _obs("spread", 1, 2, with_action_mask=False, with_mask=True)),
+            ("cartpole", _obs("cartpole", 5, 3, with_action_mask=False)), ("spread", _obs("spread", 4, 4))]
+    service = InferenceService(_policies(), InferenceConfig(device="cpu"))
+    futures = [service.submit(pid, obs, deterministic=True, timeout_s=TIMEOUT) for pid, obs in asks]
+    with service:
+        results = [f.result(TIMEOUT) for f in futures]
+    for (pid, obs), got in zip(asks, results):
+        want = _direct(pid, obs)
+        assert got.batch == 0 and torch.equal(got.action, want[ACTION])
+        torch.testing.assert_close(got.log_prob, want[LOG_PROB])
+    assert (service.stats()["batches"], service.stats()["forwards"]) == (1, 2)
+
+
 # -- (b) batches: up to the size, or the wait ---------------------------------------------------------------
 @given(rows=st.lists(st.integers(1, 8), min_size=1, max_size=20), max_rows=st.integers(8, 24))
 def test_queued_requests_pack_into_batches_of_at_most_max_rows(rows, max_rows):
@@ -176,6 +193,8 @@ def test_requests_beyond_max_batch_rows_and_malformed_ones_are_refused_by_name()
         service.submit("spread", {**_obs("spread", 2, 0), "obs": torch.zeros(2)})
     with pytest.raises(ValueError, match="'spread' is not recurrent"):
         service.submit("spread", _obs("spread", 2, 0), recurrent_state=torch.zeros(2, 4, 64))
+    with pytest.raises(ValueError, match="'spread'.*every request has a deadline"):
+        service.submit("spread", _obs("spread", 2, 0), timeout_s=None)
     service.close()
 
 
@@ -242,6 +261,10 @@ def test_set_weights_names_the_policy_and_entry_at_fault():
         service.set_weights("cartpole", 1, bad)
     with pytest.raises(KeyError, match="'nope'"):
         service.set_weights("nope", 1, bad)
+    extra = _constant_weights(0)
+    extra["extra_layer"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="'cartpole'.*extra_layer"):
+        service.set_weights("cartpole", 1, extra)
     service.close()
 
 
@@ -277,14 +300,18 @@ def test_a_request_that_breaks_its_batch_fails_alone():
     assert service.stats()["failed"] == 1 and service.stats()["served"] == 2
 
 
-def test_close_fails_what_is_still_queued_and_refuses_more():
-    service = InferenceService(_policies(), InferenceConfig(device="cpu"))
-    queued = service.submit("spread", _obs("spread", 1, 0))
-    service.close()  # never started: nothing served it
-    with pytest.raises(ServiceClosed):
-        queued.result(TIMEOUT)
+def test_close_serves_what_was_queued_then_refuses_more():
+    service = InferenceService(_policies(), InferenceConfig(device="cpu")).start()
+    queued = [service.submit("spread", _obs("spread", 1, i), timeout_s=TIMEOUT) for i in range(3)]
+    service.close()
+    assert all(f.result(TIMEOUT).action.shape == (1, 4) for f in queued)
     with pytest.raises(ServiceClosed):
         service.submit("spread", _obs("spread", 1, 0))
+    never_started = InferenceService(_policies(), InferenceConfig(device="cpu"))
+    orphan = never_started.submit("spread", _obs("spread", 1, 0))
+    never_started.close()  # nothing will ever serve it
+    with pytest.raises(ServiceClosed):
+        orphan.result(TIMEOUT)
 
 
 # -- recurrent policies, seeded sampling, GPU -----------------------------------------------------------------
