@@ -110,8 +110,8 @@ class TrainConfig:
     """A whole training run: environment, rollout, PPO, policy, budget, evaluation, outputs."""
 
     env: str = "CartPole-v1"
-    """Environment: a gymnasium id (``CartPole-v1``), ``mpe2:simple_spread_v3``, ``pettingzoo:classic.connect_four_v3``
-    or a built-in one (``builtin:cartpole``, ``builtin:spread``)."""
+    """Environment: a gymnasium id (``CartPole-v1``), ``mpe2:simple_spread_v3``, ``pettingzoo:classic.connect_four_v3``,
+    a VMAS scenario (``vmas:navigation``) or a built-in one (``builtin:cartpole``, ``builtin:spread``)."""
     env_kwargs: tuple[tuple[str, str], ...] = ()
     """Extra keyword arguments of the env constructor as ``(name, python literal)`` pairs."""
     seed: int = 0

@@ -4,6 +4,8 @@ Names:
 - ``builtin:cartpole``, ``builtin:spread``: Shoal's own vectorised torch envs;
 - ``mpe2:simple_spread_v3`` (any mpe2 module), ``pettingzoo:classic.connect_four_v3`` (any PettingZoo module):
   parallel or AEC PettingZoo envs, ``num_envs`` copies batched;
+- ``vmas:navigation`` (any VMAS scenario): one vectorised VMAS env through torchrl's ``VmasEnv`` and
+  :class:`adapters.torchrl_env.TorchRLEnv` (``--env-kwargs n_agents 3 continuous_actions False`` ...);
 - anything else: a gymnasium id (``CartPole-v1``), vectorised with ``SyncVectorEnv``.
 """
 
@@ -46,6 +48,15 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 
             return Spread(SpreadConfig(num_envs=num_envs, **kwargs))
         raise ValueError(f"unknown built-in env {which!r}: use builtin:cartpole or builtin:spread")
+    if name.startswith("vmas:"):  # a VMAS scenario through torchrl's VmasEnv: the batch lives in torch
+        from torchrl.envs.libs.vmas import VmasEnv
+
+        from adapters.torchrl_env import TorchRLEnv, TorchRLEnvConfig
+
+        payoff = kwargs.pop("payoff", "cooperative")
+        seed = kwargs.pop("seed", 0)
+        return TorchRLEnv(VmasEnv(name.split(":", 1)[1], num_envs=num_envs, seed=seed, **kwargs),
+                          TorchRLEnvConfig(payoff=payoff))
     if name.startswith(("mpe2:", "pettingzoo:")):
         family, module_name = name.split(":", 1)
         try:
@@ -85,6 +96,8 @@ def imports_code(name: str) -> str | None:
         return None if _GYM_ID.match(name) else f"env id {name!r} is not a gymnasium id"
     if family == "builtin":
         return None if rest.isidentifier() else f"built-in env {rest!r} is not a name"
+    if family == "vmas":
+        return None if rest.isidentifier() else f"VMAS scenario {rest!r} is not a name"
     if family in ("mpe2", "pettingzoo"):
         return None if _DOTTED.match(rest) else f"{family} module {rest!r} is not a dotted module name"
     return f"env id {name!r} makes gymnasium import the module {family!r}"

@@ -121,3 +121,16 @@ def test_sync_mode_trains_each_fragment_once_and_async_resume_says_it_is_not_exa
     streaming.train()
     assert not streaming.resume_exact  # fragments wait in the pool between iterations; a checkpoint drops them
     streaming.close()
+
+
+def test_a_vmas_scenario_trains_from_an_env_id():
+    pytest.importorskip("vmas")
+    config = TrainConfig(env="vmas:navigation", iterations=2, seed=0,
+                         env_kwargs=(("n_agents", "2"), ("continuous_actions", "False"), ("max_steps", "20")),
+                         rollout=RolloutConfig(num_envs=8, fragment_length=16))
+    trainer = build_trainer(config)
+    assert trainer.fleet.actors[0].env.num_envs == 8
+    for _ in range(2):
+        metrics = trainer.train()
+    assert metrics["policy_version"] == 2 and metrics["env_steps"] == 2 * 8 * 16 and metrics["episodes"] > 0
+    trainer.close()
