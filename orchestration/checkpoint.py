@@ -202,6 +202,10 @@ def validate_state(state: Any) -> None:
     history = state.get("history", {})
     _expect(isinstance(history, dict) and all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
                                               for v in history.values()), "'history'", "an object of number lists")
+    agents = state.get("agent_history", {})
+    _expect(isinstance(agents, dict) and all(isinstance(rows, list) and all(
+        isinstance(r, list) and all(isinstance(x, (int, float)) for x in r) for r in rows) for rows in agents.values()),
+        "'agent_history'", "an object of lists of number lists")
     learners = state.get("learners")
     _expect(isinstance(learners, dict) and bool(learners), "'learners'", "a non-empty object")
     for pid, entry in learners.items():

@@ -160,7 +160,13 @@ def _run(trainer, config: TrainConfig, resume: bool, progress: bool) -> dict[str
                 log.write(trainer.env_steps, metrics)
                 bar.update(1)
                 faults = int(sum(v for k, v in metrics.items() if k.startswith("env/")))
-                bar.set_postfix(ret=f"{metrics['episode_return_mean']:.1f}", sps=f"{metrics['env_steps_per_s']:.0f}",
+                wins = {k.split("/", 1)[1]: f"{v:.2f}" for k, v in metrics.items() if k.startswith("win_rate/")}
+                teams = {k.rsplit("/", 1)[1]: f"{v:.1f}" for k, v in metrics.items()
+                         if k.startswith("episode_return_mean/group/")}
+                headline = ({"win": "/".join(wins.values())} if wins else  # zero-sum: the summed return is 0
+                            {"ret": "/".join(teams.values())} if len(teams) > 1 else
+                            {"ret": f"{metrics['episode_return_mean']:.1f}"})
+                bar.set_postfix(**headline, sps=f"{metrics['env_steps_per_s']:.0f}",
                                 **({"env_faults": faults} if faults else {}))
                 if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration
                     shown = {k: round(v, 2) for k, v in metrics.items()

@@ -68,6 +68,9 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
         from adapters.pettingzoo_env import PettingZooAECEnv, PettingZooParallelEnv
 
         adapter_kwargs = {k: kwargs.pop(k) for k in ("payoff", "action_mask", "state") if k in kwargs}
+        if family == "pettingzoo" and module_name.startswith("classic.") and "payoff" not in adapter_kwargs:
+            # PettingZoo does not declare payoffs; its classic games are zero-sum, except the cooperative Hanabi
+            adapter_kwargs["payoff"] = "cooperative" if "hanabi" in module_name else "zero_sum"
         if shared_state is False:
             adapter_kwargs.setdefault("state", False)
         if hasattr(module, "parallel_env") and not kwargs.pop("aec", False):

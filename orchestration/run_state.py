@@ -35,7 +35,8 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     weights, tensors = {}, {}
     state: dict[str, Any] = {"config": config_to_dict(trainer.config), "tree": to_json(trainer.tree),
                              "iteration": raw["iteration"], "env_steps": raw["env_steps"], "produced": raw["produced"],
-                             "history": raw["history"], "learners": {}, "actors": [],
+                             "history": raw["history"], "agent_history": raw["agent_history"],
+                             "learners": {}, "actors": [],
                              "resume_exact": raw["resume_exact"]}
     for pid, learner in raw["learners"].items():
         weights.update({f"{pid}/{k}": _tensor(v) for k, v in learner["weights"].items()})
@@ -72,7 +73,8 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
         head = f"actor/{i}/"
         actors.append({"tensors": {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}, "json": meta})
     trainer.load_state_({"iteration": state["iteration"], "env_steps": state["env_steps"],
-                         "produced": state.get("produced", 0), "history": state["history"], "learners": learners,
+                         "produced": state.get("produced", 0), "history": state["history"],
+                         "agent_history": state.get("agent_history", {}), "learners": learners,
                          "actors": actors})
 
 

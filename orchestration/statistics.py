@@ -152,9 +152,8 @@ class EpisodeStatistics:
         new, self._new = sorted(self._new, key=lambda item: item[:2]), []
         out: dict[str, list] = {}
         for _, _, episodes in new:
-            for key, values in episodes.items():
-                if not key.startswith("agents/"):
-                    out.setdefault(key, []).extend(np.asarray(values).tolist())
+            for key, values in episodes.items():  # "agents/<group>": one [A] list per episode
+                out.setdefault(key, []).extend(np.asarray(values).tolist())
         return {"episodes": out, "summary": self.summary()}
 
 
@@ -214,5 +213,32 @@ def episode_metrics(history: Mapping[str, Sequence[float]]) -> dict[str, float]:
     return out
 
 
+def structure_metrics(agent_history: Mapping[str, Sequence[Sequence[float]]],
+                      group_specs: Mapping[str, Any]) -> dict[str, float]:
+    """Metrics that follow the population's structure, over the last finished episodes of each group.
+
+    Every group: ``episode_return_mean/group/<g>`` (its agents' returns summed: a team's return, reported
+    per group so that opposing groups never add up). Zero-sum populations: ``win_rate/<agent>``,
+    ``draw_rate/<agent>``, ``loss_rate/<agent>`` per seat (return > 0, == 0, < 0), since their summed
+    return is always 0.
+
+    Args:
+        agent_history: group -> per-episode ``[A]`` returns of its agents.
+        group_specs: :func:`core.specs.groups` of the env's tree (names, agent names, payoff).
+    """
+    out: dict[str, float] = {}
+    for group, spec in group_specs.items():
+        rows = np.asarray(list(agent_history.get(group, [])), dtype=np.float64).reshape(-1, spec.capacity)
+        if not len(rows):
+            continue
+        out[f"episode_return_mean/group/{group}"] = float(rows.sum(1).mean())
+        if spec.payoff == "zero_sum":
+            for slot, agent in enumerate(spec.agent_names):
+                out[f"win_rate/{agent}"] = float((rows[:, slot] > 0).mean())
+                out[f"draw_rate/{agent}"] = float((rows[:, slot] == 0).mean())
+                out[f"loss_rate/{agent}"] = float((rows[:, slot] < 0).mean())
+    return out
+
+
 __all__ = ["STAGES", "EpisodeStatistics", "PipelineMonitor", "TimedEnv", "episode_metrics", "fragment_accounting",
-           "merge_monitors"]
+           "merge_monitors", "structure_metrics"]

@@ -31,7 +31,8 @@ from typing import Any, Callable, Mapping
 from tensordict import TensorDictBase
 
 from orchestration.config import TrainConfig
-from orchestration.statistics import episode_metrics, fragment_accounting, merge_monitors
+from core.specs import groups
+from orchestration.statistics import episode_metrics, fragment_accounting, merge_monitors, structure_metrics
 
 
 class Trainer:
@@ -57,6 +58,9 @@ class Trainer:
         """Last 100 finished episodes: ``"return"``, ``"length"``, ``"return/<policy>"``."""
         self.last_episodes: dict[str, list[float]] = {}
         """The episodes that finished during the last iteration, same keys."""
+        self.agent_history: dict[str, deque[list[float]]] = {}
+        """Group -> every agent's return in the last 100 finished episodes (``[A]`` each)."""
+        self._group_specs = groups(tree)
         self._produced = 0
         self._started = self._closed = False
         self._final: dict[str, float] | None = None
@@ -191,11 +195,14 @@ class Trainer:
     # -- statistics and accounting -----------------------------------------------------------------------
     def _episodes(self) -> dict[str, float]:
         drained = self.fleet.episodes()
-        self.last_episodes = {k: list(v) for k, v in drained["episodes"].items()}
+        self.last_episodes = {k: list(v) for k, v in drained["episodes"].items() if not k.startswith("agents/")}
         for key, values in self.last_episodes.items():
             self.history.setdefault(key, deque(maxlen=100)).extend(values)
+        for key, rows in drained["episodes"].items():
+            if key.startswith("agents/"):
+                self.agent_history.setdefault(key.split("/", 1)[1], deque(maxlen=100)).extend(rows)
         return {"episodes": len(self.last_episodes.get("length", [])), **drained["summary"],
-                **episode_metrics(self.history)}
+                **episode_metrics(self.history), **structure_metrics(self.agent_history, self._group_specs)}
 
     def learner_reports(self) -> dict[str, dict]:
         """Each learning policy's ledger and counters (``Learner.report()``)."""
@@ -239,6 +246,7 @@ class Trainer:
         """Counters, episode history, every learner's state and the fleet's actors' states."""
         return {"iteration": self.iteration, "env_steps": self.env_steps, "produced": self._produced,
                 "history": {k: list(v) for k, v in self.history.items()},
+                "agent_history": {g: [list(r) for r in rows] for g, rows in self.agent_history.items()},
                 "learners": {pid: lrn.state() for pid, lrn in self.learners.items()},
                 "actors": self.fleet.state(), "resume_exact": self.resume_exact}
 
@@ -248,6 +256,8 @@ class Trainer:
         self.iteration, self.env_steps = int(state["iteration"]), int(state["env_steps"])
         for key, values in state["history"].items():
             self.history.setdefault(key, deque(maxlen=100)).extend(values)
+        for group, rows in state.get("agent_history", {}).items():
+            self.agent_history.setdefault(group, deque(maxlen=100)).extend(rows)
         restores_actors = bool(state["actors"]) and bool(self.fleet.state())
         for pid, learner in self.learners.items():
             learner_state = dict(state["learners"][pid])

@@ -134,3 +134,28 @@ def test_a_vmas_scenario_trains_from_an_env_id():
         metrics = trainer.train()
     assert metrics["policy_version"] == 2 and metrics["env_steps"] == 2 * 8 * 16 and metrics["episodes"] > 0
     trainer.close()
+
+
+def test_zero_sum_games_report_win_rates_and_competitive_groups_their_own_returns():
+    from orchestration.statistics import structure_metrics
+
+    four = build_trainer(TrainConfig(env="pettingzoo:classic.connect_four_v3", iterations=1, seed=0,
+                                     rollout=RolloutConfig(num_envs=8, fragment_length=64)))
+    metrics = four.train()
+    assert metrics["episodes"] > 0 and metrics["episode_return_mean"] == 0.0  # zero-sum: the sum says nothing
+    for seat in ("player_0", "player_1"):
+        rates = [metrics[f"{kind}_rate/{seat}"] for kind in ("win", "draw", "loss")]
+        assert sum(rates) == pytest.approx(1.0)
+    assert metrics["win_rate/player_0"] == pytest.approx(metrics["loss_rate/player_1"])  # one winner per game
+    four.close()
+    adversary = build_trainer(TrainConfig(env="mpe2:simple_adversary_v3", iterations=1, seed=0,
+                                          env_kwargs=(("max_cycles", "10"),),
+                                          rollout=RolloutConfig(num_envs=4, fragment_length=20)))
+    metrics = adversary.train()
+    teams = {k for k in metrics if k.startswith("episode_return_mean/group/")}
+    assert teams == {"episode_return_mean/group/adversary", "episode_return_mean/group/agent"}
+    assert not any(k.startswith("win_rate/") for k in metrics)  # general-sum: no win rates
+    adversary.close()
+    spec = type("Spec", (), {"capacity": 2, "payoff": "zero_sum", "agent_names": ("a", "b")})()
+    out = structure_metrics({"g": [[1.0, -1.0], [0.0, 0.0], [-1.0, 1.0], [1.0, -1.0]]}, {"g": spec})
+    assert (out["win_rate/a"], out["draw_rate/a"], out["loss_rate/a"]) == (0.5, 0.25, 0.25)
