@@ -6,7 +6,10 @@ Names:
   parallel or AEC PettingZoo envs, ``num_envs`` copies batched;
 - ``vmas:navigation`` (any VMAS scenario): one vectorised VMAS env through torchrl's ``VmasEnv`` and
   :class:`adapters.torchrl_env.TorchRLEnv` (``--env-kwargs n_agents 3 continuous_actions False`` ...);
-- anything else: a gymnasium id (``CartPole-v1``), vectorised with ``SyncVectorEnv``.
+- ``package.module:factory``: a user's factory (no arguments but ``env_kwargs``) returning a gymnasium env, a
+  PettingZoo parallel or AEC env, or a batched torchrl env (:func:`from_factory`);
+- anything else: a gymnasium id (``CartPole-v1``, or gymnasium's ``module:EnvId``), vectorised with
+  ``SyncVectorEnv``.
 """
 
 from __future__ import annotations
@@ -77,9 +80,62 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
             return PettingZooParallelEnv(partial(module.parallel_env, **kwargs), num_envs, check=check,
                                          **adapter_kwargs)
         return PettingZooAECEnv(partial(module.env, **kwargs), num_envs, check=check, **adapter_kwargs)
+    if ":" in name and (factory := _factory(name)) is not None:
+        return from_factory(name, factory, num_envs, check=check, kwargs=kwargs)
     from adapters.gymnasium_env import make_gymnasium
 
     return make_gymnasium(name, num_envs, check=check, **kwargs)
+
+
+def _factory(name: str):
+    """The callable ``module:attr`` names, or None when ``attr`` is not an attribute of the module (then
+    ``name`` is gymnasium's ``module:EnvId`` form: gymnasium imports the module and looks the id up)."""
+    module_name, attr = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise ValueError(f"env {name!r}: cannot import module {module_name!r} ({err}); a custom env is given as "
+                         f"package.module:factory, with the package importable (e.g. on PYTHONPATH)") from None
+    factory = getattr(module, attr, None)
+    return factory if callable(factory) else None
+
+
+def from_factory(name: str, factory, num_envs: int, *, check: str = "strict", kwargs: dict[str, Any] | None = None):
+    """``num_envs`` envs from a user's factory: whatever it returns (a gymnasium env, a PettingZoo parallel or
+    AEC env, a torchrl ``EnvBase`` that is already batched) gets the matching adapter.
+
+    Raises:
+        ValueError: the factory returns something else (named, with the types it may return).
+    """
+    import gymnasium
+
+    kwargs = dict(kwargs or {})
+    adapter_kwargs = {k: kwargs.pop(k) for k in ("payoff", "action_mask", "state") if k in kwargs}
+    make = partial(factory, **kwargs)
+    probe = make()
+    if isinstance(probe, gymnasium.Env):
+        from gymnasium.vector import SyncVectorEnv
+
+        from adapters.gymnasium_env import GymnasiumVectorEnv
+
+        probe.close()
+        return GymnasiumVectorEnv(SyncVectorEnv([make] * num_envs), check=check)
+    from pettingzoo import AECEnv, ParallelEnv
+
+    if isinstance(probe, (ParallelEnv, AECEnv)):
+        from adapters.pettingzoo_env import PettingZooAECEnv, PettingZooParallelEnv
+
+        probe.close()
+        cls = PettingZooParallelEnv if isinstance(probe, ParallelEnv) else PettingZooAECEnv
+        return cls(make, num_envs, check=check, **adapter_kwargs)
+    from torchrl.envs import EnvBase
+
+    if isinstance(probe, EnvBase):
+        from adapters.torchrl_env import TorchRLEnv, TorchRLEnvConfig
+
+        return TorchRLEnv(probe, TorchRLEnvConfig(**adapter_kwargs))
+    raise ValueError(f"env factory {name!r} returned {type(probe).__name__}; it must return a gymnasium.Env, a "
+                    f"PettingZoo ParallelEnv or AECEnv, or a torchrl EnvBase")
 
 
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -123,4 +179,4 @@ def make_run_env(config, num_envs: int):
     return EnvWorkerPool([partial(build, n) for n in sizes], pool_config)
 
 
-__all__ = ["imports_code", "make_env", "make_run_env", "parse_kwargs"]
+__all__ = ["from_factory", "imports_code", "make_env", "make_run_env", "parse_kwargs"]

@@ -14,8 +14,9 @@ from typing import Mapping
 class MetricsLog:
     """Appends one row of scalar metrics per iteration to ``DIR/metrics.csv`` and TensorBoard.
 
-    Columns are fixed by the first row; later keys that were not there are added to TensorBoard only
-    (CSV readers choke on a header that changes mid-file).
+    A key that appears later (evaluation metrics every N iterations, a win rate once a game ends) adds a
+    column: the file is rewritten once with the wider header (earlier rows get empty cells), so the header
+    always describes every row and nothing is dropped.
     """
 
     def __init__(self, directory: str | Path, *, tensorboard: bool = True, resume: bool = False,
@@ -52,6 +53,8 @@ class MetricsLog:
             self._columns = list(row)
             with open(self.csv_path, "w", newline="") as f:
                 csv.writer(f).writerow(self._columns)
+        elif new := [k for k in row if k not in self._columns]:
+            self._widen(new)
         with open(self.csv_path, "a", newline="") as f:
             csv.writer(f).writerow([row.get(c, "") for c in self._columns])
         if self._writer is not None:
@@ -59,6 +62,18 @@ class MetricsLog:
                 if k != "env_steps" and math.isfinite(v):
                     self._writer.add_scalar(k, v, step)
             self._writer.flush()
+
+    def _widen(self, new: list[str]) -> None:
+        """Rewrites the CSV with ``new`` columns appended to the header (atomically: write, then rename)."""
+        with open(self.csv_path, newline="") as f:
+            rows = list(csv.reader(f))[1:]
+        self._columns = [*self._columns, *new]
+        tmp = self.csv_path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(self._columns)
+            writer.writerows(r + [""] * (len(self._columns) - len(r)) for r in rows)
+        tmp.replace(self.csv_path)
 
     def close(self) -> None:
         """Flushes TensorBoard."""

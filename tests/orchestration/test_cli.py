@@ -111,3 +111,52 @@ def test_zero_iterations_is_a_valid_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     main(["train", "builtin:cartpole", "--iterations", "0", "--no-progress", "--run-dir", "z"])
     assert (tmp_path / "z" / "checkpoints" / "latest").exists()
+
+
+CUSTOM_ENVS = '''
+import gymnasium
+from mpe2 import simple_spread_v3
+
+
+def make_spread(max_cycles=10):
+    return simple_spread_v3.parallel_env(max_cycles=max_cycles)
+
+
+def make_spread_aec():
+    return simple_spread_v3.env(max_cycles=10)
+
+
+def make_cartpole():
+    return gymnasium.make("CartPole-v1")
+
+
+def make_nothing():
+    return 42
+'''
+
+
+@pytest.mark.parametrize("factory, kind", [("make_spread", "PettingZooParallelEnv"),
+                                           ("make_spread_aec", "PettingZooAECEnv"),
+                                           ("make_cartpole", "GymnasiumVectorEnv")])
+def test_a_custom_env_factory_trains_from_the_cli(tmp_path, monkeypatch, factory, kind):
+    from orchestration.cli import main
+    from orchestration.envs import make_env
+
+    (tmp_path / "my_envs.py").write_text(CUSTOM_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert type(make_env(f"my_envs:{factory}", 2)).__name__ == kind
+    main(["train", f"my_envs:{factory}", "--iterations", "1", "--rollout.num-envs", "2",
+          "--rollout.fragment-length", "16", "--no-progress", "--run-dir", "run"])
+    assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+def test_a_factory_returning_something_else_is_named(tmp_path, monkeypatch, capsys):
+    from orchestration.cli import main
+
+    (tmp_path / "my_envs.py").write_text(CUSTOM_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["train", "my_envs:make_nothing", "--no-progress"])
+    assert "returned int" in capsys.readouterr().err

@@ -369,3 +369,15 @@ def test_in_strict_mode_a_faulty_env_stops_the_run_with_a_named_error_and_a_chec
     assert re.search(r"env worker \d \(envs \d\.\.\d of the batch\) raised RuntimeError: the simulator raised",
                      out.stderr), out.stderr[-2000:]
     assert ckpt.load_checkpoint(run / "checkpoints")[2]["iteration"] == 1  # the iteration before the fault survives
+
+
+def test_metrics_that_appear_later_get_their_own_column_and_keep_earlier_rows(tmp_path):
+    from orchestration.metrics_log import MetricsLog, read_csv
+
+    log = MetricsLog(tmp_path, tensorboard=False)
+    log.write(10, {"iteration": 1, "loss": 0.5})
+    log.write(20, {"iteration": 2, "loss": 0.4, "eval_return_mean": 9.0})  # evaluation every 2 iterations
+    log.write(30, {"iteration": 3, "loss": 0.3})
+    data = read_csv(tmp_path / "metrics.csv")
+    assert data["iteration"] == [1, 2, 3] and data["eval_return_mean"][1] == 9.0
+    assert all(v != v for v in (data["eval_return_mean"][0], data["eval_return_mean"][2]))  # empty cells: NaN
