@@ -1,9 +1,13 @@
-"""The ``shoal`` command: ``train``, ``evaluate`` and ``export``.
+"""The ``shoal`` command: ``train``, ``evaluate``, ``export`` and ``plot``.
 
     shoal train CartPole-v1 --iterations 40                 # flags map onto TrainConfig (see --help)
-    shoal train --config-file run.json --resume             # a JSON config file, flags override it
-    shoal evaluate runs/shoal/checkpoints --episodes 20
-    shoal export runs/shoal/checkpoints --out policy/       # torch.export programs, no Shoal needed to run them
+    shoal train --config-file run.yaml                      # a YAML or JSON config file, flags override it
+    shoal train --resume --run-dir runs/RUN                 # continue a run from its latest checkpoint
+    shoal evaluate runs/RUN/checkpoints --episodes 20
+    shoal export runs/RUN/checkpoints --out policy/         # torch.export programs, no Shoal needed to run them
+    shoal plot runs/A runs/B runs/C --out curve.png         # mean and 95% interval over seeds, final IQM
+
+Each ``shoal train`` writes to a fresh ``runs/<env>__<seed>__<time>`` unless ``--run-dir`` names one.
 """
 
 from __future__ import annotations
@@ -27,10 +31,33 @@ from orchestration.metrics_log import MetricsLog, plot_learning_curve
 from orchestration.run_state import load_config, restore_trainer_, trainer_state
 
 
+def _check_keys(raw: dict, config, where: str) -> None:
+    """Refuses a key that is no field of ``config`` (a dataclass), naming it and its nearest valid spelling."""
+    import difflib
+
+    names = [f.name for f in dataclasses.fields(config)]
+    for key, value in raw.items():
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1)
+            raise ValueError(f"config file: unknown key '{where}{key}'" + (f" (did you mean '{where}{near[0]}'?)"
+                             if near else f"; valid keys: {', '.join(names)}"))
+        field = getattr(config, key)
+        if isinstance(value, dict) and dataclasses.is_dataclass(field):
+            _check_keys(value, field, f"{where}{key}.")
+
+
 def _config_from_file(path: str) -> TrainConfig:
+    """A TrainConfig from a YAML or JSON file (any subset of the fields, nested as the dataclasses are);
+    strict: an unknown key is an error naming it and its nearest valid spelling."""
+    import yaml
+
     with open(path) as f:
-        raw = json.load(f)
-    base = json.loads(json.dumps(dataclasses.asdict(TrainConfig())))
+        raw = yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path}: expected a mapping of TrainConfig fields, got {type(raw).__name__}")
+    default = TrainConfig()
+    _check_keys(raw, default, "")
+    base = json.loads(json.dumps(dataclasses.asdict(default)))
     for key, value in raw.items():
         if isinstance(value, dict):
             base[key].update(value)
@@ -101,7 +128,11 @@ def _setup_training(argv: list[str]):
     default = _config_from_file(config_file) if config_file else TrainConfig()
     ckpt_root = None
     if resume:
-        ckpt_root = Path(default.run_dir if config_file else _run_dir_from(rest, default)) / "checkpoints"
+        named = _run_dir_from(rest, default)
+        if not named:
+            raise ValueError("--resume continues a run: name its directory with --run-dir RUN (runs/ holds one "
+                             "directory per run)")
+        ckpt_root = Path(named) / "checkpoints"
         saved = load_config(load_checkpoint(ckpt_root)[2])
         default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
         if "--env" not in rest and (why := imports_code(saved.env)):
@@ -110,6 +141,10 @@ def _setup_training(argv: list[str]):
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train",
                       description="Train with PPO. ENV may be given as the first argument.")
+    if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.env)
+        config = dataclasses.replace(config, run_dir=str(_fresh(Path("runs") / f"{name}__{config.seed}__{stamp}")))
     torch.set_num_threads(config.threads)
     ckpt_root = Path(config.run_dir) / "checkpoints"
     clean_stale(ckpt_root)  # half-written checkpoints a killed run left
@@ -138,6 +173,7 @@ def _run(trainer, config: TrainConfig, resume: bool, progress: bool) -> dict[str
                   file=sys.stderr)
     log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str))
+    (run_dir / "run.json").write_text(json.dumps(_provenance(), indent=1))
     bar = tqdm(total=config.iterations, initial=trainer.iteration, disable=not progress, unit="it",
                dynamic_ncols=True, file=sys.stdout)
     metrics: dict[str, float] = {}
@@ -204,6 +240,37 @@ def _save_anyway(checkpoint) -> None:
 def _checkpoint_parts(trainer):
     weights, tensors, state = trainer_state(trainer)
     return {"weights": weights, "tensors": tensors, "state": state}
+
+
+def _fresh(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... when a run started in the same second took it."""
+    candidate, k = path, 1
+    while candidate.exists():
+        k += 1
+        candidate = path.with_name(f"{path.name}-{k}")
+    return candidate
+
+
+def _provenance() -> dict[str, Any]:
+    """What produced a run: Shoal's version and git commit, the command line, library versions, the host."""
+    import importlib.metadata
+    import platform
+    import subprocess
+
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"shoal_version": version("shoal"), "git_commit": commit, "argv": sys.argv, "started": time.time(),
+            "python": platform.python_version(), "torch": torch.__version__, "ray": version("ray"),
+            "torchrl": version("torchrl"), "tensordict": version("tensordict"), "host": platform.node()}
 
 
 def _run_dir_from(args: list[str], default: TrainConfig) -> str:
@@ -378,6 +445,16 @@ def user_errors(command: str):
         raise SystemExit(2) from None
 
 
+def plot(runs: tyro.conf.Positional[list[str]], out: str = "runs.png", metric: str = "episode_return_mean") -> dict:
+    """Draws ``metric`` against env steps for several runs (seeds): their mean and 95% interval, into ``out``;
+    prints the final values, their mean with its 95% interval and their interquartile mean (IQM)."""
+    from orchestration.metrics_log import plot_runs
+
+    summary = plot_runs(runs, out, y=metric)
+    print(json.dumps(summary))
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``shoal`` command."""
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -394,8 +471,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif command == "export":
         with user_errors("export"):
             tyro.cli(export, args=rest, prog="shoal export")
+    elif command == "plot":
+        with user_errors("plot"):
+            tyro.cli(plot, args=rest, prog="shoal plot")
     else:
-        raise SystemExit(f"unknown command {command!r}: use train, evaluate or export")
+        raise SystemExit(f"unknown command {command!r}: use train, evaluate, export or plot")
 
 
 if __name__ == "__main__":

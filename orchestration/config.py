@@ -150,8 +150,9 @@ class TrainConfig:
     max_skipped_updates: int = 3
     """Stop with an error naming the policy and the first non-finite tensor after this many consecutive
     updates whose every step was skipped (non-finite loss or gradients); 0 never stops."""
-    run_dir: str = "runs/shoal"
-    """Directory for metrics.csv, TensorBoard files, the learning-curve PNG and checkpoints."""
+    run_dir: str = ""
+    """Directory for metrics.csv, TensorBoard files, the learning-curve PNG, checkpoints and run.json; empty:
+    a fresh ``runs/<env>__<seed>__<time>`` per run (``--resume`` needs the directory named)."""
     device: str = "auto"
     """Learner device: ``auto`` (CUDA when present), ``cpu`` or ``cuda[:i]``."""
     threads: int = 1

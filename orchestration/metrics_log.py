@@ -119,4 +119,76 @@ def plot_learning_curve(csv_path: str | Path, png_path: str | Path, *, y: str = 
     return Path(png_path)
 
 
-__all__ = ["MetricsLog", "plot_learning_curve", "read_csv"]
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 15: 2.13,
+        20: 2.09, 30: 2.04}
+
+
+def _t95(dof: int) -> float:
+    """Two-sided 95% Student-t quantile (table; 1.96 past 30 degrees of freedom)."""
+    return next((v for k, v in sorted(_T95.items()) if dof <= k), 1.96)
+
+
+def interquartile_mean(values: list[float]) -> float:
+    """Mean of the middle 50% of ``values`` (rliable's IQM: robust to a few outlying seeds)."""
+    import numpy as np
+
+    x = np.sort(np.asarray(values, dtype=np.float64))
+    n = len(x)
+    if n == 0:
+        return math.nan
+    lo, hi = n * 0.25, n * 0.75  # fractional trimming, as scipy.stats.trim_mean with weights at the edges
+    weights = np.clip(np.minimum(np.arange(1, n + 1), hi) - np.maximum(np.arange(n), lo), 0, 1)
+    return float((x * weights).sum() / weights.sum())
+
+
+def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode_return_mean",
+              points: int = 200) -> dict:
+    """Mean curve of ``y`` over several runs (seeds) against env steps, with a 95% t-interval, into a PNG.
+
+    Each run's curve is interpolated onto a common grid of env steps (up to the shortest run's last step).
+    Returns the summary: runs, final values, their mean with its 95% interval, and their IQM.
+
+    Raises:
+        ValueError: a run without ``metrics.csv`` or without column ``y`` (named).
+    """
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = []
+    for run in runs:
+        path = Path(run) / "metrics.csv"
+        if not path.exists():
+            raise ValueError(f"shoal plot: {run} has no metrics.csv (is it a run directory?)")
+        data = read_csv(path)
+        if y not in data:
+            raise ValueError(f"shoal plot: {path} has no column {y!r}; it has {sorted(data)}")
+        xs, ys = np.asarray(data["env_steps"]), np.asarray(data[y])
+        keep = np.isfinite(ys)
+        curves.append((xs[keep], ys[keep]))
+    end = min(float(xs[-1]) for xs, _ in curves if len(xs))
+    grid = np.linspace(min(float(xs[0]) for xs, _ in curves), end, points)
+    stacked = np.stack([np.interp(grid, xs, ys) for xs, ys in curves])  # [runs, points]
+    n = len(curves)
+    mean = stacked.mean(0)
+    half = _t95(n - 1) * stacked.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.zeros_like(mean)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(grid, mean, label=f"{y}: mean of {n} runs")
+    ax.fill_between(grid, mean - half, mean + half, alpha=0.25, label="95% interval")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel(y)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    finals = [float(ys[-1]) for _, ys in curves]
+    final_half = _t95(n - 1) * float(np.std(finals, ddof=1)) / math.sqrt(n) if n > 1 else 0.0
+    return {"runs": [str(r) for r in runs], "metric": y, "final": finals, "final_mean": float(np.mean(finals)),
+            "final_ci95": [float(np.mean(finals)) - final_half, float(np.mean(finals)) + final_half],
+            "final_iqm": interquartile_mean(finals), "plot": str(png_path)}
+
+
+__all__ = ["MetricsLog", "interquartile_mean", "plot_learning_curve", "plot_runs", "read_csv"]

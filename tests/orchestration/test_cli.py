@@ -160,3 +160,40 @@ def test_a_factory_returning_something_else_is_named(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit):
         main(["train", "my_envs:make_nothing", "--no-progress"])
     assert "returned int" in capsys.readouterr().err
+
+
+def test_runs_get_their_own_directories_with_provenance_and_plot_draws_them(tmp_path, monkeypatch):
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for seed in ("0", "1"):
+        main(["train", "builtin:cartpole", "--iterations", "2", "--rollout.num-envs", "4",
+              "--rollout.fragment-length", "16", "--seed", seed, "--no-progress"])
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert [r.name.split("__")[:2] for r in runs] == [["builtin_cartpole", "0"], ["builtin_cartpole", "1"]]
+    provenance = json.loads((runs[0] / "run.json").read_text())
+    assert provenance["shoal_version"] and "torch" in provenance
+    main(["plot", *map(str, runs), "--out", str(tmp_path / "curve.png"), "--metric", "loss_value"])
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_a_yaml_config_is_strict_and_reproduces_a_run(tmp_path, monkeypatch, capsys):
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.yaml").write_text("env: builtin:cartpole\nrollout:\n  num_env: 4\n")
+    with pytest.raises(SystemExit):
+        main(["train", "--config-file", "bad.yaml", "--no-progress"])
+    assert "unknown key 'rollout.num_env' (did you mean 'rollout.num_envs'?)" in capsys.readouterr().err
+    (tmp_path / "run.yaml").write_text("env: builtin:cartpole\niterations: 2\nseed: 5\n"
+                                       "rollout: {num_envs: 4, fragment_length: 16}\nppo: {num_epochs: 2}\n")
+    for name in ("a", "b"):
+        main(["train", "--config-file", "run.yaml", "--run-dir", name, "--no-progress"])
+    assert _rows(tmp_path / "a/metrics.csv")[-1]["loss_value"] == _rows(tmp_path / "b/metrics.csv")[-1]["loss_value"]
+
+
+def test_interquartile_mean_trims_a_quarter_each_side():
+    from orchestration.metrics_log import interquartile_mean
+
+    assert interquartile_mean([1, 2, 3, 4]) == 2.5 and interquartile_mean([0, 10, 10, 1000]) == 10.0
+    assert interquartile_mean([1, 2, 3, 4, 5, 6, 7, 8]) == 4.5
