@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, ENTROPY, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE,
                          STATE_VALUE)
-from core.specs import GroupSpec, Node, Tree, groups, shared_observations
+from core.specs import GroupSpec, Node, Tree, groups, iter_leaves, shared_observations
 
 from .composite import ActionHeads
 from .config import PolicyConfig
@@ -60,13 +60,17 @@ class GroupPolicy(nn.Module):
         # pickles nor deep-copies, and policies must (Ray transport, frozen opponent copies).
         self.group_name, self.config = group.name, config
         self.num_agents = a = group.capacity
+        images = {"image_encoder": config.image_encoder, "image_features": config.image_features}
         self.actor_encoder = ObservationEncoder(group.agent.observation, include_eval_only=False,
-                                                name=f"group {group.name}: observation")
+                                                name=f"group {group.name}: observation", **images)
         if not self.actor_encoder.paths:
             raise ValueError(f"group {group.name}: every observation leaf is eval_only, the actor sees nothing")
-        self.critic_encoder = ObservationEncoder(group.agent.observation, include_eval_only=True,
-                                                 name=f"group {group.name}: critic observation")
-        self._critic_reuses_actor_input = self.critic_encoder.paths == self.actor_encoder.paths
+        critic_paths = [p for p, _ in iter_leaves(group.agent.observation)]
+        self._critic_reuses_actor_input = critic_paths == self.actor_encoder.paths
+        # The critic reads the actor's encoding when it sees the same leaves (a CNN trunk is then shared, as
+        # in CleanRL's Atari PPO); else it has an encoder of its own, eval-only leaves included.
+        self.critic_encoder = None if self._critic_reuses_actor_input else ObservationEncoder(
+            group.agent.observation, include_eval_only=True, name=f"group {group.name}: critic observation", **images)
         central = config.critic == "central"
         self.shared_encoder = SharedEncoder(shared, group.population_path) if central and shared else None
         if self.shared_encoder is not None and not self.shared_encoder.paths:
@@ -92,7 +96,7 @@ class GroupPolicy(nn.Module):
             width = config.recurrent_size
         self.actor_out = init_linear_(nn.Linear(width, self.heads.num_params), config.actor_output_gain)
 
-        f_c = self.critic_encoder.out_features
+        f_c = (self.critic_encoder or self.actor_encoder).out_features
         critic_in = f_c + ids
         if central:
             critic_in += a * f_c + (self.shared_encoder.out_features if self.shared_encoder is not None else 0)
@@ -138,7 +142,7 @@ class GroupPolicy(nn.Module):
         if actor_features is not None and self._critic_reuses_actor_input:
             own = actor_features
         else:
-            own = self.critic_encoder.encode(obs[OBSERVATION])
+            own = (self.critic_encoder or self.actor_encoder).encode(obs[OBSERVATION])
         parts = [own]
         if self.config.critic == "central":
             mask = obs.get(MASK, None)

@@ -45,6 +45,12 @@ class PolicyConfig:
     """Orthogonal-init gain of the action-parameter layer: near-uniform initial policy (detail 2)."""
     critic_output_gain: float = 1.0
     """Orthogonal-init gain of the value output layer (detail 2)."""
+    image_encoder: Literal["nature", "impala", "flatten"] = "nature"
+    """Encoder of image leaves (3-D boxes with 1, 3 or 4 channels first or last and sides >= 8): the Nature
+    DQN CNN (Mnih et al. 2015; a 3x3 variant below 36 pixels), the IMPALA CNN (Espeholt et al. 2018), or
+    ``flatten`` (every pixel an MLP input, as vectors are)."""
+    image_features: int = 512
+    """Width of an image encoder's output (its last linear layer)."""
 
     def __post_init__(self) -> None:
         sizes = self.hidden_sizes
@@ -63,6 +69,10 @@ class PolicyConfig:
                    "a finite number", getattr(self, name))
         for name in ("hidden_gain", "actor_output_gain", "critic_output_gain"):
             _check(getattr(self, name) > 0, name, "> 0", getattr(self, name))
+        _check(self.image_encoder in ("nature", "impala", "flatten"), "image_encoder",
+               "'nature', 'impala' or 'flatten'", self.image_encoder)
+        _check(_is_int(self.image_features) and self.image_features >= 1, "image_features", "an int >= 1",
+               self.image_features)
 
 
 def _is_int(x: object) -> bool:

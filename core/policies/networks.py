@@ -1,8 +1,9 @@
 """Building blocks of a group policy: orthogonally initialised MLPs and the observation encoder.
 
-The encoder turns an agent's observation tree into one float vector per agent: every leaf is flattened in
-:func:`core.specs.iter_leaves` order (box: cast to float; discrete: one-hot of ``n``; multi_discrete:
-one-hot per component, concatenated; binary: cast to float) and the pieces are concatenated. Eval-only
+The encoder turns an agent's observation tree into one float vector per agent: every leaf is encoded in
+:func:`core.specs.iter_leaves` order (box: cast to float; an image box: a CNN, :class:`ImageEncoder`;
+discrete: one-hot of ``n``; multi_discrete: one-hot per component, concatenated; binary: cast to float) and the
+pieces are concatenated. Eval-only
 leaves are skipped unless the encoder is built for a critic. One-hots are written as ``x == arange`` so the
 same code runs under ``torch.export`` (``F.one_hot`` checks its input values, a data-dependent guard).
 """
@@ -61,6 +62,69 @@ def _leaf_width(leaf: Leaf) -> int:
     return math.prod(leaf.shape)
 
 
+def image_layout(leaf: Leaf) -> str | None:
+    """``"chw"`` or ``"hwc"`` when ``leaf`` is an image: a 3-D box with 1, 3 or 4 channels first or last and both
+    spatial sides >= 8 (channels last wins a tie, as gymnasium and PettingZoo images come); else None."""
+    if leaf.kind != "box" or len(leaf.shape) != 3:
+        return None
+    if leaf.shape[2] in (1, 3, 4) and min(leaf.shape[:2]) >= 8:
+        return "hwc"
+    if leaf.shape[0] in (1, 3, 4) and min(leaf.shape[1:]) >= 8:
+        return "chw"
+    return None
+
+
+class _Residual(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
+
+
+class ImageEncoder(nn.Module):
+    """A CNN from an image leaf ``[*B, C, H, W]`` or ``[*B, H, W, C]`` (uint8 scaled by 1/255, floats as they
+    are) to ``[*B, out_features]``. ``arch``: ``"nature"`` (32x8x8/4, 64x4x4/2, 64x3x3/1; 3x3 kernels with
+    strides 1, 2, 1 below 36 pixels), or ``"impala"`` (three stacks of conv 3x3, max-pool 3x3/2 and two
+    residual blocks, 16/32/32 channels). Images stay uint8 until here: fragments and the wire carry bytes."""
+
+    def __init__(self, leaf: Leaf, layout: str, *, arch: str = "nature", out_features: int = 512) -> None:
+        super().__init__()
+        self.channels_last = layout == "hwc"
+        c, h, w = (leaf.shape[2], *leaf.shape[:2]) if self.channels_last else leaf.shape
+        self.scale = 1.0 / 255.0 if leaf.dtype == torch.uint8 else 1.0
+        if arch == "impala":
+            layers: list[nn.Module] = []
+            for out in (16, 32, 32):
+                layers += [nn.Conv2d(c, out, 3, padding=1), nn.MaxPool2d(3, 2, padding=1), _Residual(out),
+                           _Residual(out)]
+                c = out
+            layers.append(nn.ReLU())
+        elif min(h, w) >= 36:
+            layers = [nn.Conv2d(c, 32, 8, 4), nn.ReLU(), nn.Conv2d(32, 64, 4, 2), nn.ReLU(), nn.Conv2d(64, 64, 3, 1),
+                      nn.ReLU()]
+        else:
+            layers = [nn.Conv2d(c, 32, 3, 1), nn.ReLU(), nn.Conv2d(32, 64, 3, 2), nn.ReLU(), nn.Conv2d(64, 64, 3, 1),
+                      nn.ReLU()]
+        self.convs = nn.Sequential(*layers)
+        with torch.no_grad():
+            flat = self.convs(torch.zeros(1, c if arch != "impala" else (leaf.shape[2] if self.channels_last
+                                                                         else leaf.shape[0]), h, w)).numel()
+        self.head = init_linear_(nn.Linear(flat, out_features), math.sqrt(2.0))
+        self.out_features = out_features
+
+    def forward(self, x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        lead = x.shape[:-3]
+        x = x.reshape(-1, *x.shape[-3:]).to(dtype)
+        if self.channels_last:
+            x = x.permute(0, 3, 1, 2)
+        if self.scale != 1.0:
+            x = x * self.scale
+        return torch.relu(self.head(self.convs(x).flatten(1))).reshape(*lead, self.out_features)
+
+
 class ObservationEncoder(nn.Module):
     """Flattens the leaves of one observation node into ``[*B, out_features]`` floats (module docstring).
 
@@ -70,14 +134,22 @@ class ObservationEncoder(nn.Module):
         out_features: width of the encoding.
     """
 
-    def __init__(self, node: Node, *, include_eval_only: bool, name: str = "observation") -> None:
+    def __init__(self, node: Node, *, include_eval_only: bool, name: str = "observation",
+                 image_encoder: str = "nature", image_features: int = 512) -> None:
         super().__init__()
         self.name = name
         """What error messages call the node (e.g. ``"group speaker_0: observation"``)."""
         kept = [(p, leaf) for p, leaf in iter_leaves(node) if include_eval_only or not leaf.eval_only]
         self.paths: list[Path] = [p for p, _ in kept]
         self.leaves: list[Leaf] = [leaf for _, leaf in kept]
-        self.out_features = sum(_leaf_width(leaf) for leaf in self.leaves)
+        #: leaf index (as a string) -> CNN, for image leaves (PolicyConfig.image_encoder)
+        self.images = nn.ModuleDict()
+        if image_encoder != "flatten":
+            for i, leaf in enumerate(self.leaves):
+                if (layout := image_layout(leaf)) is not None:
+                    self.images[str(i)] = ImageEncoder(leaf, layout, arch=image_encoder, out_features=image_features)
+        self.out_features = sum(self.images[str(i)].out_features if str(i) in self.images else _leaf_width(leaf)
+                                for i, leaf in enumerate(self.leaves))
         for i, leaf in enumerate(self.leaves):
             if leaf.kind == "discrete":
                 self.register_buffer(f"_arange{i}", torch.arange(leaf.n) + leaf.start, persistent=False)
@@ -124,6 +196,8 @@ class ObservationEncoder(nn.Module):
             elif leaf.kind == "multi_discrete":
                 index = (x.long() + getattr(self, f"_offsets{i}")).unsqueeze(-1)   # [*B, K, 1]
                 parts.append((index == getattr(self, f"_arange{i}")).any(-2).to(dtype))
+            elif str(i) in self.images:
+                parts.append(self.images[str(i)](x, dtype))
             elif leaf.shape:
                 parts.append(x.flatten(-len(leaf.shape)).to(dtype))
             else:
