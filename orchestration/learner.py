@@ -203,6 +203,14 @@ class PPOLearner:
         """
         batch = concat_fragments(fragments).to(self.device)
         metrics: dict[str, float] = {}
+        for group in self.groups:  # running observation statistics first: this update trains with them
+            g = batch.get(group)
+            slots = self.groups[group]
+            mask = g.get(MASK, None)
+            if slots is not None:
+                mask = (mask if mask is not None else torch.ones(g.batch_size, dtype=torch.bool,
+                                                                 device=self.device)) & slots.to(self.device)
+            self.policy.observe_(g.get(OBSERVATION), mask)
         for group in self.groups:
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step

@@ -60,7 +60,8 @@ class GroupPolicy(nn.Module):
         # pickles nor deep-copies, and policies must (Ray transport, frozen opponent copies).
         self.group_name, self.config = group.name, config
         self.num_agents = a = group.capacity
-        images = {"image_encoder": config.image_encoder, "image_features": config.image_features}
+        images = {"image_encoder": config.image_encoder, "image_features": config.image_features,
+                  "normalize": config.normalize_observations}
         self.actor_encoder = ObservationEncoder(group.agent.observation, include_eval_only=False,
                                                 name=f"group {group.name}: observation", **images)
         if not self.actor_encoder.paths:
@@ -319,6 +320,14 @@ class GroupPolicy(nn.Module):
         if not self.heads.exact_log_prob:
             raise ValueError(f"group {self.group_name}: its action heads cannot recompute log-probabilities")
         return self.heads.log_prob(params, [read_path(action, p) for p in self.heads.paths], action_mask)
+
+    @torch.no_grad()
+    def observe_(self, observation, mask: Tensor | None = None) -> None:
+        """Updates the observation normalisers (``PolicyConfig.normalize_observations``) with ``observation``
+        ``[*B, A, *obs]`` where ``mask`` ``[*B, A]``; a no-op without normalisation. Mutates buffers."""
+        for encoder in (self.actor_encoder, self.critic_encoder):
+            if encoder is not None and encoder.normalized:
+                encoder.observe_(observation, mask)
 
     @torch.no_grad()
     def value(self, obs, shared=None) -> Tensor:

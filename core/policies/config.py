@@ -51,6 +51,10 @@ class PolicyConfig:
     ``flatten`` (every pixel an MLP input, as vectors are)."""
     image_features: int = 512
     """Width of an image encoder's output (its last linear layer)."""
+    normalize_observations: bool = False
+    """Standardise float vector observations with running mean and variance (clipped to +-10, as SB3's
+    VecNormalize). The statistics are part of the policy's state: learners update them from every training
+    batch, actors receive them with the weights, checkpoints keep them, exported programs apply them."""
 
     def __post_init__(self) -> None:
         sizes = self.hidden_sizes
@@ -73,6 +77,8 @@ class PolicyConfig:
                "'nature', 'impala' or 'flatten'", self.image_encoder)
         _check(_is_int(self.image_features) and self.image_features >= 1, "image_features", "an int >= 1",
                self.image_features)
+        _check(isinstance(self.normalize_observations, bool), "normalize_observations", "a bool",
+               self.normalize_observations)
 
 
 def _is_int(x: object) -> bool:

@@ -135,7 +135,7 @@ class ObservationEncoder(nn.Module):
     """
 
     def __init__(self, node: Node, *, include_eval_only: bool, name: str = "observation",
-                 image_encoder: str = "nature", image_features: int = 512) -> None:
+                 image_encoder: str = "nature", image_features: int = 512, normalize: bool = False) -> None:
         super().__init__()
         self.name = name
         """What error messages call the node (e.g. ``"group speaker_0: observation"``)."""
@@ -150,6 +150,14 @@ class ObservationEncoder(nn.Module):
                     self.images[str(i)] = ImageEncoder(leaf, layout, arch=image_encoder, out_features=image_features)
         self.out_features = sum(self.images[str(i)].out_features if str(i) in self.images else _leaf_width(leaf)
                                 for i, leaf in enumerate(self.leaves))
+        #: leaf indices standardised with running statistics (float vector boxes, not images)
+        self.normalized = [i for i, leaf in enumerate(self.leaves) if normalize and leaf.kind == "box"
+                           and leaf.dtype.is_floating_point and str(i) not in self.images]
+        for i in self.normalized:  # persistent buffers: saved with the weights, travel with them, exported
+            shape = self.leaves[i].shape
+            self.register_buffer(f"obs_mean{i}", torch.zeros(shape, dtype=torch.float64))
+            self.register_buffer(f"obs_var{i}", torch.ones(shape, dtype=torch.float64))
+            self.register_buffer(f"obs_count{i}", torch.zeros((), dtype=torch.float64))
         for i, leaf in enumerate(self.leaves):
             if leaf.kind == "discrete":
                 self.register_buffer(f"_arange{i}", torch.arange(leaf.n) + leaf.start, persistent=False)
@@ -160,7 +168,7 @@ class ObservationEncoder(nn.Module):
         only = self.leaves[0] if len(self.leaves) == 1 else None
         #: width of the one 1-D box leaf at the node's root (its encoding is the tensor itself), else None
         self._plain = (only.shape[0] if only is not None and self.paths[0] == () and only.kind == "box"
-                       and len(only.shape) == 1 else None)
+                       and len(only.shape) == 1 and not self.normalized else None)
 
     def encode(self, observation, dtype: torch.dtype = torch.float32) -> Tensor:
         """``forward(read(observation))``; a plain 1-D float observation is returned as is (no copy)."""
@@ -198,11 +206,39 @@ class ObservationEncoder(nn.Module):
                 parts.append((index == getattr(self, f"_arange{i}")).any(-2).to(dtype))
             elif str(i) in self.images:
                 parts.append(self.images[str(i)](x, dtype))
+            elif i in self.normalized:
+                mean, var = getattr(self, f"obs_mean{i}").to(dtype), getattr(self, f"obs_var{i}").to(dtype)
+                z = ((x.to(dtype) - mean) / torch.sqrt(var + 1e-8)).clamp(-10.0, 10.0)
+                parts.append(z.flatten(-len(leaf.shape)) if leaf.shape else z.unsqueeze(-1))
             elif leaf.shape:
                 parts.append(x.flatten(-len(leaf.shape)).to(dtype))
             else:
                 parts.append(x.unsqueeze(-1).to(dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
+    @torch.no_grad()
+    def observe_(self, observation, mask: Tensor | None = None) -> None:
+        """Merges the statistics of ``observation`` (``[*B, *obs]``; only rows where ``mask`` ``[*B]`` is True)
+        into the running mean and variance of every normalised leaf (Chan et al.'s parallel update, float64).
+        Mutates the buffers."""
+        for i in self.normalized:
+            x = read_path(observation, self.paths[i]).to(torch.float64)
+            nd = len(self.leaves[i].shape)
+            x = x.reshape(-1, *x.shape[x.dim() - nd:]) if nd else x.reshape(-1)
+            if mask is not None:
+                x = x[mask.reshape(-1)]
+            n = x.shape[0]
+            if n == 0:
+                continue
+            mean, var, count = (getattr(self, f"obs_{k}{i}") for k in ("mean", "var", "count"))
+            batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
+            total = count + n
+            delta = batch_mean - mean
+            m2 = var * count + batch_var * n + delta.square() * count * n / total
+            mean.add_(delta * n / total)
+            var.copy_(m2 / total)
+            count.fill_(total)
 
 
 class SharedEncoder(nn.Module):
