@@ -21,7 +21,6 @@ import time
 
 import ray
 import torch
-from tensordict import TensorDict
 
 from core.policies import PolicyConfig
 from orchestration.builder import build_trainer

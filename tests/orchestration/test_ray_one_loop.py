@@ -7,7 +7,6 @@ import re
 import sys
 
 import pytest
-from tensordict import TensorDict
 
 from core.losses import PPOConfig
 from orchestration.builder import build_trainer
