@@ -112,10 +112,46 @@ class _Stop:
             signal.signal(sig, handler)
 
 
+def _seeds(argv: list[str]) -> tuple[list[str], list[int]]:
+    """Pulls ``--seeds S1 S2 ...`` out of ``argv``: the remaining arguments and the seeds (empty if absent)."""
+    if "--seeds" not in argv:
+        return argv, []
+    at = argv.index("--seeds")
+    end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
+    try:
+        seeds = [int(x) for x in argv[at + 1:end]]
+    except ValueError:
+        raise ValueError(f"--seeds takes whole numbers, got {argv[at + 1:end]}") from None
+    if not seeds:
+        raise ValueError("--seeds needs at least one seed, e.g. --seeds 0 1 2")
+    return argv[:at] + argv[end:], seeds
+
+
 def train(argv: Sequence[str]) -> dict[str, float]:
-    """``shoal train [ENV] [--config-file F] [--resume] [--no-progress] [TrainConfig flags]``."""
+    """``shoal train [ENV] [--config-file F] [--resume] [--no-progress] [--seeds S...] [TrainConfig flags]``.
+
+    ``--seeds 0 1 2`` trains one run per seed, one after the other, each in its own run directory (under
+    ``--run-dir`` when given), and prints the ``shoal plot`` command that draws them together.
+    """
     with user_errors("train"):
-        trainer, config, resume, progress = _setup_training(list(argv))
+        argv, seeds = _seeds(list(argv))
+        if seeds and "--resume" in argv:
+            raise ValueError("--seeds starts new runs; resume each run on its own with --resume --run-dir RUN")
+    if seeds:
+        base = _run_dir_from(argv, TrainConfig())
+        runs, metrics = [], {}
+        for seed in seeds:
+            one = [*argv, "--seed", str(seed)]
+            if base:
+                one += ["--run-dir", str(Path(base) / f"seed_{seed}")]
+            with user_errors("train"):
+                trainer, config, resume, progress = _setup_training(one)
+            metrics = _run(trainer, config, resume, progress)
+            runs.append(config.run_dir)
+        print(json.dumps({"runs": runs, "plot": "shoal plot " + " ".join(runs) + " --out curve.png"}))
+        return metrics
+    with user_errors("train"):
+        trainer, config, resume, progress = _setup_training(argv)
     return _run(trainer, config, resume, progress)
 
 

@@ -166,9 +166,8 @@ def test_runs_get_their_own_directories_with_provenance_and_plot_draws_them(tmp_
     from orchestration.cli import main
 
     monkeypatch.chdir(tmp_path)
-    for seed in ("0", "1"):
-        main(["train", "builtin:cartpole", "--iterations", "2", "--rollout.num-envs", "4",
-              "--rollout.fragment-length", "16", "--seed", seed, "--no-progress"])
+    main(["train", "builtin:cartpole", "--iterations", "2", "--rollout.num-envs", "4",
+          "--rollout.fragment-length", "16", "--seeds", "0", "1", "--no-progress"])
     runs = sorted((tmp_path / "runs").iterdir())
     assert [r.name.split("__")[:2] for r in runs] == [["builtin_cartpole", "0"], ["builtin_cartpole", "1"]]
     provenance = json.loads((runs[0] / "run.json").read_text())
