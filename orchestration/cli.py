@@ -66,6 +66,12 @@ def _config_from_file(path: str) -> TrainConfig:
     return load_config({"config": base})
 
 
+_TRAIN_HELP = """Train with PPO. Besides the flags below: ENV may be given as the first argument;
+--config-file F reads a YAML or JSON config (strict keys; flags override it); --resume continues the run
+that --run-dir names from its latest checkpoint; --seeds S1 S2 ... trains one run per seed; --no-progress
+hides the progress bar."""
+
+
 def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool, bool]:
     """Pulls out the positional env, ``--config-file``, ``--resume`` and ``--no-progress`` before tyro."""
     rest, config_file, resume, progress = [], None, False, True
@@ -175,8 +181,7 @@ def _setup_training(argv: list[str]):
             raise SystemExit(f"shoal train --resume: the checkpoint names env {saved.env!r}; {why}, and an env "
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
-    config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train",
-                      description="Train with PPO. ENV may be given as the first argument.")
+    config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train", description=_TRAIN_HELP)
     if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
         stamp = time.strftime("%Y%m%d-%H%M%S")
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.env)
