@@ -230,42 +230,6 @@ RemoteLearnerCheckpoints = ray.remote(num_cpus=0)(LearnerCheckpoints)
 RemoteRank = ray.remote(DataParallelRank)
 
 
-class DataParallelGroup:
-    """``world_size`` ranks training one policy together, driven from here (tests, custom loops)."""
-
-    def __init__(self, policy, groups, *, world_size: int, ppo, lr: float, batch_steps: int, seed: int = 0,
-                 num_cpus: float = 1.0, device: str = "auto") -> None:
-        num_gpus = 1 if device != "cpu" and ray.cluster_resources().get("GPU", 0) >= world_size else 0
-        self.ranks = [RemoteRank.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
-            policy, groups, ppo=ppo, lr=lr, batch_steps=batch_steps // world_size, seed=seed,
-            device="cuda" if num_gpus else "cpu") for _ in range(world_size)]
-        address, port = ray.get(self.ranks[0].rendezvous.remote())
-        ray.get([r.join.remote(i, world_size, address, port) for i, r in enumerate(self.ranks)])
-
-    def train(self, fragments: Sequence[TensorDict], progress: float = 0.0,
-              shards: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
-        """One synchronous update: fragment ``i`` goes to rank ``i % world_size`` (or as ``shards`` say)."""
-        world = len(self.ranks)
-        if shards is None:
-            if len(fragments) % world:
-                raise ValueError(f"{len(fragments)} fragments cannot be split evenly over {world} ranks")
-            shards = [list(range(r, len(fragments), world)) for r in range(world)]
-        refs = [ray.put(to_wire(f)) for f in fragments]  # one object-store copy per fragment
-        return ray.get([rank.train.remote(*[refs[i] for i in shard], progress=progress)
-                        for rank, shard in zip(self.ranks, shards)])[0]
-
-    def in_sync(self) -> bool:
-        return all(ray.get([r.in_sync.remote() for r in self.ranks]))
-
-    def published(self) -> tuple[int, TensorDict]:
-        version, msg = ray.get(self.ranks[0].published.remote())
-        return version, from_wire(msg, copy=True)
-
-    def shutdown(self) -> None:
-        for r in self.ranks:
-            kill_actor(r)
-
-
 class _Pending:
     """A training request sent to a learner actor (``done()`` / ``result()``)."""
 
@@ -370,5 +334,5 @@ class RayLearner:
             kill_actor(handle)
 
 
-__all__ = ["DataParallelGroup", "DataParallelRank", "LearnerCheckpoints", "LearnerServer", "RayLearner",
+__all__ = ["DataParallelRank", "LearnerCheckpoints", "LearnerServer", "RayLearner",
            "RemoteLearner", "RemoteLearnerCheckpoints", "RemoteRank"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import pytest
+import ray
 import torch
 from tensordict import TensorDict
 
@@ -12,9 +14,48 @@ from core.losses import PPOConfig
 from orchestration.assignment import assign, groups_of
 from orchestration.config import RolloutConfig, TrainConfig
 from orchestration.learner import PPOLearner
+from orchestration.ray_learner import RemoteRank
+from orchestration.ray_session import kill_actor
+from orchestration.wire import from_wire, to_wire
 from orchestration.builder import build_trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+class DataParallelGroup:
+    """``world_size`` data-parallel ranks (Ray actors) training one policy together, driven from the test."""
+
+    def __init__(self, policy, groups, *, world_size: int, ppo, lr: float, batch_steps: int, seed: int = 0,
+                 num_cpus: float = 1.0, device: str = "auto") -> None:
+        num_gpus = 1 if device != "cpu" and ray.cluster_resources().get("GPU", 0) >= world_size else 0
+        self.ranks = [RemoteRank.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
+            policy, groups, ppo=ppo, lr=lr, batch_steps=batch_steps // world_size, seed=seed,
+            device="cuda" if num_gpus else "cpu") for _ in range(world_size)]
+        address, port = ray.get(self.ranks[0].rendezvous.remote())
+        ray.get([r.join.remote(i, world_size, address, port) for i, r in enumerate(self.ranks)])
+
+    def train(self, fragments: Sequence[TensorDict], progress: float = 0.0,
+              shards: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
+        """One synchronous update: fragment ``i`` goes to rank ``i % world_size`` (or as ``shards`` say)."""
+        world = len(self.ranks)
+        if shards is None:
+            if len(fragments) % world:
+                raise ValueError(f"{len(fragments)} fragments cannot be split evenly over {world} ranks")
+            shards = [list(range(r, len(fragments), world)) for r in range(world)]
+        refs = [ray.put(to_wire(f)) for f in fragments]  # one object-store copy per fragment
+        return ray.get([rank.train.remote(*[refs[i] for i in shard], progress=progress)
+                        for rank, shard in zip(self.ranks, shards)])[0]
+
+    def in_sync(self) -> bool:
+        return all(ray.get([r.in_sync.remote() for r in self.ranks]))
+
+    def published(self) -> tuple[int, TensorDict]:
+        version, msg = ray.get(self.ranks[0].published.remote())
+        return version, from_wire(msg, copy=True)
+
+    def shutdown(self) -> None:
+        for r in self.ranks:
+            kill_actor(r)
 
 
 def _setup():
@@ -28,8 +69,6 @@ def _setup():
 
 
 def test_two_ranks_on_the_same_shard_equal_one_learner(ray_session):
-    from orchestration.ray_learner import DataParallelGroup
-
     config, _, fragments, policy, groups = _setup()
     reference = PPOLearner(copy.deepcopy(policy), groups, ppo=config.ppo, lr=config.lr, batch_steps=256, seed=5)
     for f in fragments[:2]:

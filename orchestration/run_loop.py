@@ -1,0 +1,164 @@
+"""The loop of ``shoal train`` around a built trainer: metrics, checkpoints (periodic, timed, on a signal or an
+error), the progress line, provenance. ``orchestration.cli`` parses and builds; this module runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestration.checkpoint import save_checkpoint
+from orchestration.config import TrainConfig
+from orchestration.metrics_log import MetricsLog, plot_learning_curve
+from orchestration.run_state import trainer_state
+
+
+class _Stop:
+    """SIGINT / SIGTERM during training: the first one ends the run after the current iteration (with a
+    checkpoint); a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a test runner's worker): no handlers
+                pass
+        return self
+
+    def _handle(self, sig: int, frame) -> None:
+        if self.signal is not None and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = sig
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> dict[str, float]:
+    """The training loop of ``shoal train``: metrics, checkpoints, signals."""
+    from tqdm import tqdm
+
+    run_dir = Path(config.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    if resume:
+        if not trainer.resume_exact:
+            print("shoal train --resume: this continuation is not bit-identical to an uninterrupted run: "
+                  + ("envs that cannot save their state were reset (a new episode starts in every env)"
+                     if config.mode == "sync" else "asynchronous mode: fragments waiting in a learner's pool and "
+                     "in flight at the checkpoint are not restored") + "; learners, optimizers and schedules are.",
+                  file=sys.stderr)
+    log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str))
+    (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))
+    bar = tqdm(total=config.iterations, initial=trainer.iteration, disable=not progress, unit="it",
+               dynamic_ncols=True, file=sys.stdout)
+    metrics: dict[str, float] = {}
+    last_save = time.monotonic()
+
+    def checkpoint() -> None:
+        nonlocal last_save
+        save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
+        last_save = time.monotonic()
+
+    stopped = None
+    try:
+        with _Stop() as stop:
+            while trainer.iteration < config.iterations and stop.signal is None:
+                try:
+                    metrics = trainer.train()
+                except BaseException:
+                    _save_anyway(checkpoint)  # what was trained so far survives an env error or Ctrl-C
+                    raise
+                log.write(trainer.env_steps, metrics)
+                bar.update(1)
+                faults = int(sum(v for k, v in metrics.items() if k.startswith("env/")))
+                wins = {k.split("/", 1)[1]: f"{v:.2f}" for k, v in metrics.items() if k.startswith("win_rate/")}
+                teams = {k.rsplit("/", 1)[1]: f"{v:.1f}" for k, v in metrics.items()
+                         if k.startswith("episode_return_mean/group/")}
+                headline = ({"win": "/".join(wins.values())} if wins else  # zero-sum: the summed return is 0
+                            {"ret": "/".join(teams.values())} if len(teams) > 1 else
+                            {"ret": f"{metrics['episode_return_mean']:.1f}"})
+                bar.set_postfix(**headline, sps=f"{metrics['env_steps_per_s']:.0f}",
+                                **({"env_faults": faults} if faults else {}))
+                if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration
+                    shown = {k: round(v, 2) for k, v in metrics.items()
+                             if k.startswith(("pipeline/", "fragments_", "workers_restarted", "learners_restarted"))}
+                    bar.write(f"iteration {trainer.iteration}: " + json.dumps(shown))
+                due = config.checkpoint_every and trainer.iteration % config.checkpoint_every == 0
+                late = config.checkpoint_every_s and time.monotonic() - last_save >= config.checkpoint_every_s
+                if due or late:
+                    checkpoint()
+            stopped = stop.signal
+        checkpoint()
+    finally:
+        bar.close()
+        log.close()
+        trainer.close()
+    if stopped is not None:
+        print(f"shoal train: stopped by {signal.Signals(stopped).name} after iteration {trainer.iteration}; "
+              f"continue with: shoal train --resume --run-dir {run_dir}", file=sys.stderr)
+        raise SystemExit(128 + stopped)
+    png = plot_learning_curve(log.csv_path, run_dir / "learning_curve.png", title=config.env)
+    final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10", "env_steps")}
+    print(json.dumps({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
+                      "checkpoint": str(ckpt_root), **final}))
+    return metrics
+
+
+def _save_anyway(checkpoint) -> None:
+    """Writes a checkpoint on the way out of a failed iteration; a failure to do so must not hide the error."""
+    try:
+        checkpoint()
+    except Exception as err:  # noqa: BLE001 -- reported, then the original error propagates
+        print(f"shoal train: could not write a checkpoint after the error ({err})", file=sys.stderr)
+
+
+def _checkpoint_parts(trainer):
+    weights, tensors, state = trainer_state(trainer)
+    return {"weights": weights, "tensors": tensors, "state": state}
+
+
+def fresh_run_dir(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... when a run started in the same second took it."""
+    candidate, k = path, 1
+    while candidate.exists():
+        k += 1
+        candidate = path.with_name(f"{path.name}-{k}")
+    return candidate
+
+
+def provenance() -> dict[str, Any]:
+    """What produced a run: Shoal's version and git commit, the command line, library versions, the host."""
+    import importlib.metadata
+    import platform
+    import subprocess
+
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"shoal_version": version("shoal"), "git_commit": commit, "argv": sys.argv, "started": time.time(),
+            "python": platform.python_version(), "torch": torch.__version__, "ray": version("ray"),
+            "torchrl": version("torchrl"), "tensordict": version("tensordict"), "host": platform.node()}
+
+
+__all__ = ["fresh_run_dir", "provenance", "run_training"]
