@@ -222,27 +222,8 @@ class Actor:
 
     # -- data out, weights in ----------------------------------------------------------------------------
     def completed_episodes(self) -> dict[str, np.ndarray]:
-        """Episodes that ended since the last call, float64 ``[K]`` each, in env-then-time order.
-
-        ``"return"``: the sum of every agent's return (the usual score of a single-agent or cooperative
-        env); ``"return/<policy>"``: the summed return of the agents that policy acts for; ``"length"``;
-        ``"agents/<group>"`` ``[K, A]``: every agent's own return. ``{}`` when nothing was recorded yet.
-        """
-        records = self.builder.pop_completed_episodes()
-        if not records:
-            return {}
-        per_policy: dict[str, torch.Tensor] = {}
-        agents = {}
-        for group, r in records.items():
-            agent_return = r.get("agent_return").squeeze(-1)  # [K, A]
-            agents[f"agents/{group}"] = agent_return.double().numpy()
-            for pid, slots in self.assignment[group].slots.items():
-                part = (agent_return * slots).sum(-1)
-                per_policy[pid] = per_policy[pid] + part if pid in per_policy else part
-        out = {f"return/{pid}": v.double().numpy() for pid, v in per_policy.items()}
-        out["return"] = torch.stack(list(per_policy.values())).sum(0).double().numpy()
-        out["length"] = next(iter(records.values())).get("length").reshape(-1).double().numpy()
-        return {**out, **agents}
+        """Episodes that ended since the last call (:func:`episode_records` of the builder's records)."""
+        return episode_records(self.builder.pop_completed_episodes(), self.assignment)
 
     def set_weights(self, policy_id: str, version: int, weights: TensorDictBase, *, force: bool = False) -> bool:
         """Loads ``weights`` into this actor's copy of ``policy_id`` as ``version``.
@@ -308,6 +289,31 @@ class Actor:
             self._episode_start = tensors["episode_start"].clone()
 
 
+def episode_records(records: Mapping[str, TensorDictBase],
+                    assignment: Mapping[str, GroupAssignment]) -> dict[str, np.ndarray]:
+    """Completed-episode records (``FragmentBuilder.pop_completed_episodes``) as float64 ``[K]`` arrays each,
+    in env-then-time order.
+
+    ``"return"``: the sum of every agent's return (the usual score of a single-agent or cooperative env);
+    ``"return/<policy>"``: the summed return of the agents that policy acts for; ``"length"``;
+    ``"agents/<group>"`` ``[K, A]``: every agent's own return. ``{}`` when nothing was recorded.
+    """
+    if not records:
+        return {}
+    per_policy: dict[str, torch.Tensor] = {}
+    agents = {}
+    for group, r in records.items():
+        agent_return = r.get("agent_return").squeeze(-1)  # [K, A]
+        agents[f"agents/{group}"] = agent_return.double().numpy()
+        for pid, slots in assignment[group].slots.items():
+            part = (agent_return * slots).sum(-1)
+            per_policy[pid] = per_policy[pid] + part if pid in per_policy else part
+    out = {f"return/{pid}": v.double().numpy() for pid, v in per_policy.items()}
+    out["return"] = torch.stack(list(per_policy.values())).sum(0).double().numpy()
+    out["length"] = next(iter(records.values())).get("length").reshape(-1).double().numpy()
+    return {**out, **agents}
+
+
 def _flat(prefix: str, td: TensorDictBase) -> dict[str, torch.Tensor]:
     return {f"{prefix}/{'/'.join(k) if isinstance(k, tuple) else k}": v
             for k, v in td.items(include_nested=True, leaves_only=True)}
@@ -348,4 +354,4 @@ def _maybe_plain(value):
     return _plain(value) if isinstance(value, TensorDictBase) else value
 
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "episode_records"]
