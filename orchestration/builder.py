@@ -151,6 +151,11 @@ def build_trainer(config: TrainConfig):
 
     torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point
     rc = config.rollout
+    if config.env == "external":  # simulators connect over the network: the tree comes from the first of them
+        from orchestration.external_fleet import build_external
+
+        fleet, learners, tree = build_external(config)
+        return Trainer(config, fleet, learners, None, tree, on_close=None)
     if config.backend == "ray":
         probe = make_run_env(config, 1)
         tree = probe.tree

@@ -1,4 +1,4 @@
-"""The ``shoal`` command: ``train``, ``evaluate``, ``export`` and ``plot``.
+"""The ``shoal`` command: ``train``, ``serve``, ``evaluate``, ``export``, ``plot`` and ``conformance``.
 
     shoal train CartPole-v1 --iterations 40                 # flags map onto TrainConfig (see --help)
     shoal train --config-file run.yaml                      # a YAML or JSON config file, flags override it
@@ -6,6 +6,10 @@
     shoal evaluate runs/RUN/checkpoints --episodes 20
     shoal export runs/RUN/checkpoints --out policy/         # torch.export programs, no Shoal needed to run them
     shoal plot runs/A runs/B runs/C --out curve.png         # mean and 95% interval over seeds, final IQM
+    shoal train --env external --external.command "python examples/external_sim.py --port {port} --seed {seed}
+        --sim-id {sim_id} --token {token}" --external.instances 8   # launched simulators (docs/external-protocol.md)
+    shoal serve --external.port 8765 --mode async          # wait for simulators and robots that connect themselves
+    shoal conformance --command "./my_sim --port {port} --token {token}"   # check a simulator against the protocol
 
 Each ``shoal train`` writes to a fresh ``runs/<env>__<seed>__<time>`` unless ``--run-dir`` names one.
 """
@@ -228,7 +232,7 @@ def user_errors(command: str):
     Errors once training runs (an env that raises, a diverging update) keep their traceback."""
     try:
         yield
-    except (ValueError, KeyError, LookupError, FileNotFoundError, ImportError) as err:
+    except (ValueError, KeyError, LookupError, FileNotFoundError, ImportError, TimeoutError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"shoal {command}: {message}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -276,8 +280,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif command == "plot":
         with user_errors("plot"):
             tyro.cli(plot, args=rest, prog="shoal plot")
+    elif command == "serve":  # train on external environments that connect by themselves
+        train(["--env", "external", *rest])
+    elif command == "conformance":
+        from adapters.external.conformance import main as conformance
+
+        raise SystemExit(conformance(rest))
     else:
-        raise SystemExit(f"unknown command {command!r}: use train, evaluate, export or plot")
+        raise SystemExit(f"unknown command {command!r}: use train, serve, evaluate, export, plot or conformance")
 
 
 if __name__ == "__main__":

@@ -106,12 +106,73 @@ class RayConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ExternalConfig:
+    """External environments (``--env external``): simulators and robots that connect to this run's server over
+    the protocol of docs/external-protocol.md."""
+
+    host: str = "127.0.0.1"
+    """Address the server binds to; anything but loopback needs ``tls_cert`` and ``tls_key`` (or ``insecure``)."""
+    port: int = 0
+    """TCP port; 0 picks a free one (printed, and handed to launched simulators as ``{port}``)."""
+    token: str = ""
+    """Secret every simulator presents in its ``hello``; empty: a fresh random one (printed and written to
+    ``run_dir/external_token``)."""
+    command: str = ""
+    """Simulator command template (``{host}``, ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}``), split like a
+    POSIX shell (no shell runs it); empty: nothing is launched and environments connect by themselves."""
+    instances: int = 1
+    """Simulators launched from ``command``."""
+    start_timeout_s: float = 60.0
+    """A launched simulator that has not connected this long after its start is killed and started again; also
+    the longest wait for the first simulator's tree."""
+    max_restarts: int = 20
+    """Restarts of launched simulators allowed over the run; one more stops the run with an error."""
+    tree: str = ""
+    """A tree document (JSON) the simulators must match; empty: the first simulator's tree is the run's."""
+    heartbeat_s: float = 10.0
+    """WebSocket ping interval and timeout: a connection that does not answer in time is closed."""
+    idle_timeout_s: float = 120.0
+    """A connection that sends nothing for this long is closed (its open episodes end truncated)."""
+    max_message_bytes: int = 1 << 20
+    """Largest frame accepted from a simulator."""
+    max_episodes: int = 64
+    """Open episodes per connection."""
+    max_simulators: int = 256
+    """Connections served at once."""
+    wait_s: float = 300.0
+    """Longest a training iteration waits with no data from any simulator before it fails (0: forever)."""
+    tls_cert: str = ""
+    """PEM certificate for ``wss://`` (with ``tls_key``)."""
+    tls_key: str = ""
+    """PEM private key for ``wss://``."""
+    insecure: bool = False
+    """Allow a non-loopback address without TLS (the server prints a warning)."""
+    inference_batch_rows: int = 1024
+    """Most requests one inference batch answers."""
+    inference_wait_s: float = 0.001
+    """Longest a nearly empty inference batch waits for more requests."""
+
+    def __post_init__(self) -> None:
+        for name in ("instances", "max_message_bytes", "max_episodes", "max_simulators", "inference_batch_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ExternalConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("start_timeout_s", "heartbeat_s", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ExternalConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536 or self.max_restarts < 0 or self.wait_s < 0 or self.inference_wait_s < 0:
+            raise ValueError("ExternalConfig: port must be 0-65535, max_restarts, wait_s and inference_wait_s >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("ExternalConfig: tls_cert and tls_key go together (wss needs both)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """A whole training run: environment, rollout, PPO, policy, budget, evaluation, outputs."""
 
     env: str = "CartPole-v1"
     """Environment: a gymnasium id (``CartPole-v1``), ``mpe2:simple_spread_v3``, ``pettingzoo:classic.connect_four_v3``,
-    a VMAS scenario (``vmas:navigation``) or a built-in one (``builtin:cartpole``, ``builtin:spread``)."""
+    a VMAS scenario (``vmas:navigation``), a built-in one (``builtin:cartpole``, ``builtin:spread``), or
+    ``external``: simulators that connect over the network (``external`` settings)."""
     env_kwargs: tuple[tuple[str, str], ...] = ()
     """Extra keyword arguments of the env constructor as ``(name, python literal)`` pairs."""
     seed: int = 0
@@ -174,6 +235,8 @@ class TrainConfig:
     """Ray cluster address to join (else ``RAY_ADDRESS``; else a local Ray instance is started)."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Modes, placement and bounds of the Ray backend (used with ``backend="ray"``)."""
+    external: ExternalConfig = field(default_factory=ExternalConfig)
+    """The server and simulator launcher of ``--env external`` (docs/external-protocol.md)."""
 
     def __post_init__(self) -> None:
         for name, ok, rule in (("iterations", self.iterations >= 0, ">= 0"),
@@ -203,4 +266,4 @@ class TrainConfig:
         return self.train_batch_size or self.rollout.steps_per_round
 
 
-__all__ = ["RayConfig", "RolloutConfig", "TrainConfig"]
+__all__ = ["ExternalConfig", "RayConfig", "RolloutConfig", "TrainConfig"]

@@ -207,6 +207,10 @@ class InferenceService:
         with self._lock:
             self._pending[policy_id] = (int(version), staged)
 
+    def weights(self, policy_id: str) -> TensorDictBase:
+        """A copy of the weights the service acts with for ``policy_id`` (CPU)."""
+        return self._template(policy_id).detach().cpu().clone()
+
     @property
     def versions(self) -> dict[str, int]:
         """Policy id -> version the service acts with now."""

@@ -1,0 +1,210 @@
+"""External environments as a fleet (seed 002): the same Trainer trains on simulators that connect over the
+network. The fleet owns the server (:mod:`orchestration.external_server`), the batched inference service
+that acts for every connection (:mod:`orchestration.inference`), the launcher of simulators when a command is
+given (:mod:`orchestration.external_launcher`), and hands the fragments the episodes make to the learners.
+
+Implements the Fleet protocol (:mod:`orchestration.fleet`; usage loop there). Each episode lane is a worker
+id of its own (``reported``: lane -> fragments made). Fragments are delivered in the trainer's thread (from a
+queue the connection threads fill), so learners are never called concurrently. ``collect`` waits until the
+asked-for steps arrived; ``pump`` delivers what is queued (waiting a moment when nothing is). New weights
+reach the inference service between two of its batches.
+
+Nothing of a running episode is checkpointed: a resumed run starts every lane afresh (``resume_exact`` is
+False) and simulators reconnect to the new server.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from tensordict import TensorDict, TensorDictBase
+
+from orchestration.builder import assignment_for, build_learners, build_policies
+from orchestration.config import TrainConfig
+from orchestration.external_episodes import Lanes, TreeCodec
+from orchestration.external_launcher import SimulatorLauncher
+from orchestration.external_server import ExternalServer
+from orchestration.fleet import Weights
+from orchestration.inference import InferenceConfig, InferenceService
+from orchestration.statistics import EpisodeStatistics
+
+_PUMP_WAIT_S = 0.05  # how long an async pump waits for a first fragment before handing back to the trainer
+
+
+class ExternalFleet:
+    """Fragments from external simulators (module docstring).
+
+    Args:
+        server: a started server with a service and lanes attached.
+        service: the inference service that acts for the connections.
+        lanes: the recording, whose ``deliver`` is :meth:`enqueue`.
+        learners: policy id -> learner receiving every fragment (the learning ones).
+        launcher: simulators to keep running, or None when they connect by themselves.
+        wait_s: longest a collect or pump waits with no fragment at all (0: forever).
+    """
+
+    restarts = 0
+    dead: set[int] = set()
+    resume_exact = False
+
+    def __init__(self, server: ExternalServer, service: InferenceService, lanes: Lanes, learners: Mapping[str, Any],
+                 *, launcher: SimulatorLauncher | None = None, wait_s: float = 300.0) -> None:
+        self.server, self.service, self.lanes, self.launcher = server, service, lanes, launcher
+        self.learners = dict(learners)
+        self.wait_s = wait_s
+        self.fragment_steps = lanes.fragment_length
+        self.reported: dict[int, int] = {}
+        self.dead = set()
+        self.stats = EpisodeStatistics()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._last_data = time.monotonic()
+
+    def enqueue(self, fragment, meta: dict, episodes: dict) -> None:
+        """Called by connection threads with every fragment they complete."""
+        self._queue.put((fragment, meta, episodes))
+
+    # -- delivery ----------------------------------------------------------------------------------------------
+    def _deliver(self, block_s: float) -> int:
+        """Delivers every queued fragment (waiting up to ``block_s`` for the first); returns env steps delivered."""
+        steps = 0
+        timeout: float | None = block_s
+        while True:
+            try:
+                fragment, meta, episodes = self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            timeout = None
+            for learner in self.learners.values():
+                learner.receive(fragment, meta)
+            self.stats.add(meta["worker_id"], meta["sequence"], episodes)
+            self.reported[meta["worker_id"]] = meta["sequence"] + 1
+            steps += meta["env_steps"]
+        now = time.monotonic()
+        if steps:
+            self._last_data = now
+        elif self.wait_s and now - self._last_data > self.wait_s:
+            raise TimeoutError(f"no data from any external simulator for {self.wait_s:.0f} s "
+                               f"({len(self.server.connected)} connected to {self.server.url}; "
+                               f"external.wait_s sets this limit)")
+        if self.launcher is not None:
+            self.launcher.check(self.server.connected)
+        return steps
+
+    def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int] | None = None) -> list[dict]:
+        """Loads ``weights`` into the service, then delivers fragments until ``target_steps`` arrived."""
+        self.broadcast(weights)
+        self._last_data = time.monotonic()
+        got = 0
+        while got < target_steps:
+            got += self._deliver(0.1)
+        return self.monitors()
+
+    def start(self, weights: Weights) -> None:
+        self.broadcast(weights)
+        self._last_data = time.monotonic()
+
+    def pump(self, weights: Weights | None = None) -> None:
+        """Delivers what the simulators produced (waits a moment when nothing is queued)."""
+        self._deliver(_PUMP_WAIT_S)
+
+    def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:
+        """New weights for the service, loaded before its next batch (``wait``/``force`` change nothing here:
+        there is one copy, and it is swapped between batches)."""
+        for pid, (version, w) in weights.items():
+            if pid in self.service.versions and (force or version != self.service.versions[pid]):
+                self.service.set_weights(pid, version, w)
+
+    # -- statistics, state -------------------------------------------------------------------------------------
+    def episodes(self) -> dict[str, Any]:
+        return self.stats.drain()
+
+    def monitors(self) -> list[dict]:
+        """One report: the server's, the recording's and the launcher's counters as ``env/external_*``."""
+        counters = {f"external_{k}": v for k, v in {**self.server.counters, **self.lanes.counters,
+                                                    **(self.launcher.counters if self.launcher else {})}.items()}
+        counters["external_simulators_connected"] = len(self.server.connected)
+        inference = self.service.stats()
+        counters["external_inference_batches"] = inference["batches"]
+        counters["external_inference_mean_requests"] = round(inference["mean_requests"], 2)
+        return [{"worker_id": "external", "produced": sum(self.reported.values()), "push_failures": 0,
+                 "monitor": {}, "env_counters": counters}]
+
+    def actor_weights(self, policy_id: str) -> list[TensorDictBase]:
+        return [self.service.weights(policy_id)]
+
+    def state(self) -> list[dict]:
+        return []
+
+    def load_state_(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Nothing to restore: episodes in flight are not checkpointed (module docstring)."""
+
+    def stop(self) -> None:
+        """Stops the simulators and the server (open episodes end truncated), then delivers what they left."""
+        if self.launcher is not None:
+            self.launcher.close()
+        self.server.close()
+        self._deliver(0)
+
+    def close(self) -> None:
+        self.stop()
+        self.service.close()
+
+
+def build_external(config: TrainConfig, *, log=sys.stderr):
+    """The server, the tree, the policies, local learners, the inference service and the fleet of an
+    ``--env external`` run. Returns ``(fleet, learners, tree)``."""
+    from core.specs import from_json
+
+    ec = config.external
+    given = from_json(Path(ec.tree).read_text()) if ec.tree else None
+    server = ExternalServer(ec, given, log=log).start()
+    launcher = None
+    try:
+        print(f"shoal: waiting for external environments at {server.url} (token {server.token})", file=log)
+        if config.run_dir:
+            token_file = Path(config.run_dir) / "external_token"
+            token_file.parent.mkdir(parents=True, exist_ok=True)
+            token_file.touch(mode=0o600)
+            token_file.write_text(server.token)
+        if ec.command:
+            launcher = SimulatorLauncher(ec.command, ec.instances, host=ec.host, port=server.port, token=server.token,
+                                         seed=config.seed, start_timeout_s=ec.start_timeout_s,
+                                         max_restarts=ec.max_restarts,
+                                         log_dir=Path(config.run_dir) / "simulators" if config.run_dir else None)
+            launcher.start()
+        # launched simulators get a second start_timeout_s: one that failed to connect is restarted once by then
+        deadline = time.monotonic() + ec.start_timeout_s * (2 if launcher is not None else 1)
+        while not server.tree_ready.wait(0.1):
+            if launcher is not None:
+                launcher.check(server.connected)
+            if time.monotonic() > deadline:
+                server.wait_for_tree(0)  # raises, naming the address
+        tree = server.tree
+        assignment = assignment_for(config, tree)
+        policies, fixed = build_policies(config, tree, assignment)
+        learners = build_learners(config, assignment, policies, fixed)
+        service = InferenceService({pid: copy.deepcopy(lrn.actor_policy()) for pid, lrn in learners.items()},
+                                   InferenceConfig(max_batch_rows=ec.inference_batch_rows,
+                                                   max_wait_s=ec.inference_wait_s, device=config.device,
+                                                   seed=config.seed)).start()
+        holder: list[ExternalFleet] = []
+        lanes = Lanes(TreeCodec(tree), assignment, config.rollout.fragment_length,
+                      lambda *item: holder[0].enqueue(*item))
+        fleet = ExternalFleet(server, service, lanes, {pid: lrn for pid, lrn in learners.items() if lrn.learns},
+                              launcher=launcher, wait_s=ec.wait_s)
+        holder.append(fleet)
+        server.attach(service, lanes)
+        return fleet, learners, tree
+    except BaseException:
+        if launcher is not None:
+            launcher.close()
+        server.close()
+        raise
+
+
+__all__ = ["ExternalFleet", "build_external"]

@@ -1,0 +1,172 @@
+"""Launching external simulators (seed 002): ``instances`` processes from a command template, restarted when
+they exit or do not connect in time, killed with their whole process group at the end.
+
+The template is split like a POSIX shell would (``shlex``) and each placeholder replaced in every argument:
+``{host}``, ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}``; no shell ever runs it. Each simulator also gets
+``SHOAL_TOKEN``, ``SHOAL_HOST``, ``SHOAL_PORT``, ``SHOAL_SEED`` and ``SHOAL_SIM_ID`` in its environment, and a
+process group of its own (``start_new_session``), so that closing kills whatever it started too.
+
+Usage (what :class:`orchestration.external_fleet.ExternalFleet` does)::
+
+    launcher = SimulatorLauncher(command, 4, host=server.config.host, port=server.port, token=server.token, seed=0)
+    launcher.start()
+    launcher.check(server.connected)   # now and then: restarts exited simulators and ones that never connected
+    launcher.close()
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Collection
+
+_PLACEHOLDERS = ("host", "port", "seed", "sim_id", "token")
+
+
+def render(command: str, **values: object) -> list[str]:
+    """The argument list of ``command`` with placeholders replaced.
+
+    Raises:
+        ValueError: an empty command, unbalanced quotes, or a placeholder that is not one of ``{host}``,
+            ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}`` (named).
+    """
+    try:
+        parts = shlex.split(command)
+    except ValueError as error:
+        raise ValueError(f"external.command {command!r} does not split into arguments: {error}") from None
+    if not parts:
+        raise ValueError("external.command is empty")
+    out = []
+    for part in parts:
+        try:
+            out.append(part.format_map({k: values[k] for k in _PLACEHOLDERS}))
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(f"external.command argument {part!r}: unknown placeholder {error}; the placeholders are "
+                             + ", ".join("{" + p + "}" for p in _PLACEHOLDERS)) from None
+    return out
+
+
+class SimulatorLauncher:
+    """Starts and watches ``instances`` simulators (module docstring).
+
+    Args:
+        command: the template.
+        instances: simulators kept running.
+        host, port, token: the server's address and token.
+        seed: simulator ``i``'s ``k``-th start gets ``seed + 1000 * i + 10**6 * k``.
+        start_timeout_s: a simulator not connected this long after its start is killed and started again.
+        max_restarts: restarts allowed over the launcher's life; one more raises ``RuntimeError``.
+        log_dir: each simulator's stdout and stderr go to ``log_dir/<sim_id>.log`` (None: discarded).
+    """
+
+    def __init__(self, command: str, instances: int, *, host: str, port: int, token: str, seed: int = 0,
+                 start_timeout_s: float = 60.0, max_restarts: int = 20, log_dir: str | Path | None = None) -> None:
+        render(command, host=host, port=port, seed=seed, sim_id="sim-0", token=token)  # fails early, named
+        self.command, self.instances = command, instances
+        self.host, self.port, self.token, self.seed = host, port, token, seed
+        self.start_timeout_s, self.max_restarts = start_timeout_s, max_restarts
+        self.log_dir = Path(log_dir) if log_dir else None
+        self._procs: list[subprocess.Popen | None] = [None] * instances
+        self._started = [0.0] * instances
+        self._starts = [0] * instances
+        self._seen: list[bool] = [False] * instances
+        self.counters = dict(simulators_started=0, simulator_restarts=0, simulator_exits=0, simulator_start_timeouts=0)
+        self._closed = False
+
+    def sim_id(self, index: int) -> str:
+        """The id simulator ``index`` presents in its current start (``sim-<index>`` then ``sim-<index>.<k>``)."""
+        k = self._starts[index] - 1
+        return f"sim-{index}" if k <= 0 else f"sim-{index}.{k}"
+
+    def start(self) -> None:
+        for i in range(self.instances):
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        self._starts[i] += 1
+        sim_id = self.sim_id(i)
+        seed = self.seed + 1000 * i + 10**6 * (self._starts[i] - 1)
+        args = render(self.command, host=self.host, port=self.port, seed=seed, sim_id=sim_id, token=self.token)
+        env = {**os.environ, "SHOAL_TOKEN": self.token, "SHOAL_HOST": self.host, "SHOAL_PORT": str(self.port),
+               "SHOAL_SEED": str(seed), "SHOAL_SIM_ID": sim_id}
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{sim_id}.log", "ab")  # noqa: SIM115 - the child holds it
+        try:
+            self._procs[i] = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                              start_new_session=True)
+        except OSError as error:
+            raise ValueError(f"external.command: cannot start {args[0]!r}: {error}") from None
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        self._started[i] = time.monotonic()
+        self._seen[i] = False
+        self.counters["simulators_started"] += 1
+
+    def check(self, connected: Collection[str]) -> None:
+        """Restarts simulators that exited, and ones not connected ``start_timeout_s`` after their start."""
+        if self._closed:
+            return
+        now = time.monotonic()
+        for i, proc in enumerate(self._procs):
+            if proc is None:
+                continue
+            if self.sim_id(i) in connected:
+                self._seen[i] = True
+            exited = proc.poll() is not None
+            late = not self._seen[i] and now - self._started[i] > self.start_timeout_s
+            if not (exited or late):
+                continue
+            self.counters["simulator_exits" if exited else "simulator_start_timeouts"] += 1
+            _kill_group(proc)
+            if self.counters["simulator_restarts"] >= self.max_restarts:
+                raise RuntimeError(f"external simulator {self.sim_id(i)} {'exited' if exited else 'never connected'} "
+                                   f"and the launcher used all {self.max_restarts} restarts (external.max_restarts); "
+                                   f"its output is in {self.log_dir or 'nowhere: set run_dir'}")
+            self.counters["simulator_restarts"] += 1
+            self._launch(i)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current simulators (for monitoring and fault-injection tests)."""
+        return [p.pid for p in self._procs if p is not None]
+
+    def close(self, grace_s: float = 2.0) -> None:
+        """Terminates every simulator's process group (SIGTERM, then SIGKILL after ``grace_s``); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        live = [p for p in self._procs if p is not None]
+        for p in live:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_group(p)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the group leader's pid is the group id (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+__all__ = ["SimulatorLauncher", "render"]
