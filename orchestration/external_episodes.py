@@ -322,6 +322,16 @@ class Lanes:
         self.deliver(fragment, meta, episodes)
 
     @property
+    def created(self) -> int:
+        """Lanes made so far (at most the most episodes that ever ran at once)."""
+        return len(self._builders)
+
+    @property
+    def idle(self) -> int:
+        """Lanes no episode holds now."""
+        return len(self._free)
+
+    @property
     def pending_steps(self) -> int:
         """Steps recorded in lanes but not yet in a fragment."""
         return sum(len(b) for b in self._builders)

@@ -68,7 +68,7 @@ class SimulatorClient:
         self.timeout_s = timeout_s
         self._ids = itertools.count()
         self._ws = connect(url, open_timeout=timeout_s, max_size=None, compression=None, ssl=ssl,
-                           ping_interval=None, proxy=None)
+                           ping_interval=None, proxy=None, legacy=True)
         self._max = max_message_bytes
         self._ws.send(encode({"type": "hello", "protocol": PROTOCOL_VERSION, "token": token, "sim_id": sim_id,
                               "tree": dict(tree)}))

@@ -51,10 +51,8 @@ def encode(message: Mapping[str, Any]) -> bytes:
 
 
 def _default(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, np.generic)):  # a numpy scalar keeps its dtype: a 0-d array
         return from_array(value)
-    if isinstance(value, np.generic):
-        return value.item()
     raise TypeError(f"cannot send a {type(value).__name__} in a protocol message")
 
 

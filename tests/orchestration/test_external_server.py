@@ -1,0 +1,256 @@
+"""The external-environment server over real sockets: handshake, refusals, faults, security, the launcher,
+and a simulator process that learns end to end through the protocol."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from websockets.sync.client import connect
+
+from adapters.external.client import ExternalError, SimulatorClient
+from adapters.external.messages import decode, encode, SERVER_TYPES
+from core.policies import PolicyConfig, make_policies
+from core.specs import from_json
+from orchestration.assignment import assign
+from orchestration.config import ExternalConfig, RolloutConfig, TrainConfig
+from orchestration.external_episodes import Lanes, TreeCodec
+from orchestration.external_launcher import SimulatorLauncher, render
+from orchestration.external_server import ExternalServer
+from orchestration.inference import InferenceService
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM = f"{sys.executable} {ROOT / 'examples' / 'external_sim.py'} --port {{port}} --seed {{seed}} --sim-id {{sim_id}} " \
+      f"--token {{token}}"
+sys.path.insert(0, str(ROOT / "examples"))
+from external_sim import TREE  # noqa: E402
+
+OBS = np.zeros(4, np.float32)
+
+
+@pytest.fixture
+def served():
+    tree = from_json(json.dumps(TREE))
+    service = InferenceService({"agents": make_policies(tree, PolicyConfig())["agents"]}).start()
+    out: list = []
+    lanes = Lanes(TreeCodec(tree), assign(tree, {}), 4, lambda *item: out.append(item))
+    config = ExternalConfig(token="secret", heartbeat_s=0.5, idle_timeout_s=5.0, max_message_bytes=4096, max_episodes=4)
+    server = ExternalServer(config, tree, log=io.StringIO()).start()
+    server.attach(service, lanes)
+    yield server, lanes, out
+    server.close()
+    service.close()
+
+
+def _raw(server, hello=True, token="secret", tree=TREE):
+    ws = connect(server.url, max_size=None, compression=None, proxy=None, legacy=True)
+    if hello:
+        ws.send(encode({"type": "hello", "protocol": 1, "token": token, "sim_id": "raw", "tree": tree}))
+    return ws
+
+
+def _reply(ws):
+    return decode(ws.recv(timeout=5), max_bytes=1 << 30, allowed=SERVER_TYPES)
+
+
+def _closed(ws) -> bool:
+    try:
+        ws.recv(timeout=5)
+    except Exception:  # noqa: BLE001 - ConnectionClosed: what we expect
+        return True
+    return False
+
+
+def test_refusals_name_the_fault_and_the_server_keeps_serving(served):
+    server, lanes, _ = served
+    cases = [
+        ({"type": "hello", "protocol": 1, "token": "wrong", "sim_id": "x", "tree": TREE}, "bad_token"),
+        ({"type": "hello", "protocol": 9, "token": "secret", "sim_id": "x", "tree": TREE}, "protocol_version"),
+        ({"type": "act", "id": 0}, "bad_message"),
+    ]
+    other = json.loads(json.dumps(TREE))
+    other["tree"]["array"]["capacity"] = 5
+    cases.append(({"type": "hello", "protocol": 1, "token": "secret", "sim_id": "x", "tree": other}, "spec_mismatch"))
+    for message, code in cases:
+        ws = _raw(server, hello=False)
+        ws.send(encode(message))
+        error = _reply(ws)
+        assert (error["type"], error["code"], error["fatal"]) == ("error", code, True), error
+        assert _closed(ws)
+    for frame, code in ((b"\xc1garbage", "bad_message"), ("text", "bad_message"), (b"\x00" * 5000, None),
+                        (msgpack.packb({"type": "hello", "x": msgpack.ExtType(3, b"code")}), "bad_message")):
+        ws = _raw(server, hello=False)
+        ws.send(frame)
+        if code is None:  # over max_message_bytes: the WebSocket layer closes it (1009) before we decode
+            assert _closed(ws)
+            continue
+        assert _reply(ws)["code"] == code
+        assert _closed(ws)
+    with SimulatorClient(server.url, "secret", TREE, "good") as client:  # still serving
+        assert set(client.act("e", {"agents_0": OBS}).actions) == {"agents_0"}
+    assert server.counters["refused"] >= 3 and server.counters["protocol_errors"] >= 4
+
+
+def test_a_bad_request_ends_only_its_episode(served):
+    server, lanes, _ = served
+    with SimulatorClient(server.url, "secret", TREE, "sim") as client:
+        client.act("good", {"agents_0": OBS})
+        with pytest.raises(ExternalError) as error:
+            client.act("bad", {"agents_9": OBS})
+        assert error.value.code == "spec_violation" and not error.value.fatal and "agents_9" in str(error.value)
+        with pytest.raises(ExternalError, match="shape"):
+            client.act("bad2", {"agents_0": np.zeros(5, np.float32)})
+        answer = client.act("good", {"agents_0": OBS, "agents_1": OBS}, rewards={"agents_0": 1.0})
+        assert set(answer.actions) == {"agents_0", "agents_1"}
+        client.end("good", "terminated", rewards={"agents_0": 1.0, "agents_1": 0.0})
+        client.ping()
+    _wait(lambda: lanes.counters["episodes_completed"] == 1)
+    assert lanes.counters["episodes_started"] == 1  # the refused requests never opened an episode
+
+
+def test_too_many_episodes_on_one_connection_are_refused_one_by_one(served):
+    server, lanes, _ = served
+    with SimulatorClient(server.url, "secret", TREE, "sim") as client:
+        for i in range(4):
+            client.act(f"e{i}", {"agents_0": OBS})
+        with pytest.raises(ExternalError) as error:
+            client.act("e4", {"agents_0": OBS})
+        assert error.value.code == "busy" and not error.value.fatal
+        answers = client.act_many([{"episode": f"e{i}", "agents": {"agents_0": OBS}} for i in range(4)])
+        assert [a.episode for a in answers] == [f"e{i}" for i in range(4)]
+
+
+def test_repeated_kills_stalls_and_garbage_leak_no_episode(served, tmp_path):
+    """A simulator killed with SIGKILL mid-episode, one that stops answering (SIGSTOP: heartbeat timeout) and
+    garbage frames, many times over: every episode started ends completed or cut, no connection is left."""
+    server, lanes, out = served
+    for round_ in range(3):
+        for stop in (signal.SIGKILL, signal.SIGSTOP):
+            args = render(SIM, host="127.0.0.1", port=server.port, seed=round_, sim_id=f"s{round_}", token="secret")
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _wait(lambda: server.counters["requests"] > 0 and f"s{round_}" in server.connected)
+            before = lanes.counters["steps_recorded"]
+            _wait(lambda: lanes.counters["steps_recorded"] > before + 5)
+            proc.send_signal(stop)
+            _wait(lambda: f"s{round_}" not in server.connected, timeout=10)  # SIGSTOP: ~2 heartbeats
+            proc.kill()
+            proc.wait()
+        ws = _raw(server)
+        _reply(ws)
+        ws.send(b"\xc1")
+        assert _reply(ws)["code"] == "bad_message"
+    _wait(lambda: not server.connected)
+    c = lanes.counters
+    assert c["episodes_started"] == c["episodes_completed"] + c["episodes_cut"]
+    assert c["episodes_cut"] >= 6 and c["steps_lost"] <= c["episodes_cut"]
+    assert lanes.idle == lanes.created <= 6  # lanes are reused, not leaked
+    produced = sum(len(f[0].reshape(-1)) for f in out)
+    assert c["steps_recorded"] == produced + lanes.pending_steps  # every recorded step is in a fragment or waiting
+
+
+def test_off_loopback_needs_tls_or_an_explicit_insecure_flag():
+    with pytest.raises(ValueError, match="not a loopback address.*tls_cert"):
+        ExternalServer(ExternalConfig(host="0.0.0.0"))
+    log = io.StringIO()
+    server = ExternalServer(ExternalConfig(host="0.0.0.0", insecure=True), log=log).start()
+    server.close()
+    assert "WARNING" in log.getvalue() and "not encrypted" in log.getvalue()
+
+
+def test_wss_with_a_certificate(tmp_path, served):
+    import ssl
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    _, lanes, _ = served
+    tree = from_json(json.dumps(TREE))
+    service = InferenceService({"agents": make_policies(tree, PolicyConfig())["agents"]}).start()
+    server = ExternalServer(ExternalConfig(host="localhost", token="t", tls_cert=str(cert), tls_key=str(key)), tree,
+                            log=io.StringIO()).start()
+    server.attach(service, Lanes(TreeCodec(tree), assign(tree, {}), 4, lambda *item: None))
+    try:
+        assert server.url.startswith("wss://")
+        context = ssl.create_default_context(cafile=str(cert))
+        with SimulatorClient(server.url, "t", TREE, "tls", ssl=context) as client:
+            assert set(client.act("e", {"agents_0": OBS}).actions) == {"agents_0"}
+        with pytest.raises(Exception):  # a plain ws:// client cannot talk to it
+            SimulatorClient(server.url.replace("wss", "ws"), "t", TREE, "plain", timeout_s=2)
+    finally:
+        server.close()
+        service.close()
+
+
+def test_launcher_restarts_a_simulator_that_never_connects_and_kills_its_process_group(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    # a "simulator" that starts a grandchild and never connects
+    script = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '300']); "
+              f"open('{pid_dir}/' + sys.argv[1], 'w').write(str(p.pid)); time.sleep(300)")
+    launcher = SimulatorLauncher(f"{sys.executable} -c \"{script}\" {{sim_id}}", 2, host="127.0.0.1", port=1,
+                                 token="t", start_timeout_s=1.0, max_restarts=5)
+    launcher.start()
+    _wait(lambda: len(list(pid_dir.iterdir())) == 2)
+    time.sleep(1.2)
+    launcher.check(connected=set())
+    assert launcher.counters["simulator_start_timeouts"] == 2 and launcher.counters["simulator_restarts"] == 2
+    _wait(lambda: len(list(pid_dir.iterdir())) == 4)
+    grandchildren = [int(p.read_text()) for p in pid_dir.iterdir()]
+    launcher.close()
+    _wait(lambda: not any(_alive(pid) for pid in grandchildren))
+    with pytest.raises(ValueError, match=r"unknown placeholder.*\{port\}"):
+        render("sim --port {prot}", host="h", port=1, seed=0, sim_id="s", token="t")
+
+
+@pytest.mark.slow
+def test_a_launched_simulator_process_learns_through_the_protocol(tmp_path):
+    """Four example simulators (agents joining and leaving), launched by the launcher, train a policy end to end;
+    the return over a fixed step budget improves well beyond chance."""
+    from orchestration.builder import build_trainer
+
+    config = TrainConfig(env="external", iterations=8, seed=0, rollout=RolloutConfig(num_envs=1, fragment_length=16),
+                         train_batch_size=512, run_dir=str(tmp_path),
+                         external=ExternalConfig(command=SIM, instances=4, start_timeout_s=60))
+    trainer = build_trainer(config)
+    pids = trainer.fleet.launcher.pids
+    returns = []
+    try:
+        for _ in range(config.iterations):
+            returns.append(trainer.train()["episode_return_mean"])
+        accounting = trainer.accounting()
+    finally:
+        trainer.close()
+    assert returns[-1] > returns[0] + 8, returns  # chance is ~1/3 per decision; a learned policy gets most right
+    assert accounting["fragments_produced"] == accounting["fragments_accepted"] + accounting["fragments_stale"] + \
+        accounting["fragments_lost"] + accounting["fragments_in_flight"]
+    assert (tmp_path / "external_token").stat().st_mode & 0o077 == 0
+    _wait(lambda: not any(_alive(pid) for pid in pids))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for a condition")
+        time.sleep(0.02)
