@@ -154,8 +154,8 @@ def build_trainer(config: TrainConfig):
     if config.env == "external":  # simulators connect over the network: the tree comes from the first of them
         from orchestration.external_fleet import build_external
 
-        fleet, learners, tree = build_external(config)
-        return Trainer(config, fleet, learners, None, tree, on_close=None)
+        fleet, learners, tree, close = build_external(config)  # local or Ray learners, as config.backend says
+        return Trainer(config, fleet, learners, None, tree, on_close=close)
     if config.backend == "ray":
         probe = make_run_env(config, 1)
         tree = probe.tree

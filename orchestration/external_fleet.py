@@ -46,6 +46,7 @@ class ExternalFleet:
         learners: policy id -> learner receiving every fragment (the learning ones).
         launcher: simulators to keep running, or None when they connect by themselves.
         wait_s: longest a collect or pump waits with no fragment at all (0: forever).
+        resolve: published weights -> TensorDict (Ray learners publish object-store refs).
     """
 
     restarts = 0
@@ -53,8 +54,10 @@ class ExternalFleet:
     resume_exact = False
 
     def __init__(self, server: ExternalServer, service: InferenceService, lanes: Lanes, learners: Mapping[str, Any],
-                 *, launcher: SimulatorLauncher | None = None, wait_s: float = 300.0) -> None:
+                 *, launcher: SimulatorLauncher | None = None, wait_s: float = 300.0,
+                 resolve: Callable[[Any], TensorDictBase] = lambda w: w) -> None:
         self.server, self.service, self.lanes, self.launcher = server, service, lanes, launcher
+        self.resolve = resolve
         self.learners = dict(learners)
         self.wait_s = wait_s
         self.fragment_steps = lanes.fragment_length
@@ -117,7 +120,7 @@ class ExternalFleet:
         there is one copy, and it is swapped between batches)."""
         for pid, (version, w) in weights.items():
             if pid in self.service.versions and (force or version != self.service.versions[pid]):
-                self.service.set_weights(pid, version, w)
+                self.service.set_weights(pid, version, self.resolve(w))
 
     # -- statistics, state -------------------------------------------------------------------------------------
     def episodes(self) -> dict[str, Any]:
@@ -156,9 +159,11 @@ class ExternalFleet:
 
 
 def build_external(config: TrainConfig, *, log=sys.stderr):
-    """The server, the tree, the policies, local learners, the inference service and the fleet of an
-    ``--env external`` run. Returns ``(fleet, learners, tree)``."""
+    """The server, the tree, the policies, the learners (local, or Ray learner actors with ``backend="ray"``),
+    the inference service and the fleet of an ``--env external`` run. Returns ``(fleet, learners, tree,
+    teardown)``."""
     from core.specs import from_json
+    from orchestration.learner import FixedLearner
 
     ec = config.external
     given = from_json(Path(ec.tree).read_text()) if ec.tree else None
@@ -187,19 +192,27 @@ def build_external(config: TrainConfig, *, log=sys.stderr):
         tree = server.tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
-        learners = build_learners(config, assignment, policies, fixed)
-        service = InferenceService({pid: copy.deepcopy(lrn.actor_policy()) for pid, lrn in learners.items()},
-                                   InferenceConfig(max_batch_rows=ec.inference_batch_rows,
-                                                   max_wait_s=ec.inference_wait_s, device=config.device,
-                                                   seed=config.seed)).start()
+        teardown, resolve = None, (lambda w: w)
+        if config.backend == "ray":
+            from orchestration.ray_session import build_ray_learners, resolve_weights
+
+            learners, _, _, teardown = build_ray_learners(config, tree, policies, fixed)
+            learners.update({pid: FixedLearner(policies[pid]) for pid in fixed})
+            resolve = resolve_weights
+        else:
+            learners = build_learners(config, assignment, {pid: copy.deepcopy(p) for pid, p in policies.items()},
+                                      fixed)
+        service = InferenceService(policies, InferenceConfig(max_batch_rows=ec.inference_batch_rows,
+                                                             max_wait_s=ec.inference_wait_s, device=config.device,
+                                                             seed=config.seed)).start()
         holder: list[ExternalFleet] = []
         lanes = Lanes(TreeCodec(tree), assignment, config.rollout.fragment_length,
                       lambda *item: holder[0].enqueue(*item))
         fleet = ExternalFleet(server, service, lanes, {pid: lrn for pid, lrn in learners.items() if lrn.learns},
-                              launcher=launcher, wait_s=ec.wait_s)
+                              launcher=launcher, wait_s=ec.wait_s, resolve=resolve)
         holder.append(fleet)
         server.attach(service, lanes)
-        return fleet, learners, tree
+        return fleet, learners, tree, teardown
     except BaseException:
         if launcher is not None:
             launcher.close()

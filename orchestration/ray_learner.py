@@ -296,6 +296,12 @@ class RayLearner:
         return result
 
     # -- the Learner protocol ----------------------------------------------------------------------------
+    def receive(self, fragment: TensorDict, meta: Mapping[str, Any]) -> None:
+        """Hands a fragment made in this process (external environments) to the learner actor, without waiting:
+        the object store holds it until the actor took it; calls reach the actor in order, so a later
+        ``submit`` sees it."""
+        self.handle.push.remote(dict(meta), [ray.put(to_wire(fragment, meta))])
+
     def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False) -> _Pending:
         return _Pending(self, self.handle.train.remote(progress, lr, take_all))
 

@@ -87,18 +87,17 @@ def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int,
     return options
 
 
-def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
-                    fixed: set[str]) -> tuple[Any, dict[str, Any], Callable[[], None]]:
-    """Ray, the learner actors (one per learning policy; GPUs when the cluster has them), the statistics
-    actor and the fleet, started from ``policies`` (seeded by the builder exactly as a local run).
+def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
+                       fixed: set[str]) -> tuple[dict[str, Any], dict[str, Any], dict, Callable[[], None]]:
+    """Ray and the learner actors (one per learning policy; GPUs when the cluster has them), started from
+    ``policies`` (seeded by the builder exactly as a local run).
 
     Returns:
-        ``(fleet, policy id -> RayLearner, teardown)``; the teardown releases the checkpoint registry and a Ray
-        instance this call started.
+        ``(policy id -> RayLearner, policy id -> actor handle, placement options, teardown)``; the teardown
+        releases the checkpoint registry and a Ray instance this call started.
     """
     from orchestration.assignment import groups_of
     from orchestration.builder import assignment_for
-    from orchestration.ray_fleet import RayFleet, RemoteEpisodeStatistics
     from orchestration.ray_learner import RayLearner, RemoteLearner, RemoteLearnerCheckpoints, RemoteRank
     from orchestration.wire import to_wire
 
@@ -131,17 +130,41 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
                     + [peer.join.remote(r, world, address, port) for r, peer in enumerate(peers[pid], 1)])
     learners = {pid: RayLearner(pid, h, registry, checkpoint_every=rc.learner_checkpoint_every,
                                 restart_timeout_s=rc.iteration_timeout_s, peers=peers[pid]) for pid, h in handles.items()}
-    weights = {pid: lrn.published() for pid, lrn in learners.items()}
-    weights.update({pid: (0, TensorDict.from_module(policies[pid]).detach()) for pid in fixed})
-    stats = RemoteEpisodeStatistics.options(max_restarts=-1, **placement).remote()
-    fleet = RayFleet(config, rc, handles, stats, weights)
 
     def teardown() -> None:
         kill_actor(registry)
         if owns_ray:
             ray.shutdown()
 
+    return learners, handles, placement, teardown
+
+
+def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
+                    fixed: set[str]) -> tuple[Any, dict[str, Any], Callable[[], None]]:
+    """The learner actors (:func:`build_ray_learners`), the statistics actor and the rollout workers' fleet.
+
+    Returns:
+        ``(fleet, policy id -> RayLearner, teardown)``.
+    """
+    from orchestration.ray_fleet import RayFleet, RemoteEpisodeStatistics
+
+    learners, handles, placement, teardown = build_ray_learners(config, tree, policies, fixed)
+    rc = config.ray
+    weights = {pid: lrn.published() for pid, lrn in learners.items()}
+    weights.update({pid: (0, TensorDict.from_module(policies[pid]).detach()) for pid in fixed})
+    stats = RemoteEpisodeStatistics.options(max_restarts=-1, **placement).remote()
+    fleet = RayFleet(config, rc, handles, stats, weights)
     return fleet, learners, teardown
 
 
-__all__ = ["build_ray_parts", "check_resources", "cpus_needed", "init_ray", "kill_actor", "learner_options", "try_get"]
+def resolve_weights(weights: Any) -> TensorDict:
+    """Weights as a TensorDict, whichever form a learner published them in (a Ray learner: ``[ref]`` of
+    their wire message)."""
+    from orchestration.wire import from_wire
+
+    if isinstance(weights, (list, tuple)):
+        return from_wire(ray.get(weights[0]), copy=True)
+    return weights
+
+
+__all__ = ["build_ray_learners", "build_ray_parts", "check_resources", "resolve_weights", "cpus_needed", "init_ray", "kill_actor", "learner_options", "try_get"]

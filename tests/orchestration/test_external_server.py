@@ -254,3 +254,31 @@ def _wait(predicate, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("timed out waiting for a condition")
         time.sleep(0.02)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_external_simulators_train_with_ray_learners_asynchronously(ray_session, tmp_path):
+    """The same external fleet with a Ray learner actor (fragments pushed through the object store), in async
+    mode: the learner trains, the service acts with its published weights, and every fragment is accounted."""
+    from orchestration.builder import build_trainer
+    from orchestration.config import RayConfig
+
+    config = TrainConfig(env="external", iterations=6, seed=1, backend="ray", mode="async", max_staleness=4,
+                         rollout=RolloutConfig(num_envs=1, fragment_length=16), train_batch_size=512,
+                         ray=RayConfig(learner_num_cpus=0, learner_num_gpus=0),
+                         external=ExternalConfig(command=SIM, instances=2, start_timeout_s=60))
+    trainer = build_trainer(config)
+    try:
+        returns = [trainer.train()["episode_return_mean"] for _ in range(config.iterations)]
+        version = trainer.weights["agents"][0]
+        assert trainer.fleet.service.versions["agents"] == version  # the service acts with the newest weights
+        served = trainer.fleet.actor_weights("agents")[0]
+        learned = trainer.learners["agents"].weights()[1]
+        assert all((served[k] == learned[k]).all() for k in learned.keys(True, True))
+    finally:
+        trainer.close()
+    a = trainer.accounting()
+    assert a["fragments_produced"] == a["fragments_accepted"] + a["fragments_stale"] + a["fragments_lost"] + \
+        a["fragments_in_flight"] and a["fragments_accepted"] > 0
+    assert returns[-1] > returns[0], returns

@@ -1,0 +1,201 @@
+"""External environments over loopback: the cost of the protocol against what it carries.
+
+1. ``round_trip``: one simulator asks for actions in a loop (one agent per request). Ours: the latency of an
+   ``act`` -> ``actions`` exchange through :class:`orchestration.external_server.ExternalServer` (parsing,
+   checking against the tree, one inference-service forward, recording the step). Reference, in the same run:
+   a bare ``websockets`` echo server sent the same ``act`` frame and echoing it back. Small observations (the
+   example simulator's 4 floats) and image-sized ones (84x84x3 uint8, a flattening policy). p50 and p99 over
+   interleaved rounds. Target (issue 13): p50 within 2x of the echo.
+2. ``simulators``: 16 copies of the example simulator (``examples/external_sim.py``'s episode loop) as threads,
+   through the server on loopback, against the same 16 loops in this process asking the same inference
+   service directly (no sockets, no protocol, no recording): env steps per second, and their ratio.
+
+    python benchmarks/external_round_trip.py [--requests 300] [--rounds 3] [--simulators 16] [--seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from websockets.sync.client import connect
+from websockets.sync.server import serve
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from adapters.external.client import SimulatorClient  # noqa: E402
+from adapters.external.messages import encode  # noqa: E402
+from core.policies import PolicyConfig, make_policies  # noqa: E402
+from core.specs import from_json  # noqa: E402
+from orchestration.assignment import assign  # noqa: E402
+from orchestration.config import ExternalConfig  # noqa: E402
+from orchestration.external_episodes import Lanes, TreeCodec  # noqa: E402
+from orchestration.external_server import ExternalServer  # noqa: E402
+from orchestration.inference import InferenceConfig, InferenceService  # noqa: E402
+
+import external_sim  # noqa: E402
+
+
+def image_tree() -> dict:
+    return {"format": "shoal.tree/1", "tree": {"array": {
+        "template": {"observation": {"leaf": "box", "shape": [84, 84, 3], "dtype": "uint8", "low": 0, "high": 255},
+                     "action": {"leaf": "discrete", "shape": [], "dtype": "int64", "n": 6, "start": 0}},
+        "capacity": 1, "payoff": "cooperative", "shared_observation": None}}}
+
+
+def start_server(tree_doc: dict, max_bytes: int):
+    tree = from_json(json.dumps(tree_doc))
+    policy = make_policies(tree, PolicyConfig(image_encoder="flatten"))["agents"]
+    service = InferenceService({"agents": policy}, InferenceConfig(max_wait_s=0.0)).start()
+    lanes = Lanes(TreeCodec(tree), assign(tree, {}), 64, lambda *item: None)
+    server = ExternalServer(ExternalConfig(token="bench", max_message_bytes=max_bytes, max_episodes=1024), tree,
+                            log=io.StringIO()).start()
+    server.attach(service, lanes)
+    return server, service
+
+
+def echo_server():
+    def handler(ws):
+        for frame in ws:
+            ws.send(frame)
+
+    server = serve(handler, "127.0.0.1", 0, compression=None, max_size=None)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def time_ours(client: SimulatorClient, obs: np.ndarray, n: int, episode: str) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        client.act(episode, {"agents_0": obs})
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def time_echo(ws, frame: bytes, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        ws.send(frame)
+        ws.recv()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds: int) -> dict:
+    server, service = start_server(tree_doc, max_bytes=1 << 22)
+    echo = echo_server()
+    client = SimulatorClient(server.url, "bench", tree_doc, "bench")
+    ws = connect(f"ws://127.0.0.1:{echo.socket.getsockname()[1]}", compression=None, max_size=None, proxy=None,
+                 legacy=True)
+    frame = encode({"type": "act", "id": 0, "episode": "e", "agents": {"agents_0": {"observation": obs}}})
+    ours, ref = [], []
+    time_ours(client, obs, 20, "warm")
+    time_echo(ws, frame, 20)
+    for r in range(rounds):
+        ours += time_ours(client, obs, requests, f"e{r}")
+        ref += time_echo(ws, frame, requests)
+    client.close()
+    ws.close()
+    echo.shutdown()
+    server.close()
+    service.close()
+    q = lambda xs, p: float(np.percentile(xs, p)) * 1e6  # noqa: E731
+    return {f"{name}_frame_bytes": len(frame), f"{name}_p50_us": round(q(ours, 50), 1),
+            f"{name}_p99_us": round(q(ours, 99), 1), f"{name}_echo_p50_us": round(q(ref, 50), 1),
+            f"{name}_echo_p99_us": round(q(ref, 99), 1), f"{name}_p50_vs_echo": round(q(ours, 50) / q(ref, 50), 2)}
+
+
+class DirectClient:
+    """The example simulator's client interface, answered by the inference service in this process."""
+
+    def __init__(self, service: InferenceService, codec: TreeCodec) -> None:
+        self.service, self.codec = service, codec
+
+    def act(self, episode, agents, rewards=None, left=None):
+        obs = torch.zeros(1, external_sim.AGENTS, external_sim.COLOURS + 1)
+        mask = torch.zeros(1, external_sim.AGENTS, dtype=torch.bool)
+        slots = {}
+        for name, o in agents.items():
+            slot = self.codec.index[name][1]
+            obs[0, slot] = torch.from_numpy(o)
+            mask[0, slot] = True
+            slots[name] = slot
+        result = self.service.act("agents", {"observation": obs, "mask": mask})
+        return type("Answer", (), {"actions": {n: result.action[0, s].numpy() for n, s in slots.items()}})
+
+    def end(self, *args, **kwargs):
+        pass
+
+
+def simulators(count: int, seconds: float) -> dict:
+    tree_doc = external_sim.TREE
+    out = {}
+    for mode in ("in_process", "external"):
+        server, service = start_server(tree_doc, max_bytes=1 << 20)
+        steps = [0] * count
+        stop = threading.Event()
+
+        def loop(i: int) -> None:
+            rng = np.random.default_rng(i)
+            if mode == "external":
+                client = SimulatorClient(server.url, "bench", tree_doc, f"s{i}")
+            else:
+                client = DirectClient(service, TreeCodec(from_json(json.dumps(tree_doc))))
+            k = 0
+            while not stop.is_set():
+                external_sim.run_episode(client, f"s{i}-{k}", rng)
+                steps[i] += external_sim.EPISODE_STEPS
+                k += 1
+            if mode == "external":
+                client.close()
+
+        threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(count)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        begin, before = time.perf_counter(), sum(steps)
+        time.sleep(seconds)
+        rate = (sum(steps) - before) / (time.perf_counter() - begin)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        server.close()
+        service.close()
+        out[f"{count}_simulators_{mode}_steps_per_s"] = round(rate, 1)
+    out[f"{count}_simulators_external_vs_in_process"] = round(
+        out[f"{count}_simulators_external_steps_per_s"] / out[f"{count}_simulators_in_process_steps_per_s"], 3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--simulators", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    small = np.zeros(4, np.float32)
+    image = np.random.default_rng(0).integers(0, 255, (84, 84, 3), dtype=np.uint8)
+    small_tree = json.loads(json.dumps(external_sim.TREE))
+    small_tree["tree"]["array"]["capacity"] = 1
+    result = {"benchmark": "external_round_trip"}
+    result.update(round_trip("small", small_tree, small, args.requests, args.rounds))
+    result.update(round_trip("image", image_tree(), image, args.requests // 3, args.rounds))
+    result.update(simulators(args.simulators, args.seconds))
+    result["target_p50_vs_echo"] = 2.0
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
