@@ -14,6 +14,20 @@ plus the workers' own counters summed over every incarnation.
 
 Seeding: ``reset(seed)`` resets worker ``k`` with ``seed + offsets[k]`` (its envs' indices in the pool);
 a restarted worker gets a seed derived from ``(seed, k, incarnation)`` so it never replays an episode.
+
+Two ways to step. :meth:`EnvWorkerPool.step` is lock-step: every worker steps and the call waits for all
+of them, so the slowest worker sets the pace. The split-phase API lets workers advance independently (a
+polling actor, :mod:`orchestration.polling_actor`, serves whichever finished)::
+
+    pool.reset(seed=0)
+    obs = [pool.root(k) for k in range(pool.num_workers)]      # worker k's first step to act on, batch [n_k]
+    pool.send(actions, [0, 2])        # actions batch [n_0 + n_2]: worker 0's slice, then worker 2's
+    for k in pool.poll(timeout_s=None):                        # the workers whose step finished
+        out = pool.result(k)          # batch [n_k], the layout of step()'s output, its own copy
+        pool.send(next_actions_for(out), [k])
+
+Faults are handled per worker exactly as in :meth:`~EnvWorkerPool.step`; the step timeout of a worker runs
+from its own :meth:`~EnvWorkerPool.send`.
 """
 
 from __future__ import annotations
@@ -135,6 +149,12 @@ class EnvWorkerPool:
         self._out = step_template(self._tree, total).share_memory_()
         self._act = zeros(self._tree, [total]).select(*[(g, ACTION) for g in groups(self._tree)]).share_memory_()
         self._act_leaves = list(self._act.items(True, True))
+        # per-worker views of the shared output buffer: a finished worker's slice is cloned from its view
+        self._views = [self._out[self._slice(k)] for k in range(len(sizes))]
+        self._sent: dict[int, float] = {}  # split phase: worker in flight -> time of its send (its timeout clock)
+        self._early: dict[int, tuple] = {}  # worker whose send already failed -> its fault, reported by poll
+        self._results: dict[int, TensorDict] = {}  # finished worker -> its output [n_k], until result() takes it
+        self._roots: dict[int, TensorDict] = {}  # worker -> its root obs [n_k] where newer than self._last
         for w in self._workers:
             self._send_buffers(w)
 
@@ -155,12 +175,31 @@ class EnvWorkerPool:
         return out
 
     @property
+    def num_workers(self) -> int:
+        """``K``, the number of worker processes."""
+        return len(self._sizes)
+
+    @property
+    def sizes(self) -> list[int]:
+        """``n_k``, the number of envs of each worker (worker ``k``'s envs are ``offsets[k]:offsets[k] + n_k``)."""
+        return list(self._sizes)
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Workers sent a step (:meth:`send`) that :meth:`poll` has not reported finished yet, sorted."""
+        return sorted(self._sent)
+
+    @property
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (for monitoring and fault-injection tests)."""
         return [w.proc.pid for w in self._workers]
 
     def reset(self, seed: int | None = None) -> TensorDict:
         """Resets every worker (worker ``k`` with ``seed + offsets[k]``) and returns the first step to act on."""
+        while self._sent:  # split-phase steps still running: let them end first (their outputs are dropped)
+            self.poll(timeout_s=None)
+        self._results.clear()
+        self._roots.clear()
         self._seed = seed
         for w in self._workers:
             w.conn.send(("reset", None if seed is None else seed + self.offsets[w.index]))
@@ -176,6 +215,12 @@ class EnvWorkerPool:
         """Steps every worker; a failed worker's envs end truncated and restart (module doc)."""
         if self._last is None:
             raise RuntimeError("call reset() before step()")
+        if self._sent:
+            raise RuntimeError(f"workers {self.in_flight} are in flight (send()); poll() them before step()")
+        if self._roots:  # split-phase steps moved some workers on: their roots are the newest
+            self._last = torch.cat([self._root(k) for k in range(self.num_workers)])
+            self._roots.clear()
+        self._results.clear()
         for key, buf in self._act_leaves:
             buf.copy_(actions.get(key))
         for w in self._workers:
@@ -189,9 +234,134 @@ class EnvWorkerPool:
             self._own["episodes_lost"] += self._sizes[i]
         out = self._out.clone()
         for i in failed:
-            self._truncate(out, slice(self.offsets[i], self.offsets[i] + self._sizes[i]))
+            sl = self._slice(i)
+            self._truncate(out, self._last[sl], sl)
         self._last = out.exclude(NEXT)
         return out
+
+    # -- split phase -----------------------------------------------------------------------------------------
+    def root(self, k: int) -> TensorDict:
+        """Worker ``k``'s current step to act on (after :meth:`reset`, or its latest finished step), batch
+        ``[n_k]``: the root keys of a step (groups' observation, mask, action mask; shared), a copy."""
+        if self._last is None:
+            raise RuntimeError("call reset() before root()")
+        return self._root(k).clone()
+
+    def send(self, actions: TensorDict, workers: Sequence[int]) -> None:
+        """Starts a step on ``workers`` and returns at once (:meth:`poll` reports when each finished).
+
+        Args:
+            actions: batch ``[sum of n_k over workers]``: ``{group: {"action": [n, A, ...]}}``, the workers'
+                action slices concatenated in the order of ``workers`` (extra keys are ignored).
+            workers: distinct worker indices, none of them in flight.
+
+        Raises:
+            ValueError: a worker is in flight already or named twice, or ``actions`` has the wrong batch.
+        """
+        if self._last is None:
+            raise RuntimeError("call reset() before send()")
+        workers = [int(k) for k in workers]
+        busy = [k for k in workers if k in self._sent]
+        if busy or len(set(workers)) != len(workers):
+            raise ValueError(f"workers {busy or workers} are in flight or named twice; poll() them first")
+        total = sum(self._sizes[k] for k in workers)
+        if actions.batch_size[:1] != torch.Size([total]):
+            raise ValueError(f"actions have batch {list(actions.batch_size)}; workers {workers} have {total} envs")
+        sources = [actions.get(key) for key, _ in self._act_leaves]
+        start = 0
+        for k in workers:  # the worker reads its slice only after the "step" message: no step of its own races this
+            n, first = self._sizes[k], self.offsets[k]
+            for (_, buf), src in zip(self._act_leaves, sources):
+                buf[first:first + n].copy_(src[start:start + n])
+            start += n
+        for k in workers:
+            self._sent[k] = time.monotonic()
+            try:
+                self._workers[k].conn.send(("step", None))
+            except (OSError, ValueError):  # the process is gone: poll() reports it at once
+                self._early[k] = ("dead", None)
+
+    def poll(self, timeout_s: float | None = 0.0) -> list[int]:
+        """The in-flight workers whose step finished, waiting up to ``timeout_s`` for the first one.
+
+        Every worker finished by the time the call returns is reported (not just the first). A worker that
+        died, raised, or has not answered ``step_timeout_s`` after its own :meth:`send` is restarted (or raises
+        :class:`EnvWorkerFault` in strict mode) and reported finished, its envs ending truncated exactly as in
+        :meth:`step`. Take each reported worker's output with :meth:`result`.
+
+        Args:
+            timeout_s: longest wait for a first finished worker; 0 only looks; None waits until one finishes
+                (at most until the earliest step timeout).
+
+        Returns:
+            The finished workers' indices, sorted; ``[]`` when none finished in time or none is in flight.
+        """
+        if not self._sent:
+            return []
+        limit = self.config.step_timeout_s
+        end = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+        while True:
+            replies = dict(self._early)
+            self._early.clear()
+            watched = {}
+            for k in self._sent:
+                if k not in replies:
+                    w = self._workers[k]
+                    watched[w.conn] = watched[w.proc.sentinel] = k
+            now = time.monotonic()
+            until = min(self._sent.values()) + limit  # the first step timeout ends any wait
+            if end is not None:
+                until = min(until, end)
+            wait_s = 0.0 if replies else max(0.0, until - now)
+            for k in sorted({watched[obj] for obj in wait(list(watched), wait_s)}):
+                replies[k] = self._receive(k)
+            now = time.monotonic()
+            for k, sent in self._sent.items():
+                if k not in replies and now - sent >= limit:
+                    replies[k] = ("timeout", None)
+            if replies or end is not None and now >= end:
+                break
+        for k in sorted(replies):
+            self._finish(k, replies[k])
+        return sorted(replies)
+
+    def result(self, k: int) -> TensorDict:
+        """Takes worker ``k``'s finished step (reported by :meth:`poll`): batch ``[n_k]``, the layout of
+        :meth:`step`'s output (``"next"`` plus the next step to act on), a copy the caller owns. Each finished
+        step is taken once."""
+        try:
+            return self._results.pop(k)
+        except KeyError:
+            raise ValueError(f"worker {k} has no finished step to take (send() it, then poll())") from None
+
+    def _finish(self, k: int, reply) -> None:
+        """Files worker ``k``'s reply: its output, or (a fault) its restart and truncated envs."""
+        del self._sent[k]
+        if self._accept(k, reply):
+            out = self._views[k].clone()
+        else:
+            if not self.config.restart:
+                self._raise(k)
+            self._restart(k)
+            self._own["episodes_lost"] += self._sizes[k]
+            out = self._views[k].clone()  # the root: the restarted env's first observations
+            self._truncate(out, self._root(k), slice(None))
+        self._results[k] = out
+        self._roots[k] = out.exclude(NEXT)
+
+    def _receive(self, k: int):
+        w = self._workers[k]
+        try:
+            return w.conn.recv() if w.conn.poll() else ("dead", None)
+        except (EOFError, OSError):
+            return ("dead", None)
+
+    def _root(self, k: int) -> TensorDict:
+        root = self._roots.get(k)
+        return root if root is not None else self._last[self._slice(k)]
+
+    def _slice(self, k: int) -> slice:
+        return slice(self.offsets[k], self.offsets[k] + self._sizes[k])
 
     def close(self) -> None:
         """Stops every worker; idempotent."""
@@ -236,7 +406,7 @@ class EnvWorkerPool:
         return payload[0], payload[1]
 
     def _send_buffers(self, w: _Worker) -> None:
-        sl = slice(self.offsets[w.index], self.offsets[w.index] + self._sizes[w.index])
+        sl = self._slice(w.index)
         w.conn.send((self._act[sl], self._out[sl]))
 
     def _restart(self, i: int) -> None:
@@ -267,9 +437,10 @@ class EnvWorkerPool:
                 return
             w.kill()
 
-    def _truncate(self, out: TensorDict, sl: slice) -> None:
-        """Ends the episodes of envs ``sl`` as truncated, the last returned observation as the final one."""
-        last, nxt = self._last[sl], out.get(NEXT)
+    def _truncate(self, out: TensorDict, last: TensorDict, sl: slice) -> None:
+        """Ends the episodes of envs ``sl`` of ``out`` as truncated, ``last`` (their last returned root, batch
+        ``[len(sl)]``) as the final observation."""
+        nxt = out.get(NEXT)
         for g in groups(self._tree):
             present = last.get((g, MASK))
             group = nxt.get(g)

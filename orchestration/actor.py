@@ -88,8 +88,24 @@ class Actor:
         self._done = value.reshape(-1, 1)
 
     # -- acting ------------------------------------------------------------------------------------------
-    def _act(self, obs: TensorDictBase) -> tuple[dict, TensorDict]:
-        """One batched forward per group: the step entries to record and the actions to send."""
+    def act(self, obs: TensorDictBase, done: torch.Tensor | None,
+            rnn: dict[tuple[str, str], torch.Tensor | None]) -> tuple[dict, TensorDict]:
+        """The acting half of :meth:`step`: one batched forward per group over every row of ``obs``.
+
+        The rows need not be this actor's envs (:class:`orchestration.polling_actor.PollingActor` passes the
+        envs of whichever env processes are ready); the generator, policies and versions are this actor's.
+
+        Args:
+            obs: the step to act on, batch ``[B]`` (root keys of a protocol step; ``"next"`` is not read).
+            done: ``[B, 1]`` bool, rows whose episode starts at this step (recurrent policies zero their state
+                there); read by recurrent policies only, so None is fine without one.
+            rnn: ``(group, policy id) -> [B, A, H]`` recurrent state (absent or None: zeros); updated in place
+                with the next state. ``{}`` without a recurrent policy.
+
+        Returns:
+            ``(entries, actions)``: the step to record (plain nested dict of ``[B, ...]`` tensors, without
+            ``"next"``) and the actions to send, batch ``[B]``.
+        """
         root = key_dict(obs)
         shared = root.get(SHARED, None)
         entries, actions = {}, {}
@@ -100,7 +116,7 @@ class Actor:
             inputs = {OBSERVATION: observation, MASK: mask}  # a plain dict: the policy reads it ~10x faster
             if action_mask is not None:
                 inputs[ACTION_MASK] = action_mask
-            out = self._forward(group, assigned, inputs, shared)
+            out = self._forward(group, assigned, inputs, shared, done, rnn)
             action = out[ACTION]
             entry = {OBSERVATION: _maybe_plain(observation), MASK: mask, ACTION: action}
             if LOG_PROB in out:
@@ -120,7 +136,7 @@ class Actor:
             entries[SHARED] = _maybe_plain(shared)
         return entries, make_td(actions, obs.batch_size)
 
-    def _forward(self, group: str, assigned: GroupAssignment, g_obs, shared) -> dict:
+    def _forward(self, group: str, assigned: GroupAssignment, g_obs, shared, done, rnn) -> dict:
         """The policies' outputs for one group; a split group keeps each policy's outputs on its slots.
 
         Log-probabilities are computed per fragment (:meth:`build_fragment`) where the policy allows it, and not
@@ -135,11 +151,11 @@ class Actor:
         with_log_prob = self.record and single is None
         for pid in assigned.policies:
             policy = self.policies[pid]
-            start = self._episode_start if policy.gru is not None else None  # read by recurrent policies only
+            start = done.reshape(-1) if policy.gru is not None else None  # read by recurrent policies only
             out = policy.act_step(g_obs, shared, self.generator, pid in self.deterministic,
-                                  self._rnn.get((group, pid)), start, with_value=False, with_log_prob=with_log_prob)
+                                  rnn.get((group, pid)), start, with_value=False, with_log_prob=with_log_prob)
             if RECURRENT_STATE in out:
-                self._rnn[(group, pid)] = out[NEXT][RECURRENT_STATE]
+                rnn[(group, pid)] = out[NEXT][RECURRENT_STATE]
             outs[pid] = out
         if single is not None:
             return outs[single]
@@ -151,13 +167,13 @@ class Actor:
 
     def step(self) -> TensorDictBase:
         """Acts once in every env; records the transition; returns the env's output (``"next"`` + next obs)."""
-        entries, actions = self._act(self._obs)
+        entries, actions = self.act(self._obs, self._done, self._rnn)
         out = self.env.step(actions)
         nxt = _get(out, NEXT)
         if self.record:
             entries[NEXT] = nxt if type(nxt) is TensorDict else _plain(nxt)  # the builder walks a plain one
             self.builder.add_step_(entries)
-        self._done = _get(nxt, DONE)  # [E, 1]; reshaped only when a recurrent policy reads it (_episode_start)
+        self._done = _get(nxt, DONE)  # [E, 1]; reshaped only when a recurrent policy reads it (act)
         self._obs = out  # the next step to act on; "next" rides along unread (cheaper than exclude)
         self.env_steps += self.env.num_envs
         return out
@@ -169,6 +185,10 @@ class Actor:
             self.step()
         return self.build_fragment()
 
+    def sequences(self) -> dict[int, int]:
+        """Worker id -> fragments built (one stream; a :class:`PollingActor` has one per env process)."""
+        return {self.worker_id: self.builder.sequence}
+
     def fragment_meta(self, fragment: TensorDictBase) -> dict[str, Any]:
         """The delivery metadata of the fragment just built (:mod:`orchestration.inbox`): its id, worker,
         sequence number, the version of every policy that acted, and its env steps."""
@@ -176,14 +196,21 @@ class Actor:
                 "sequence": self.builder.sequence - 1, "policy_versions": dict(self.versions),
                 "env_steps": fragment.batch_size.numel()}
 
-    def build_fragment(self) -> TensorDict:
+    def build_fragment(self, builder: FragmentBuilder | None = None,
+                       versions: Mapping[str, int] | None = None) -> TensorDict:
         """The steps recorded since the last fragment as a fragment ``[env, T]`` (``FragmentBuilder.build``).
 
         Groups whose policy recorded action-head parameters instead of log-probabilities get their
         ``"log_prob"`` here, computed for all ``T`` steps at once from the recorded params, actions and masks
         (the same values, bit for bit, as computing them step by step; ``Head.exact_log_prob``).
+
+        Args:
+            builder: whose steps to build (default: this actor's; a polling actor keeps one per env process).
+            versions: policy id -> the version recorded as the fragment's (default: the versions acting now).
         """
-        fragment = self.builder.build({g: self.versions[a.main_policy] for g, a in self.assignment.items()})
+        builder = self.builder if builder is None else builder
+        versions = self.versions if versions is None else versions
+        fragment = builder.build({g: versions[a.main_policy] for g, a in self.assignment.items()})
         for group, assigned in self.assignment.items():
             g = fragment.get(group)
             if ACTION_PARAMS in g.keys():  # only single-policy groups record params (_forward)

@@ -124,9 +124,26 @@ def worker_seed(seed: int, slot: int, incarnation: int) -> int:
     return seed + 1000 * slot + 10**7 * incarnation
 
 
+def stream_worker_ids(config: TrainConfig, slot: int, incarnation: int) -> list[int]:
+    """Worker ids of the fragment streams of rollout worker ``slot``: its own id, and with ``env_polling`` one
+    per env process (process ``k`` of slot ``i`` is slot ``i + k * num_workers``: distinct across the fleet)."""
+    rc = config.rollout
+    streams = rc.env_processes if rc.env_polling else 1
+    return [worker_id_of(slot + k * rc.num_workers, incarnation) for k in range(streams)]
+
+
 def build_actor(config: TrainConfig, env, policies: Mapping[str, GroupPolicy],
                 assignment: Mapping[str, GroupAssignment], *, slot: int = 0, incarnation: int = 0) -> Actor:
-    """The training actor of rollout worker ``slot`` (its ``incarnation``-th re-creation) on ``env``."""
+    """The training actor of rollout worker ``slot`` (its ``incarnation``-th re-creation) on ``env``: an
+    :class:`Actor`, or with ``rollout.env_polling`` a :class:`orchestration.polling_actor.PollingActor` that acts
+    for whichever env processes are ready."""
+    if config.rollout.env_polling:
+        from orchestration.polling_actor import PollingActor
+
+        return PollingActor(env, policies, assignment, fragment_length=config.rollout.fragment_length,
+                            seed=worker_seed(config.seed, slot, incarnation),
+                            worker_id=worker_id_of(slot, incarnation),
+                            worker_ids=stream_worker_ids(config, slot, incarnation))
     return Actor(env, policies, assignment, fragment_length=config.rollout.fragment_length,
                  seed=worker_seed(config.seed, slot, incarnation), worker_id=worker_id_of(slot, incarnation))
 
@@ -181,4 +198,4 @@ def build_trainer(config: TrainConfig):
 
 
 __all__ = ["assignment_for", "build_actor", "build_evaluator", "build_learner", "build_learners", "build_policies",
-           "build_trainer", "fixed_policy_ids", "is_fixed", "policy_module", "worker_id_of", "worker_seed"]
+           "build_trainer", "fixed_policy_ids", "is_fixed", "policy_module", "stream_worker_ids", "worker_id_of", "worker_seed"]

@@ -28,6 +28,10 @@ class RolloutConfig:
     env_timeout_s: float = 0.0
     """A step or reset slower than this counts as hung: the env's process is killed and restarted. Setting it
     runs the envs in subprocesses (one unless ``env_processes`` says more); 0: the pool's default (30 s)."""
+    env_polling: bool = False
+    """With ``env_processes`` >= 2: act for whichever env processes are ready instead of waiting for all of them
+    (``orchestration.polling_actor``), so a slow or hung process holds back only its own envs. Each process is
+    then its own fragment stream ``[num_envs / env_processes, T]`` with its own worker id."""
 
     def __post_init__(self) -> None:
         for name in ("num_envs", "fragment_length", "num_workers"):
@@ -39,11 +43,22 @@ class RolloutConfig:
         if self.env_processes > self.num_envs:
             raise ValueError(f"RolloutConfig.env_processes ({self.env_processes}) cannot exceed num_envs "
                              f"({self.num_envs}): every process runs at least one env")
+        if self.env_polling and (self.env_processes < 2 or self.num_envs % self.env_processes):
+            raise ValueError(f"RolloutConfig.env_polling needs env_processes >= 2 dividing num_envs (every process a "
+                             f"fragment stream of one size); got env_processes={self.env_processes}, "
+                             f"num_envs={self.num_envs}")
+        if self.env_polling and self.num_workers * self.env_processes > 2**16:
+            raise ValueError("RolloutConfig.env_polling: num_workers * env_processes must be <= 65536 worker ids")
 
     @property
     def steps_per_round(self) -> int:
         """Env steps one round of fragments (one per worker) brings."""
         return self.num_envs * self.fragment_length * self.num_workers
+
+    @property
+    def fragment_steps(self) -> int:
+        """Env steps in one fragment: one actor's envs, or one env process's with ``env_polling``."""
+        return (self.num_envs // self.env_processes if self.env_polling else self.num_envs) * self.fragment_length
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

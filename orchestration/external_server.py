@@ -292,6 +292,8 @@ class ExternalServer:
             self._episode_error(ws, error, episodes, name)
 
     def _answer(self, ws, pending: list, episodes: dict[str, Episode]) -> None:
+        if pending:
+            self._service.serve_queued()  # serve them here if no batch is running (no hand-off)
         for request_id, episode, request, futures in pending:
             try:
                 results = {g: f.result() for g, f in futures.items()}

@@ -85,7 +85,8 @@ class LocalFleet:
         self.actors, self.learners = list(actors), dict(learners)
         self.stats = stats or EpisodeStatistics()
         first = self.actors[0]
-        self.fragment_steps = first.env.num_envs * first.fragment_length
+        streams = len(first.sequences())  # a polling actor: one fragment stream per env process, equal sizes
+        self.fragment_steps = first.env.num_envs // streams * first.fragment_length
         self.reported: dict[int, int] = {}
         self.dead: set[int] = set()
         self._latest: dict[str, tuple[int, Any]] = {}
@@ -105,7 +106,8 @@ class LocalFleet:
                 actor.set_weights(pid, version, w, force=force)
 
     def _report(self, actor: Actor) -> dict:
-        return {"worker_id": actor.worker_id, "produced": self.reported.get(actor.worker_id, 0), "push_failures": 0,
+        return {"worker_id": actor.worker_id, "produced": sum(self.reported.get(w, 0) for w in actor.sequences()),
+                "push_failures": 0,
                 "monitor": {}, "env_counters": dict(getattr(actor.env, "counters", {}))}
 
     # -- synchronous mode --------------------------------------------------------------------------------
@@ -159,7 +161,7 @@ class LocalFleet:
         """Inverse of :meth:`state`; the produced-fragment counts follow the actors' sequence numbers."""
         for actor, state in zip(self.actors, states):
             actor.load_state_(state)
-            self.reported[actor.worker_id] = actor.builder.sequence
+            self.reported.update(actor.sequences())
 
     @property
     def resume_exact(self) -> bool:

@@ -38,6 +38,12 @@ Batching rule (Sample Factory's): take whoever is queued, in arrival order, up t
 holds fewer than half the rows of the largest of the last few batches: callers just answered usually come
 straight back, while a lone caller is never kept waiting for company. Never a barrier over all callers.
 
+Callers help (leader/follower): :meth:`InferenceService.act`, and any caller that calls
+:meth:`InferenceService.serve_queued` before it waits, serves one batch of whatever is queued in its own thread
+when no batch is being served at that moment (a request that does not fit goes back to the queue). A lone
+caller so pays no hand-off to the service thread and back; under load the service thread batches as above.
+One batch is served at a time, whoever serves it, so weights still swap only between batches.
+
 Deadlines: a request whose deadline passed before it was batched is dropped (its future raises
 :class:`RequestExpired`, a ``TimeoutError``) and never holds up a batch; a caller that cancels its future
 or simply goes away costs nothing. A request that makes its batch fail is retried alone, so only it fails.
@@ -146,6 +152,7 @@ class InferenceService:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: a put costs the caller ~0.2 µs
         self._carry: Request | None = None  # taken but did not fit: opens the next batch
         self._lock = threading.Lock()  # orders submit against close, and guards _pending
+        self._serving = threading.Lock()  # one batch at a time: the service thread's or a waiting caller's
         self._pending: dict[str, tuple[int, TensorDictBase]] = {}
         self._recent: deque[int] = deque(maxlen=_RECENT_BATCHES)
         self._thread: threading.Thread | None = None
@@ -184,10 +191,42 @@ class InferenceService:
         return request.future
 
     def act(self, policy_id: str, obs: Mapping, **kwargs: Any) -> InferenceResult:
-        """:meth:`submit` and wait for the result (same arguments); raises what the future raises."""
+        """:meth:`submit`, :meth:`serve_queued`, and wait for the result (same arguments as :meth:`submit`);
+        raises what the future raises."""
         if self._thread is None:
             raise RuntimeError("InferenceService.act before start(): nothing would serve the request")
-        return self.submit(policy_id, obs, **kwargs).result()
+        future = self.submit(policy_id, obs, **kwargs)
+        self.serve_queued()
+        return future.result()
+
+    def serve_queued(self) -> bool:
+        """Serves, in the calling thread, one batch of whatever is queued, if no batch is being served now
+        (a caller about to wait helps instead: a lone caller pays no thread hand-off, and the service
+        thread's batching is unchanged when it is busy). Returns whether it served a batch."""
+        if not self._serving.acquire(blocking=False):
+            return False
+        try:
+            batch, limit, rows = [], self.config.max_batch_rows, 0
+            while rows < limit:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:  # closing: leave it (and what follows) to the service thread
+                    self._queue.put(_STOP)
+                    break
+                if rows + item.rows > limit:
+                    self._queue.put(item)  # goes to the back: still served, after this batch
+                    break
+                if self._admit(item):
+                    batch.append(item)
+                    rows += item.rows
+            if batch:
+                with torch.no_grad():
+                    self._serve_locked(batch)
+            return bool(batch)
+        finally:
+            self._serving.release()
 
     # -- learner side ------------------------------------------------------------------------------------
     def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
@@ -267,17 +306,22 @@ class InferenceService:
         with torch.no_grad():  # grad mode is per thread
             while True:
                 batch, stop = self._gather()
-                try:
-                    if batch:
-                        self._swap_weights()  # between batches: this one sees one version per policy
-                        self._serve_batch(batch)
-                except Exception as error:  # noqa: BLE001 - a bug here must not leave callers waiting forever
-                    for r in batch:
-                        if not r.future.done():
-                            self._counts["failed"] += 1
-                            r.future.set_exception(error)
+                if batch:
+                    with self._serving:
+                        self._serve_locked(batch)
                 if stop:
                     return
+
+    def _serve_locked(self, batch: list[Request]) -> None:
+        """One batch (the caller holds ``_serving``): new weights first, so it sees one version per policy."""
+        try:
+            self._swap_weights()
+            self._serve_batch(batch)
+        except Exception as error:  # noqa: BLE001 - a bug here must not leave callers waiting forever
+            for r in batch:
+                if not r.future.done():
+                    self._counts["failed"] += 1
+                    r.future.set_exception(error)
 
     def _gather(self) -> tuple[list[Request], bool]:
         """Takes queued requests (the batching rule of the module docstring); ``(batch, stop after it)``."""
@@ -318,11 +362,13 @@ class InferenceService:
     def _admit(self, r: Request) -> bool:
         """Whether ``r`` joins the batch: not cancelled by its caller, deadline not passed (else dropped)."""
         if not r.future.set_running_or_notify_cancel():
-            self._counts["cancelled"] += 1
+            with self._lock:  # the service thread and a helping caller may both admit
+                self._counts["cancelled"] += 1
             return False
         late = self._clock() - r.deadline
         if late >= 0:
-            self._counts["dropped"] += 1
+            with self._lock:
+                self._counts["dropped"] += 1
             r.future.set_exception(RequestExpired(
                 f"policy {r.policy_id!r}: request of {r.rows} rows expired {late * 1e3:.2f} ms before it was batched"))
             return False

@@ -31,7 +31,7 @@ import ray
 import torch
 from tensordict import TensorDictBase
 
-from orchestration.builder import assignment_for, build_actor, policy_module, worker_id_of
+from orchestration.builder import assignment_for, build_actor, policy_module, stream_worker_ids, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
 from orchestration.envs import make_run_env
 from orchestration.ray_session import kill_actor, try_get
@@ -57,6 +57,7 @@ class RolloutWorker:
         self.worker_id = worker_id_of(slot, incarnation)
         self.monitor = PipelineMonitor()
         rc = config.rollout
+        self._polling = rc.env_polling
         self.env = TimedEnv(make_run_env(config, rc.num_envs))
         tree = self.env.tree
         assignment = assignment_for(config, tree)
@@ -126,13 +127,17 @@ class RolloutWorker:
         self._load()
         actor, monitor = self.actor, self.monitor
         start, env_before = time.perf_counter(), self.env.elapsed
-        with torch.no_grad():
-            for _ in range(actor.fragment_length):
-                actor.step()
+        if self._polling:  # the next stream's fragment: steps and assembly interleave
+            fragment = actor.collect()
+            stepped = time.perf_counter()
+        else:
+            with torch.no_grad():
+                for _ in range(actor.fragment_length):
+                    actor.step()
+            stepped = time.perf_counter()
+            fragment = actor.build_fragment()
         if self._delay:
             time.sleep(self._delay)  # a slow environment (test hook)
-        stepped = time.perf_counter()
-        fragment = actor.build_fragment()
         episodes = actor.completed_episodes()
         built = time.perf_counter()
         env_time = self.env.elapsed - env_before + self._delay
@@ -210,7 +215,7 @@ class RolloutWorker:
                 put = time.perf_counter()
                 inflight.extend(learner.push.remote(meta, [ref]) for learner in self.learners.values())
                 if episodes and self.stats is not None:
-                    side.append(self.stats.add.remote(self.worker_id, meta["sequence"], episodes))
+                    side.append(self.stats.add.remote(meta["worker_id"], meta["sequence"], episodes))
                 while len(inflight) > limit:
                     self._acknowledged(inflight.popleft())
                 if len(side) > 8:
@@ -236,7 +241,7 @@ class RolloutWorker:
     def report(self) -> dict[str, Any]:
         """Fragments produced and sent by this incarnation, and the pipeline monitor's window (then reset)."""
         return {"worker_id": self.worker_id, "slot": self.slot, "incarnation": self.incarnation,
-                "produced": self.produced, "sent": self.sent, "push_failures": self.push_failures,
+                "produced": self.produced, "produced_by": self.actor.sequences(), "sent": self.sent, "push_failures": self.push_failures,
                 "monitor": self.monitor.snapshot(reset=True), "env_counters": dict(getattr(self.env, "counters", {}))}
 
     def info(self) -> dict[str, Any]:
@@ -286,7 +291,7 @@ class RayFleet:
         self.learners, self.stats = dict(learners), stats
         self._puts: dict[str, tuple[int, list]] = {}
         weights = self._refs(weights)
-        self.fragment_steps = config.rollout.num_envs * config.rollout.fragment_length
+        self.fragment_steps = config.rollout.fragment_steps
         self.restarts = 0
         self.reported: dict[int, int] = {}  # worker id -> fragments produced, as last reported
         self.dead: set[int] = set()  # worker ids of incarnations that died
@@ -304,7 +309,7 @@ class RayFleet:
     def restart(self, index: int, weights: Weights, cause: BaseException | None = None) -> None:
         """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``."""
         old = self.slots[index]
-        self.dead.add(old.worker_id)
+        self.dead.update(stream_worker_ids(self.config, old.slot, old.incarnation))
         kill_actor(old.handle)
         if self.restarts >= self.ray_config.max_worker_restarts:
             raise RuntimeError(f"rollout worker restarts exhausted ({self.restarts})") from cause
@@ -323,8 +328,8 @@ class RayFleet:
         return out
 
     def _record(self, report: Mapping[str, Any]) -> None:
-        wid = report["worker_id"]
-        self.reported[wid] = max(self.reported.get(wid, 0), report["produced"])
+        for wid, produced in report.get("produced_by", {report["worker_id"]: report["produced"]}).items():
+            self.reported[wid] = max(self.reported.get(wid, 0), produced)
 
     # -- synchronous mode --------------------------------------------------------------------------------
     def collect(self, target_steps: int, weights: Weights, new_steps: Callable[[], int] | None) -> list[dict]:
@@ -430,7 +435,7 @@ class RayFleet:
         for slot in running:
             report = try_get(slot.run_ref, timeout)
             if report is None:
-                self.dead.add(slot.worker_id)
+                self.dead.update(stream_worker_ids(self.config, slot.slot, slot.incarnation))
             else:
                 self._record(report)
             slot.run_ref = None

@@ -76,7 +76,8 @@ class PipelineMonitor:
 
 
 class TimedEnv:
-    """Delegates to a batched env and sums the seconds spent in its ``step`` (``elapsed``)."""
+    """Delegates to a batched env and sums the seconds spent in its ``step`` (``elapsed``); for an env pool
+    driven by polling (``send`` / ``poll``), the seconds spent waiting in ``poll``."""
 
     def __init__(self, env) -> None:
         self._env, self.elapsed = env, 0.0
@@ -84,6 +85,12 @@ class TimedEnv:
     def step(self, actions):
         start = time.perf_counter()
         out = self._env.step(actions)
+        self.elapsed += time.perf_counter() - start
+        return out
+
+    def poll(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self._env.poll(*args, **kwargs)
         self.elapsed += time.perf_counter() - start
         return out
 

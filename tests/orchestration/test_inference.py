@@ -361,3 +361,24 @@ def test_on_cuda_callers_get_the_actions_of_a_direct_forward():
         torch.testing.assert_close(got.log_prob, want[LOG_PROB])
     sampled = results[-1]
     assert _obs("spread", 6, 9)[ACTION_MASK].gather(-1, sampled.action.unsqueeze(-1)).all()
+
+
+def test_a_waiting_caller_serves_the_queue_itself_when_no_batch_runs(monkeypatch):
+    """Leader/follower: a caller about to wait serves one batch of whatever is queued in its own thread."""
+    threads: list[str] = []
+    act_step = GroupPolicy.act_step
+
+    def recording(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return act_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupPolicy, "act_step", recording)
+    service = InferenceService(_policies(), InferenceConfig(max_wait_s=0.05, device="cpu"))  # no thread yet
+    first = service.submit("spread", _obs("spread", 2, 1), timeout_s=TIMEOUT)
+    second = service.submit("spread", _obs("spread", 3, 2), timeout_s=TIMEOUT)
+    assert service.serve_queued()  # both, in one batch, in this thread
+    assert first.result().batch == second.result().batch == 0
+    assert threads == [threading.current_thread().name]
+    assert not service.serve_queued()  # nothing queued
+    service.close()
+    assert service.stats()["batches"] == 1
