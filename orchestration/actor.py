@@ -260,14 +260,21 @@ class Actor:
         """
         if version == self.versions[policy_id] and not force:
             return False
-        with torch.no_grad():
-            TensorDict.from_module(self.policies[policy_id]).update_(weights)
+        load = getattr(self.policies[policy_id], "load_weights_", None)  # central inference: to the service
+        if load is not None:
+            load(int(version), weights, force)
+        else:
+            with torch.no_grad():
+                TensorDict.from_module(self.policies[policy_id]).update_(weights)
         self.versions[policy_id] = int(version)
         return True
 
     def policy_weights(self, policy_id: str) -> TensorDictBase:
         """A copy of the weights this actor acts with for ``policy_id``."""
-        return TensorDict.from_module(self.policies[policy_id]).detach().clone()
+        policy = self.policies[policy_id]
+        if hasattr(policy, "load_weights_"):  # central inference: the service's
+            return policy.weights()
+        return TensorDict.from_module(policy).detach().clone()
 
     # -- state -------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -189,10 +189,17 @@ def build_trainer(config: TrainConfig):
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
         learners = build_learners(config, assignment, policies, fixed)
-        actors = [build_actor(config, env, {pid: learners[pid].actor_policy() for pid in policies}, assignment, slot=i)
-                  for i, env in enumerate(envs)]
+        shared, close = None, None
+        if rc.central_inference:  # one service answers every actor in batched forwards
+            from orchestration.inference import InferenceConfig, InferenceService
+            from orchestration.service_policy import ServicePolicy
+
+            service = InferenceService({pid: learners[pid].actor_policy() for pid in policies},
+                                       InferenceConfig(device=config.device, seed=config.seed)).start()
+            shared, close = {pid: ServicePolicy(pid, service, policies[pid]) for pid in policies}, service.close
+        actors = [build_actor(config, env, shared or {pid: learners[pid].actor_policy() for pid in policies},
+                              assignment, slot=i) for i, env in enumerate(envs)]
         fleet = LocalFleet(actors, {pid: lrn for pid, lrn in learners.items() if lrn.learns})
-        close = None
     evaluator = build_evaluator(config, policies, assignment, fixed) if config.eval_every else None
     return Trainer(config, fleet, learners, evaluator, tree, on_close=close)
 

@@ -51,7 +51,7 @@ class RolloutWorker:
     """
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, slot: int, incarnation: int,
-                 learners: Mapping[str, Any], stats, weights: Weights) -> None:
+                 learners: Mapping[str, Any], stats, weights: Weights, inference=None) -> None:
         torch.set_num_threads(ray_config.worker_threads)
         self.ray_config, self.slot, self.incarnation = ray_config, slot, incarnation
         self.worker_id = worker_id_of(slot, incarnation)
@@ -62,6 +62,12 @@ class RolloutWorker:
         tree = self.env.tree
         assignment = assignment_for(config, tree)
         policies = {pid: policy_module(config, tree, assignment, pid) for pid in weights}
+        if inference is not None:  # central inference: stand-ins that ask the server actor
+            from orchestration.ray_inference import RemoteService
+            from orchestration.service_policy import ServicePolicy
+
+            remote = RemoteService(inference)
+            policies = {pid: ServicePolicy(pid, remote, p) for pid, p in policies.items()}
         self.actor = build_actor(config, self.env, policies, assignment, slot=slot, incarnation=incarnation)
         self.learners, self.stats = dict(learners), stats
         self.queue: queue.Queue = queue.Queue(maxsize=ray_config.queue_size)
@@ -286,8 +292,8 @@ class RayFleet:
     """A resumed Ray run restarts its workers' envs (learners resume exactly; sampling does not)."""
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], stats,
-                 weights: Weights) -> None:
-        self.config, self.ray_config = config, ray_config
+                 weights: Weights, inference=None) -> None:
+        self.config, self.ray_config, self.inference = config, ray_config, inference
         self.learners, self.stats = dict(learners), stats
         self._puts: dict[str, tuple[int, list]] = {}
         weights = self._refs(weights)
@@ -303,7 +309,7 @@ class RayFleet:
         if self.ray_config.worker_strategy == "SPREAD":
             options["scheduling_strategy"] = "SPREAD"
         handle = RemoteRolloutWorker.options(**options).remote(self.config, self.ray_config, slot, incarnation,
-                                                                self.learners, self.stats, weights)
+                                                                self.learners, self.stats, weights, self.inference)
         return _Slot(slot, incarnation, handle)
 
     def restart(self, index: int, weights: Weights, cause: BaseException | None = None) -> None:
@@ -451,7 +457,7 @@ class RayFleet:
     def close(self) -> None:
         """Stops streaming; kills every worker and the statistics actor."""
         self.stop()
-        for handle in [*(s.handle for s in self.slots), self.stats]:
+        for handle in [*(s.handle for s in self.slots), self.stats, *([self.inference] if self.inference else [])]:
             kill_actor(handle)
 
 

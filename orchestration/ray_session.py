@@ -153,7 +153,17 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
     weights = {pid: lrn.published() for pid, lrn in learners.items()}
     weights.update({pid: (0, TensorDict.from_module(policies[pid]).detach()) for pid in fixed})
     stats = RemoteEpisodeStatistics.options(max_restarts=-1, **placement).remote()
-    fleet = RayFleet(config, rc, handles, stats, weights)
+    inference = None
+    if config.rollout.central_inference:  # one server for every worker, on a GPU when the cluster has one
+        from orchestration.inference import InferenceConfig
+        from orchestration.ray_inference import RemoteInferenceServer
+
+        learners_take = sum(learner_options(0, rc.learner_num_gpus, len(learners))["num_gpus"] for _ in learners)
+        left = ray.cluster_resources().get("GPU", 0.0) - learners_take * rc.learners_per_policy
+        gpus = min(1.0, left) if left >= 0.1 else 0.0  # what the learners leave, else the CPU
+        inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
+            dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
+    fleet = RayFleet(config, rc, handles, stats, weights, inference)
     return fleet, learners, teardown
 
 

@@ -49,3 +49,44 @@ def test_polling_on_the_ray_backend_counts_every_stream(ray_session):
 def test_polling_needs_processes_that_divide_the_envs():
     with pytest.raises(ValueError, match="env_polling needs env_processes >= 2 dividing num_envs"):
         RolloutConfig(num_envs=5, env_processes=2, env_polling=True)
+
+
+# -- central inference (rollout.central_inference) ---------------------------------------------------------------
+def _central(**kw) -> TrainConfig:
+    return TrainConfig(env="builtin:cartpole", iterations=3, seed=0, lr=2.5e-3,
+                       rollout=RolloutConfig(num_envs=8, fragment_length=32, num_workers=2, central_inference=True),
+                       **kw)
+
+
+def test_central_inference_on_the_local_backend_acts_with_the_learners_weights():
+    trainer = build_trainer(_central())
+    try:
+        for _ in range(2):
+            trainer.train()
+        version, handed = trainer.learners["agent"].weights()  # what the next collect hands the actors
+        metrics = trainer.train()
+        service = trainer.fleet.actors[0].policies["agent"].service
+        assert service.versions["agent"] == version
+        assert service.stats()["served"] == 3 * 2 * 32  # every step of both actors, 3 iterations
+        served = trainer.fleet.actor_weights("agent")  # every actor reads the one service's weights
+        assert all((w[k] == handed[k]).all() for w in served for k in handed.keys(True, True))
+        assert metrics["fragments_accepted"] == metrics["fragments_produced"] == 3 * 2
+        assert metrics["trained_max_lag"] == 0
+    finally:
+        trainer.close()
+
+
+@pytest.mark.ray
+def test_central_inference_on_the_ray_backend(ray_session):
+    trainer = build_trainer(_central(backend="ray", ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0)))
+    try:
+        for _ in range(2):
+            trainer.train()
+        handed = trainer.learners["agent"].weights()[1]
+        metrics = trainer.train()
+        for served in trainer.fleet.actor_weights("agent"):  # every worker reads the one server's weights
+            assert all((served[k] == handed[k]).all() for k in handed.keys(True, True))
+        assert ray_session.get(trainer.fleet.inference.stats.remote())["served"] >= 3 * 2 * 32
+        assert metrics["fragments_accepted"] == metrics["fragments_produced"]
+    finally:
+        trainer.close()

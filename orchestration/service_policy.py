@@ -1,0 +1,90 @@
+"""Central inference for actors (seed 003): a stand-in for a policy that asks an inference service for actions.
+
+With ``rollout.central_inference`` the actors of a fleet hold no policy copy of their own: each step's
+``act_step`` becomes one request to a shared :class:`orchestration.inference.InferenceService` (in this
+process on the local backend; a Ray actor hosting one, :mod:`orchestration.ray_inference`, on Ray), which
+batches the requests of every actor into one forward pass, on the GPU when there is one. Weights handed to an
+actor go to the service (newer versions only), which swaps them in between two batches.
+
+Versions: an actor labels its fragment with the version it was last handed; a service shared by several
+actors may already act with a newer one for some steps, so the label never under-states a fragment's lag,
+and every step's behaviour log-probability is the one of the weights that acted.
+
+Usage (what :func:`orchestration.builder.build_actor` does)::
+
+    service = InferenceService(policies).start()
+    stand_ins = {pid: ServicePolicy(pid, service, policies[pid]) for pid in policies}
+    actor = Actor(env, stand_ins, assignment)               # acts through the service
+    actor.set_weights(pid, version, weights)                # forwarded to the service
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDictBase
+
+from core.layout import ACTION, LOG_PROB, NEXT, RECURRENT_STATE
+from core.policies import GroupPolicy
+
+
+class ActionService(Protocol):
+    """What a :class:`ServicePolicy` needs of a service (:class:`orchestration.inference.InferenceService`)."""
+
+    versions: dict[str, int]
+
+    def act(self, policy_id: str, obs: Any, **kwargs: Any) -> Any: ...
+
+    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None: ...
+
+    def weights(self, policy_id: str) -> TensorDictBase: ...
+
+
+class ServicePolicy:
+    """Acts for ``policy_id`` through ``service``; the Actor sees the policy interface it uses.
+
+    Args:
+        policy_id: the policy the service serves under this id.
+        service: an :class:`ActionService`.
+        like: a module of the policy's architecture (its agent count and recurrence are read, nothing else).
+        timeout_s: deadline of every request.
+    """
+
+    defers_log_prob = False
+
+    def __init__(self, policy_id: str, service: ActionService, like: GroupPolicy, *, timeout_s: float = 60.0) -> None:
+        self.policy_id, self.service, self.timeout_s = policy_id, service, timeout_s
+        self.num_agents = like.num_agents
+        self.gru = like.gru  # the Actor carries recurrent state only for recurrent policies
+        self.config = like.config
+
+    def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,
+                 recurrent_state: torch.Tensor | None = None, episode_start: torch.Tensor | None = None,
+                 with_value: bool = False, with_log_prob: bool = True) -> dict:
+        """One request: ``{"action", "log_prob"}`` (and the recurrent states) for ``obs`` ``[E, A, ...]``.
+
+        ``generator`` is unused: the service samples with its own seeded generator."""
+        if with_value:
+            raise ValueError(f"policy {self.policy_id!r}: an inference service computes no values")
+        result = self.service.act(self.policy_id, obs, shared=shared, timeout_s=self.timeout_s,
+                                  deterministic=deterministic, recurrent_state=recurrent_state,
+                                  episode_start=episode_start)
+        out = {ACTION: result.action, LOG_PROB: result.log_prob}
+        if self.gru is not None:
+            out[RECURRENT_STATE] = result.recurrent_state
+            out[NEXT] = {RECURRENT_STATE: result.next_recurrent_state}
+        return out
+
+    def load_weights_(self, version: int, weights: TensorDictBase, force: bool = False) -> None:
+        """Hands ``weights`` to the service unless it acts with that version or a newer one already (``force``:
+        even then, e.g. a restored checkpoint that republishes a version number)."""
+        if force or version > self.service.versions.get(self.policy_id, -1):
+            self.service.set_weights(self.policy_id, version, weights)
+
+    def weights(self) -> TensorDictBase:
+        """The weights the service acts with."""
+        return self.service.weights(self.policy_id)
+
+
+__all__ = ["ActionService", "ServicePolicy"]
