@@ -21,8 +21,12 @@ from orchestration.config import TrainConfig
 
 
 def config_to_dict(config) -> dict[str, Any]:
-    """A config dataclass as JSON-able dict (tuples become lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(config)))
+    """A config dataclass as JSON-able dict (tuples become lists); an external-environment token is left out
+    (config files, checkpoints and run.json are not secrets; the run writes its token to its own 0600 file)."""
+    out = json.loads(json.dumps(dataclasses.asdict(config)))
+    if isinstance(out.get("external"), dict) and out["external"].get("token"):
+        out["external"]["token"] = ""
+    return out
 
 
 def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
@@ -97,7 +101,7 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
 def _load_config(state: dict[str, Any]) -> TrainConfig:
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
-    from orchestration.config import RayConfig, RolloutConfig
+    from orchestration.config import ExternalConfig, RayConfig, RolloutConfig
 
     raw = dict(state["config"])
     raw["rollout"] = RolloutConfig(**raw["rollout"])
@@ -114,6 +118,7 @@ def _load_config(state: dict[str, Any]) -> TrainConfig:
         if moved in ray_raw:
             raw.setdefault(moved, ray_raw.pop(moved))
     raw["ray"] = RayConfig(**ray_raw)
+    raw["external"] = ExternalConfig(**raw.get("external", {}))
     return TrainConfig(**raw)
 
 
