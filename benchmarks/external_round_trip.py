@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import statistics
 import sys
 import threading
 import time
@@ -37,7 +36,8 @@ from core.policies import PolicyConfig, make_policies  # noqa: E402
 from core.specs import from_json  # noqa: E402
 from orchestration.assignment import assign  # noqa: E402
 from orchestration.config import ExternalConfig  # noqa: E402
-from orchestration.external_episodes import Lanes, TreeCodec  # noqa: E402
+from adapters.external.codec import TreeCodec
+from orchestration.external_episodes import Lanes  # noqa: E402
 from orchestration.external_server import ExternalServer  # noqa: E402
 from orchestration.inference import InferenceConfig, InferenceService  # noqa: E402
 

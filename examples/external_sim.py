@@ -32,8 +32,8 @@ TREE = {"format": "shoal.tree/1", "tree": {"array": {
     "capacity": AGENTS, "payoff": "cooperative", "shared_observation": None}}}
 
 
-def run_episode(client: SimulatorClient, episode: str, rng: np.random.Generator) -> float:
-    """Plays one episode; returns the summed reward of all agents."""
+def run_episode(client, episode: str, rng: np.random.Generator) -> float:
+    """Plays one episode through ``client`` (a SimulatorClient, or a LocalPolicy); returns the summed reward."""
     present = {f"agents_{i}": bool(rng.random() < 0.7) for i in range(AGENTS)}
     present["agents_0"] = True
     colour = {name: int(rng.integers(COLOURS)) for name in present}
@@ -41,6 +41,7 @@ def run_episode(client: SimulatorClient, episode: str, rng: np.random.Generator)
     rewards: dict[str, float] = {}
     leaving: dict[str, str] = {}
     total = 0.0
+
     def observe() -> dict[str, np.ndarray]:
         out = {}
         for name, here in present.items():
@@ -52,22 +53,24 @@ def run_episode(client: SimulatorClient, episode: str, rng: np.random.Generator)
         return out
 
     for _ in range(EPISODE_STEPS):
-        asking = observe()
-        answer = client.act(episode, asking, rewards=rewards, left=leaving)
+        answer = client.act(episode, observe(), rewards=rewards, left=leaving)
         rewards, leaving = {}, {}
         for name, action in answer.actions.items():
             rewards[name] = 1.0 if int(action) == colour[name] else 0.0
             total += rewards[name]
             colour[name] = int(rng.integers(COLOURS))
-        # agents come and go: a present agent leaves for good with 5% (reported with the next request), an
-        # agent that never joined joins with 20%
+        # agents come and go: a present agent leaves for good with 5% (reported with the next request or the
+        # end), an agent that never joined joins with 20%
         for name in present:
-            if present[name] and sum(present.values()) > 1 and rng.random() < 0.05:
+            if present[name] and rng.random() < 0.05:
                 present[name] = False
                 gone.add(name)
                 leaving[name] = "terminated"
             elif not present[name] and name not in gone and rng.random() < 0.2:
                 present[name] = True
+        if not any(present.values()):  # everyone left: the episode is over for good
+            client.end(episode, "terminated", rewards=rewards)
+            return total
     # truncated by the time limit: the final observations let the server bootstrap the agents' values
     client.end(episode, "truncated", rewards=rewards, observations=observe())
     return total
@@ -82,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim-id", default="sim-0")
     parser.add_argument("--episodes", type=int, default=0, help="episodes to play (0: until the server closes)")
     parser.add_argument("--tls", action="store_true", help="connect with wss:// (the server's certificate must verify)")
+    parser.add_argument("--local-policy", type=int, default=0, metavar="N",
+                        help="act with a local copy of the policy (needs torch), fetching newer weights every N "
+                             "episodes, and upload the steps (0: ask the server for every action)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     scheme = "wss" if args.tls else "ws"
@@ -91,10 +97,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"external_sim {args.sim_id}: cannot connect: {error}", file=sys.stderr)
         return 1
     played = 0
+    actor: object = client
     try:
+        if args.local_policy:
+            from adapters.external.local_policy import LocalPolicy
+
+            actor = LocalPolicy(client, TREE, seed=args.seed)
         while args.episodes == 0 or played < args.episodes:
+            if args.local_policy and played and played % args.local_policy == 0:
+                actor.refresh()
             try:
-                run_episode(client, f"{args.sim_id}-{played}", rng)
+                run_episode(actor, f"{args.sim_id}-{played}", rng)
             except ExternalError as error:
                 if error.fatal:
                     raise

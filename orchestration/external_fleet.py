@@ -16,17 +16,19 @@ False) and simulators reconnect to the new server.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import queue
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from orchestration.builder import assignment_for, build_learners, build_policies
 from orchestration.config import TrainConfig
-from orchestration.external_episodes import Lanes, TreeCodec
+from adapters.external.codec import TreeCodec
+from orchestration.external_episodes import Lanes
 from orchestration.external_launcher import SimulatorLauncher
 from orchestration.external_server import ExternalServer
 from orchestration.fleet import Weights
@@ -211,7 +213,7 @@ def build_external(config: TrainConfig, *, log=sys.stderr):
         fleet = ExternalFleet(server, service, lanes, {pid: lrn for pid, lrn in learners.items() if lrn.learns},
                               launcher=launcher, wait_s=ec.wait_s, resolve=resolve)
         holder.append(fleet)
-        server.attach(service, lanes)
+        server.attach(service, lanes, dataclasses.asdict(config.policy))
         return fleet, learners, tree, teardown
     except BaseException:
         if launcher is not None:

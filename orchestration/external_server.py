@@ -36,7 +36,9 @@ from adapters.external.messages import PROTOCOL_VERSION, ProtocolError, decode, 
 from core.layout import ACTION, LOG_PROB
 from core.specs import Tree, from_json, to_json
 from orchestration.config import ExternalConfig
-from orchestration.external_episodes import Episode, Lanes, TreeCodec, action_value
+from adapters.external.codec import TreeCodec, action_value
+from orchestration.external_episodes import Episode, Lanes
+from orchestration.external_uploads import LocalPolicyHandlers
 
 _DRAIN = 64  # frames a connection reads before it answers them (they share inference batches)
 
@@ -51,7 +53,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class ExternalServer:
+class ExternalServer(LocalPolicyHandlers):
     """Accepts simulators (module docstring).
 
     Args:
@@ -79,7 +81,7 @@ class ExternalServer:
         self._connections: dict[int, dict] = {}
         self.connected: set[str] = set()
         """sim ids of the simulators connected now."""
-        self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0)
+        self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0, uploaded_steps=0)
         self._server = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -118,10 +120,12 @@ class ExternalServer:
                                f"tree is unknown (start simulators, or give external.tree)")
         return self.tree
 
-    def attach(self, service, lanes: Lanes) -> None:
+    def attach(self, service, lanes: Lanes, policy_config: Mapping[str, Any] | None = None) -> None:
         """Starts acting with ``service`` (an :class:`orchestration.inference.InferenceService`) and recording
-        into ``lanes``; requests that arrived before wait for this."""
+        into ``lanes``; requests that arrived before wait for this. ``policy_config`` (the fields of the run's
+        :class:`core.policies.PolicyConfig`) goes with the weights to simulators that act themselves."""
         self._service, self._lanes, self._codec = service, lanes, lanes.codec
+        self._policy_config = dict(policy_config or {})
         self._ready.set()
 
     def close(self) -> None:
@@ -255,6 +259,10 @@ class ExternalServer:
                     self._start_act(ws, message, episodes, pending)
                 elif kind == "end":
                     self._end(ws, message, episodes)
+                elif kind == "trajectory":
+                    self._trajectory(ws, message, episodes)
+                elif kind == "get_policy":
+                    self._send_policy(ws, message)
                 elif kind == "ping":
                     ws.send(encode({"type": "pong", "t": message.get("t", 0)}))
                 elif kind == "bye":

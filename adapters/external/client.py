@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from adapters.external.messages import (PROTOCOL_VERSION, SERVER_TYPES, ProtocolError, decode, encode, field,
@@ -34,9 +35,10 @@ from adapters.external.messages import (PROTOCOL_VERSION, SERVER_TYPES, Protocol
 class ExternalError(RuntimeError):
     """The server answered with an ``error`` message (``code`` as in the protocol) or broke the protocol."""
 
-    def __init__(self, code: str, message: str, fatal: bool = True) -> None:
+    def __init__(self, code: str, message: str, fatal: bool = True, request: int | None = None) -> None:
         super().__init__(f"{code}: {message}")
-        self.code, self.fatal = code, fatal
+        self.code, self.fatal, self.request = code, fatal, request
+        self.answers: list | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +98,22 @@ class SimulatorClient:
 
     def act_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Answer]:
         """Sends every request (keyword arguments of :meth:`act`, for different episodes), then waits for all
-        the answers; returned in request order."""
+        the answers; returned in request order. A refused request (a non-fatal error: that episode ended on the
+        server) raises its :class:`ExternalError` after every answer arrived; ``error.answers`` holds them all."""
         ids = [self._send_act(**r) for r in requests]
-        return [self._answer(i) for i in ids]
+        answers = []
+        for i in ids:  # every answer is read, so a refused request does not strand the others
+            try:
+                answers.append(self._answer(i))
+            except ExternalError as error:
+                if error.fatal:
+                    raise
+                answers.append(error)
+        refused = [a for a in answers if isinstance(a, ExternalError)]
+        if refused:
+            refused[0].answers = answers  # the others' answers (an ExternalError where refused)
+            raise refused[0]
+        return answers
 
     def end(self, episode: str, outcome: str, *, rewards: Mapping[str, float] | None = None,
             observations: Mapping[str, Any] | None = None) -> None:
@@ -110,6 +125,35 @@ class SimulatorClient:
         if observations:
             message["observations"] = {k: _tree(v) for k, v in observations.items()}
         self._send(message)
+
+    def get_policy(self) -> dict[str, dict[str, Any]]:
+        """Every group's ``{"policy", "version", "config", "tensors": {name: array}}``: what a simulator needs to
+        act with its own copy (:class:`adapters.external.local_policy.LocalPolicy`)."""
+        request = next(self._ids)
+        self._send({"type": "get_policy", "id": request})
+        groups = self._reply(request, "policy")["groups"]
+        for entry in groups.values():
+            entry["tensors"] = {k: to_array(v, f"policy tensor {k}") for k, v in entry["tensors"].items()}
+        return groups
+
+    def upload(self, episode: str, versions: Mapping[str, int], steps: Sequence[Mapping[str, Any]], *,
+               end: Mapping[str, Any] | None = None) -> int:
+        """Sends steps this simulator acted itself (a ``trajectory``; each step an ``act``'s fields plus every
+        agent's ``action`` and ``log_prob``), and the episode's ``end`` if it ended; returns the steps accepted."""
+        request = next(self._ids)
+        message: dict[str, Any] = {"type": "trajectory", "id": request, "episode": episode, "versions": dict(versions),
+                                   "steps": list(steps)}
+        if end is not None:
+            message["end"] = dict(end)
+        self._send(message)
+        return int(self._reply(request, "accepted")["steps"])
+
+    def _reply(self, request: int, kind: str) -> dict[str, Any]:
+        while True:
+            message = self._receive()
+            if message["type"] == kind and message.get("id") == request:
+                return message
+            self._stash(message)
 
     def ping(self) -> None:
         """A keep-alive message; waits for its pong."""
@@ -156,8 +200,16 @@ class SimulatorClient:
 
     def _answer(self, request: int) -> Answer:
         while request not in self._early:
-            self._stash(self._receive())
-        return self._early.pop(request)
+            try:
+                self._stash(self._receive())
+            except ExternalError as error:
+                if error.fatal or error.request is None or error.request == request:
+                    raise
+                self._early[error.request] = error  # another pending request's refusal: raised when asked for
+        answer = self._early.pop(request)
+        if isinstance(answer, ExternalError):
+            raise answer
+        return answer
 
     def _stash(self, message: dict[str, Any]) -> None:
         if message["type"] == "actions":
@@ -169,7 +221,10 @@ class SimulatorClient:
             self._send({"type": "pong", "t": message.get("t", 0)})
 
     def _send(self, message: Mapping[str, Any]) -> None:
-        self._ws.send(encode(message))
+        try:
+            self._ws.send(encode(message))
+        except ConnectionClosed as closed:
+            raise ExternalError("closed", f"the server closed the connection ({closed})") from None
 
     def _receive(self) -> dict[str, Any]:
         try:
@@ -177,10 +232,13 @@ class SimulatorClient:
             message = decode(frame, max_bytes=1 << 62, allowed=SERVER_TYPES)
         except TimeoutError:
             raise ExternalError("timeout", f"no answer from the server within {self.timeout_s} s") from None
+        except ConnectionClosed as closed:
+            raise ExternalError("closed", f"the server closed the connection ({closed})") from None
         except ProtocolError as error:
             raise ExternalError(error.code, str(error)) from None
         if message["type"] == "error":
-            raise ExternalError(str(message.get("code")), str(message.get("message")), bool(message.get("fatal")))
+            raise ExternalError(str(message.get("code")), str(message.get("message")), bool(message.get("fatal")),
+                                request=message.get("id"))
         return message
 
 

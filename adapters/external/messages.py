@@ -19,8 +19,8 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
-CLIENT_TYPES = frozenset({"hello", "act", "end", "ping", "pong", "bye"})
-SERVER_TYPES = frozenset({"welcome", "actions", "pong", "ping", "error"})
+CLIENT_TYPES = frozenset({"hello", "act", "end", "ping", "pong", "bye", "get_policy", "trajectory"})
+SERVER_TYPES = frozenset({"welcome", "actions", "pong", "ping", "error", "policy", "accepted"})
 ERROR_CODES = ("bad_message", "protocol_version", "bad_token", "spec_mismatch", "too_large", "spec_violation",
                "unknown_episode", "busy", "internal")
 MAX_NAME = 128  # episode ids, sim ids, agent names
@@ -98,8 +98,12 @@ def to_array(value: Any, what: str) -> np.ndarray:
     Raises:
         ProtocolError: ``bad_message`` naming ``what`` when the map is malformed.
     """
+    if isinstance(value, np.ndarray):  # already decoded (a local caller, never a frame off the wire)
+        return np.array(value, copy=True)
     if isinstance(value, bool):
         return np.array(value)
+    if isinstance(value, int) and not -2**63 <= value < 2**63:
+        raise ProtocolError("bad_message", f"{what}: {value} does not fit any protocol dtype (int64 at most)")
     if isinstance(value, (int, float)):
         return np.array(value, dtype=np.int64 if isinstance(value, int) else np.float64)
     if not isinstance(value, dict):

@@ -15,7 +15,8 @@ from adapters.external.messages import ProtocolError, decode, encode, from_array
 from core.specs import from_json
 from core.layout import NEXT
 from orchestration.assignment import assign
-from orchestration.external_episodes import Episode, Lanes, TreeCodec
+from adapters.external.codec import TreeCodec
+from orchestration.external_episodes import Episode, Lanes
 
 TREE = {"format": "shoal.tree/1", "tree": {"array": {
     "template": {"observation": {"leaf": "box", "shape": [2], "dtype": "float32", "low": "-inf", "high": "inf"},

@@ -23,7 +23,8 @@ from core.policies import PolicyConfig, make_policies
 from core.specs import from_json
 from orchestration.assignment import assign
 from orchestration.config import ExternalConfig, RolloutConfig, TrainConfig
-from orchestration.external_episodes import Lanes, TreeCodec
+from adapters.external.codec import TreeCodec
+from orchestration.external_episodes import Lanes
 from orchestration.external_launcher import SimulatorLauncher, render
 from orchestration.external_server import ExternalServer
 from orchestration.inference import InferenceService
@@ -282,3 +283,59 @@ def test_external_simulators_train_with_ray_learners_asynchronously(ray_session,
     assert a["fragments_produced"] == a["fragments_accepted"] + a["fragments_stale"] + a["fragments_lost"] + \
         a["fragments_in_flight"] and a["fragments_accepted"] > 0
     assert returns[-1] > returns[0], returns
+
+
+def test_a_simulator_acting_with_its_own_policy_uploads_what_a_server_would_have_recorded(served):
+    """LocalPolicy: the policy fetched as arrays acts here; the uploaded steps become fragments whose actions,
+    behaviour log-probabilities and version label are what the local copy produced."""
+    import external_sim
+    import torch
+
+    from adapters.external.local_policy import LocalPolicy
+    from core.layout import ACTION, LOG_PROB, MASK, OBSERVATION
+
+    server, lanes, out = served
+    with SimulatorClient(server.url, "secret", TREE, "robot") as client:
+        local = LocalPolicy(client, TREE, seed=3, upload_every=5)
+        assert local.versions == {"agents": 0}
+        rng = np.random.default_rng(0)
+        for k in range(3):
+            external_sim.run_episode(local, f"r{k}", rng)
+        with pytest.raises(ExternalError, match="outside its discrete space"):
+            client.upload("bad", {"agents": 0}, [{"agents": {"agents_0": {"observation": OBS, "action": 7,
+                                                                          "log_prob": -1.0}}}])
+    _wait(lambda: lanes.counters["episodes_completed"] == 3)
+    assert server.counters["uploaded_steps"] == lanes.counters["steps_recorded"] >= 3
+    assert out  # fragments of T=4 steps
+    policy = local.policies["agents"]
+    for fragment, meta, _ in out:
+        assert meta["policy_versions"] == {"agents": 0}
+        g = fragment["agents"]
+        with torch.no_grad():
+            recomputed = policy.evaluate_terms({OBSERVATION: g[OBSERVATION], MASK: g[MASK], ACTION: g[ACTION]})[LOG_PROB]
+        present = g[MASK]
+        torch.testing.assert_close(g[LOG_PROB][present], recomputed[present])
+
+
+@pytest.mark.slow
+def test_simulators_with_local_policies_learn_off_policy(tmp_path):
+    """Launched simulators that act with their own policy copies (refreshed every 2 episodes) upload their
+    steps; asynchronous PPO learns from them through the staleness rule and the recorded log-probabilities."""
+    from orchestration.builder import build_trainer
+
+    from orchestration.config import RayConfig
+
+    config = TrainConfig(env="external", iterations=8, seed=0, mode="async", max_staleness=3,
+                         ray=RayConfig(iteration_timeout_s=120),  # fail fast if the uploads stopped being trainable
+                         rollout=RolloutConfig(num_envs=1, fragment_length=16), train_batch_size=512,
+                         external=ExternalConfig(command=SIM + " --local-policy 2", instances=4, start_timeout_s=60))
+    trainer = build_trainer(config)
+    returns = []
+    try:
+        for _ in range(config.iterations):
+            metrics = trainer.train()
+            returns.append(metrics["episode_return_mean"])
+    finally:
+        trainer.close()
+    assert metrics["env/external_uploaded_steps"] > 0 and metrics["env/external_requests"] == 0
+    assert returns[-1] > returns[0] + 5, returns
