@@ -1,4 +1,5 @@
-"""The subprocess side of :mod:`adapters.env_worker`: the step buffer layout and the worker loop.
+"""The subprocess side of :mod:`adapters.env_worker`: the step buffer layout, the worker loop, and the parent's
+handle on a worker process (start, replies with timeouts, kill).
 
 A worker builds its env from a picklable factory, announces ``(tree JSON, num_envs)``, receives its slices of the
 pool's shared-memory buffers (actions; step outputs laid out by :func:`step_template`), then serves ``reset`` and
@@ -8,7 +9,10 @@ pool's shared-memory buffers (actions; step outputs laid out by :func:`step_temp
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 import traceback
+from multiprocessing.connection import wait
 from typing import Callable
 
 import torch
@@ -18,6 +22,32 @@ from core.layout import ACTION, ACTION_MASK, DONE, MASK, NEXT, OBSERVATION, REWA
 from core.specs import Tree, groups, to_json, zeros
 
 from .protocol import BatchedEnv
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnvWorkerConfig:
+    """Settings of :class:`EnvWorkerPool`."""
+
+    step_timeout_s: float = 30.0
+    """Longest wait for a worker's step or reset before it counts as hung and is restarted."""
+    start_timeout_s: float = 120.0
+    """Longest wait for a new worker to import, build its env and answer."""
+    max_restarts: int = 100
+    """Restarts allowed over the pool's life; one more raises ``RuntimeError``."""
+    start_method: str = "forkserver"
+    """Multiprocessing start method: ``"forkserver"`` (fast restarts) or ``"spawn"``."""
+    torch_threads: int = 1
+    """``torch.set_num_threads`` in each worker."""
+    restart: bool = True
+    """Restart a failed worker (lenient); False raises :class:`EnvWorkerFault` naming the worker, its envs and
+    the fault instead (strict)."""
+
+    def __post_init__(self) -> None:
+        if self.step_timeout_s <= 0 or self.start_timeout_s <= 0 or self.max_restarts < 0 or self.torch_threads < 1:
+            raise ValueError("timeouts must be > 0, max_restarts >= 0 and torch_threads >= 1")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}")
+
 
 
 def step_template(tree: Tree, num_envs: int) -> TensorDict:
@@ -80,4 +110,48 @@ def worker_main(conn, factory: Callable[[], BatchedEnv], threads: int) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
-__all__ = ["step_template", "worker_main"]
+class WorkerProcess:
+    """The parent's handle on one worker process: its pipe, process and incarnation."""
+
+    def __init__(self, index: int, factory, ctx, threads: int) -> None:
+        self.index, self.factory, self.incarnation = index, factory, 0
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(child, factory, threads), daemon=True,
+                                name=f"shoal-env-worker-{index}")
+        self.proc.start()
+        child.close()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+def collect_replies(workers: list[WorkerProcess], timeout: float) -> dict[int, object]:
+    """Waits for one reply per worker; returns ``{index: reply}`` with ``"timeout"``/``"dead"`` for failures."""
+    deadline, replies = time.monotonic() + timeout, {}
+    pending = {w.conn: w for w in workers}
+    while pending:
+        ready = wait([*pending, *(w.proc.sentinel for w in pending.values())], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for conn, w in list(pending.items()):
+            if conn in ready or w.proc.sentinel in ready:
+                try:
+                    replies[w.index] = conn.recv() if conn.poll() else ("dead", None)
+                except (EOFError, OSError):
+                    replies[w.index] = ("dead", None)
+                del pending[conn]
+    for w in pending.values():
+        replies[w.index] = ("timeout", None)
+    return replies
+
+
+def kill_all(workers: list[WorkerProcess]) -> None:
+    for w in workers:
+        if w.proc.is_alive():
+            w.proc.kill()
+
+
+__all__ = ["EnvWorkerConfig", "WorkerProcess", "collect_replies", "kill_all", "step_template", "worker_main"]

@@ -35,7 +35,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import weakref
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
@@ -46,72 +45,15 @@ from tensordict import TensorDict
 from core.layout import ACTION, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
 from core.specs import Tree, from_json, groups, zeros
 
-from .env_process import step_template, worker_main
+from .env_process import EnvWorkerConfig
+from .env_process import WorkerProcess as _Worker
+from .env_process import collect_replies as _collect
+from .env_process import kill_all as _kill_all
+from .env_process import step_template
 from .protocol import BatchedEnv
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EnvWorkerConfig:
-    """Settings of :class:`EnvWorkerPool`."""
-
-    step_timeout_s: float = 30.0
-    """Longest wait for a worker's step or reset before it counts as hung and is restarted."""
-    start_timeout_s: float = 120.0
-    """Longest wait for a new worker to import, build its env and answer."""
-    max_restarts: int = 100
-    """Restarts allowed over the pool's life; one more raises ``RuntimeError``."""
-    start_method: str = "forkserver"
-    """Multiprocessing start method: ``"forkserver"`` (fast restarts) or ``"spawn"``."""
-    torch_threads: int = 1
-    """``torch.set_num_threads`` in each worker."""
-    restart: bool = True
-    """Restart a failed worker (lenient); False raises :class:`EnvWorkerFault` naming the worker, its envs and
-    the fault instead (strict)."""
-
-    def __post_init__(self) -> None:
-        if self.step_timeout_s <= 0 or self.start_timeout_s <= 0 or self.max_restarts < 0 or self.torch_threads < 1:
-            raise ValueError("timeouts must be > 0, max_restarts >= 0 and torch_threads >= 1")
-        if self.start_method not in ("forkserver", "spawn"):
-            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}")
-
-
 _OWN_COUNTERS = ("env_restarts", "episodes_lost", "step_timeouts", "worker_crashes", "worker_errors")
-
-
-class _Worker:
-    def __init__(self, index: int, factory, ctx, threads: int) -> None:
-        self.index, self.factory, self.incarnation = index, factory, 0
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child, factory, threads), daemon=True,
-                                name=f"shoal-env-worker-{index}")
-        self.proc.start()
-        child.close()
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-        self.conn.close()
-
-
-def _collect(workers: list[_Worker], timeout: float) -> dict[int, object]:
-    """Waits for one reply per worker; returns ``{index: reply}`` with ``"timeout"``/``"dead"`` for failures."""
-    deadline, replies = time.monotonic() + timeout, {}
-    pending = {w.conn: w for w in workers}
-    while pending:
-        ready = wait([*pending, *(w.proc.sentinel for w in pending.values())], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        for conn, w in list(pending.items()):
-            if conn in ready or w.proc.sentinel in ready:
-                try:
-                    replies[w.index] = conn.recv() if conn.poll() else ("dead", None)
-                except (EOFError, OSError):
-                    replies[w.index] = ("dead", None)
-                del pending[conn]
-    for w in pending.values():
-        replies[w.index] = ("timeout", None)
-    return replies
 
 
 class EnvWorkerFault(RuntimeError):
@@ -453,12 +395,6 @@ class EnvWorkerPool:
         nxt.get(TERMINATED)[sl] = False
         nxt.get(TRUNCATED)[sl] = True
         nxt.get(DONE)[sl] = True
-
-
-def _kill_all(workers: list[_Worker]) -> None:
-    for w in workers:
-        if w.proc.is_alive():
-            w.proc.kill()
 
 
 __all__ = ["EnvWorkerConfig", "EnvWorkerPool", "step_template"]

@@ -287,7 +287,6 @@ class ExternalServer(LocalPolicyHandlers):
                     raise ProtocolError("busy", f"{what}: a connection runs at most {self.config.max_episodes} "
                                                 f"episodes at once", fatal=False)
                 episode = episodes[name] = Episode(self._lanes, name)
-            episode.consequences(request)
             futures = {g: self._service.submit(self._lanes.policy_of[g], _inputs(request, g), shared=request.shared,
                                                timeout_s=self.config.heartbeat_s)
                        for g in self._codec.groups if bool(request.mask[g].any())}
@@ -306,6 +305,7 @@ class ExternalServer(LocalPolicyHandlers):
             try:
                 results = {g: f.result() for g, f in futures.items()}
             except Exception as error:  # noqa: BLE001 - expired or failed: only this episode ends
+                episode.consequences(request)  # the previous step's consequences did arrive: keep them
                 self._episode_error(ws, ProtocolError("internal", f"act {request_id}: no action in time ({error})",
                                                       fatal=False, request=request_id, episode=episode.name),
                                     episodes, episode.name)
@@ -317,11 +317,13 @@ class ExternalServer(LocalPolicyHandlers):
                     versions[g] = results[g].version
                 else:  # nobody of this group asked: zeros, masked out everywhere
                     outputs[g] = self._codec.empty_outputs(g)
-            episode.act(request, outputs, versions)
-            episode.waiting = False
             actions = {agent: action_value(outputs[g][ACTION], slot) for agent, g, slot in request.agents}
             ws.send(encode({"type": "actions", "id": request_id, "episode": episode.name, "actions": actions,
                             "version": min(versions.values()) if versions else 0}))
+            # recorded after the answer left: the simulator does not wait for the bookkeeping
+            episode.consequences(request)
+            episode.act(request, outputs, versions)
+            episode.waiting = False
 
     def _end(self, ws, message: Mapping[str, Any], episodes: dict[str, Episode]) -> None:
         name = name_field(message, "episode")

@@ -20,18 +20,7 @@ Usage loop::
     service.stats()                      # batches, rows per batch, drops, weight swaps
     service.close()                      # serves what is queued, then refuses (ServiceClosed)
 
-Shapes (``n`` rows of one request, ``A`` agents of the policy's group, ``N`` rows of a batch)::
-
-    request  observation        [n, A, *obs]     leaf, or tree of leaves each [n, A, ...]
-             "action_mask"      [n, A, k] bool   optional (illegal actions are never chosen)
-             "mask"             [n, A] bool      optional (agent present)
-             shared             [n, *]           optional, leaf or tree (passed on; no critic runs here, and
-                                                 the actor networks do not read it today)
-             recurrent_state    [n, A, H]        optional, recurrent policies only (None: zeros)
-             episode_start      [n] or [n, A]    optional bool: rows whose state is zeroed first
-    batch    every entry concatenated along dim 0: [N, A, ...]; a key some requests lack is filled with
-             all-True (masks), zeros (state) or False (episode_start); shared only if every request has it
-    result   InferenceResult: action [n, A, *act] (leaf or tree), log_prob [n, A, 1], version, ...
+Shapes of requests, batches and results: :mod:`orchestration.inference_requests`.
 
 Batching rule (Sample Factory's): take whoever is queued, in arrival order, up to ``max_batch_rows`` rows
 (a request that does not fit opens the next batch). Wait -- at most ``max_wait_s`` -- only while the batch
@@ -62,7 +51,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,59 +59,13 @@ from torch import Tensor
 
 from core.layout import ACTION, LOG_PROB, NEXT, RECURRENT_STATE
 from core.policies import GroupPolicy
-from orchestration.inference_requests import Request, concatenate, make_request, split, to_device
+from orchestration.inference_requests import (InferenceConfig, InferenceResult, Request, RequestExpired, ServiceClosed,
+                                              concatenate, make_request, split, to_device)
 from orchestration.learner import resolve_device
 
 #: Batches whose size sets the "nearly empty" threshold (the largest of them, halved).
 _RECENT_BATCHES = 8
 _STOP = object()  # queued by close(): the service thread ends after the batch it is forming
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InferenceConfig:
-    """How an :class:`InferenceService` batches and where it runs."""
-
-    max_batch_rows: int = 1024
-    """Most request rows (the leading dim ``n`` of each request) one batch holds; a request with more is refused."""
-    max_wait_s: float = 0.001
-    """Longest a nearly empty batch waits for more requests once its first one was taken (Sample Factory's
-    rule; the batch is served as soon as it is full enough, whatever is left of this)."""
-    device: str = "auto"
-    """Where the forward passes run: ``auto`` (CUDA when present, else CPU) or a torch device name."""
-    seed: int = 0
-    """Seed of the service's sampling generator, the only source of randomness of its actions."""
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.max_batch_rows, int) and self.max_batch_rows >= 1):
-            raise ValueError(f"InferenceConfig.max_batch_rows must be an int >= 1, got {self.max_batch_rows!r}")
-        if not self.max_wait_s >= 0:
-            raise ValueError(f"InferenceConfig.max_wait_s must be >= 0, got {self.max_wait_s!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class InferenceResult:
-    """One caller's share of a batch (CPU tensors)."""
-
-    action: Any
-    """``[n, A, *act]``: a tensor, or a tree (nested dicts) of them for composite action specs."""
-    log_prob: Tensor
-    """``[n, A, 1]`` behaviour log-probability of ``action``."""
-    version: int
-    """Version of the weights that produced it."""
-    batch: int
-    """Index of the batch that served it (0, 1, ...), for diagnostics."""
-    recurrent_state: Tensor | None = None
-    """Recurrent policies: the state ``[n, A, H]`` this step used (zeroed where ``episode_start``): store it."""
-    next_recurrent_state: Tensor | None = None
-    """Recurrent policies: the state ``[n, A, H]`` to send with the next request."""
-
-
-class RequestExpired(TimeoutError):
-    """A request's deadline passed before the service could batch it."""
-
-
-class ServiceClosed(RuntimeError):
-    """The service was closed before it served the request."""
 
 
 class InferenceService:

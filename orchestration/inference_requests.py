@@ -1,15 +1,18 @@
-"""Requests of the batched inference service (:mod:`orchestration.inference`): checked in the caller's
-thread, concatenated into one batch per policy, outputs split back per caller.
+"""Requests and results of the batched inference service (:mod:`orchestration.inference`), and its config:
+requests are checked in the caller's thread, concatenated into one batch per policy, outputs split back per
+caller.
 
 Shapes (``n`` rows of one request, ``A`` agents of the policy's group, ``N`` rows of a batch)::
 
-    inputs["observation"]   [n, A, *obs]     leaf, or tree (nested dicts) of leaves each [n, A, ...]
-    inputs["action_mask"]   [n, A, k] bool   optional
-    inputs["mask"]          [n, A] bool      optional
-    shared                  [n, *]           optional, leaf or tree
-    state                   [n, A, H]        optional (recurrent policies)
-    start                   [n, A] bool      optional (``[n]`` is expanded when checked)
-    batch                   each of them concatenated along dim 0: [N, A, ...]
+    request  observation        [n, A, *obs]     leaf, or tree of leaves each [n, A, ...]
+             "action_mask"      [n, A, k] bool   optional (illegal actions are never chosen)
+             "mask"             [n, A] bool      optional (agent present)
+             shared             [n, *]           optional, leaf or tree (passed on; no critic runs here)
+             recurrent_state    [n, A, H]        optional, recurrent policies only (None: zeros)
+             episode_start      [n] or [n, A]    optional bool: rows whose state is zeroed first
+    batch    every entry concatenated along dim 0: [N, A, ...]; a key some requests lack is filled with
+             all-True (masks), zeros (state) or False (episode_start); shared only if every request has it
+    result   InferenceResult: action [n, A, *act] (leaf or tree), log_prob [n, A, 1], version, ...
 """
 
 from __future__ import annotations
@@ -27,6 +30,53 @@ from core.layout import ACTION_MASK, MASK, OBSERVATION
 from core.policies import GroupPolicy
 
 _KEYS = frozenset({OBSERVATION, ACTION_MASK, MASK})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InferenceConfig:
+    """How an :class:`InferenceService` batches and where it runs."""
+
+    max_batch_rows: int = 1024
+    """Most request rows (the leading dim ``n`` of each request) one batch holds; a request with more is refused."""
+    max_wait_s: float = 0.001
+    """Longest a nearly empty batch waits for more requests once its first one was taken (Sample Factory's
+    rule; the batch is served as soon as it is full enough, whatever is left of this)."""
+    device: str = "auto"
+    """Where the forward passes run: ``auto`` (CUDA when present, else CPU) or a torch device name."""
+    seed: int = 0
+    """Seed of the service's sampling generator, the only source of randomness of its actions."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_batch_rows, int) and self.max_batch_rows >= 1):
+            raise ValueError(f"InferenceConfig.max_batch_rows must be an int >= 1, got {self.max_batch_rows!r}")
+        if not self.max_wait_s >= 0:
+            raise ValueError(f"InferenceConfig.max_wait_s must be >= 0, got {self.max_wait_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceResult:
+    """One caller's share of a batch (CPU tensors)."""
+
+    action: Any
+    """``[n, A, *act]``: a tensor, or a tree (nested dicts) of them for composite action specs."""
+    log_prob: Tensor
+    """``[n, A, 1]`` behaviour log-probability of ``action``."""
+    version: int
+    """Version of the weights that produced it."""
+    batch: int
+    """Index of the batch that served it (0, 1, ...), for diagnostics."""
+    recurrent_state: Tensor | None = None
+    """Recurrent policies: the state ``[n, A, H]`` this step used (zeroed where ``episode_start``): store it."""
+    next_recurrent_state: Tensor | None = None
+    """Recurrent policies: the state ``[n, A, H]`` to send with the next request."""
+
+
+class RequestExpired(TimeoutError):
+    """A request's deadline passed before the service could batch it."""
+
+
+class ServiceClosed(RuntimeError):
+    """The service was closed before it served the request."""
 
 
 @dataclass(slots=True, eq=False)
@@ -161,4 +211,5 @@ def _cat(parts: list):
     return {k: _cat([p[k] for p in parts]) for k in parts[0]}
 
 
-__all__ = ["Request", "concatenate", "make_request", "split", "to_device"]
+__all__ = ["InferenceConfig", "InferenceResult", "Request", "RequestExpired", "ServiceClosed", "concatenate",
+           "make_request", "split", "to_device"]

@@ -27,6 +27,23 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture
+def pool_factory():
+    """Builds :class:`adapters.env_worker.EnvWorkerPool` s (``factories``, ``**EnvWorkerConfig``) closed after the test."""
+    from adapters.env_worker import EnvWorkerConfig, EnvWorkerPool
+
+    pools = []
+
+    def make(factories, **config):
+        pool = EnvWorkerPool(factories, EnvWorkerConfig(**config))
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

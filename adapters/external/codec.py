@@ -246,9 +246,10 @@ class TreeCodec:
 
     def consequences(self, message: Mapping[str, Any], what: str):
         """``rewards`` and ``left`` of an ``act`` or ``end`` as per-group tensors ``[1, A, 1]``."""
-        reward = {g: torch.zeros(1, s.capacity, 1) for g, s in self.groups.items()}
-        term = {g: torch.zeros(1, s.capacity, 1, dtype=torch.bool) for g, s in self.groups.items()}
-        trunc = {g: torch.zeros(1, s.capacity, 1, dtype=torch.bool) for g, s in self.groups.items()}
+        # numpy buffers, one torch.from_numpy each at the end: cheaper than torch.zeros per entry
+        reward = {g: np.zeros((1, s.capacity, 1), np.float32) for g, s in self.groups.items()}
+        term = {g: np.zeros((1, s.capacity, 1), bool) for g, s in self.groups.items()}
+        trunc = {g: np.zeros((1, s.capacity, 1), bool) for g, s in self.groups.items()}
         rewards = message.get("rewards") or {}
         if not isinstance(rewards, dict):
             raise ProtocolError("bad_message", f"{what}: 'rewards' must be a map agent -> number", fatal=False)
@@ -267,7 +268,8 @@ class TreeCodec:
                 raise ProtocolError("bad_message", f"{what}: left[{name!r}] must be 'terminated' or 'truncated', got "
                                                    f"{how!r}", fatal=False)
             (term if how == "terminated" else trunc)[g][0, slot, 0] = True
-        return reward, {g: (term[g], trunc[g]) for g in self.groups}
+        return ({g: torch.from_numpy(r) for g, r in reward.items()},
+                {g: (torch.from_numpy(term[g]), torch.from_numpy(trunc[g])) for g in self.groups})
 
     def parse_final(self, message: Mapping[str, Any], what: str) -> dict[str, tuple[Any, torch.Tensor]]:
         """``end``'s ``observations``: group -> (observation ``[1, A, *obs]``, given ``[1, A]``)."""

@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from adapters.builtin import CartPole, CartPoleConfig, Spread, SpreadConfig
-from adapters.env_worker import EnvWorkerConfig, EnvWorkerPool, step_template
+from adapters.env_worker import step_template
 from adapters.protocol import BatchedEnv
 from core.layout import ACTION, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
 from core.specs import validate
@@ -37,23 +37,10 @@ class FaultyCartPole(CartPole):
         return super().step(actions)
 
 
-def _cartpole_actions(n: int, generator) -> TensorDict:
+def cartpole_actions(n: int, generator) -> TensorDict:
+    """Random CartPole actions, batch ``[n]``."""
     action = torch.randint(0, 2, (n, 1), generator=generator)
     return TensorDict({"agent": TensorDict({ACTION: action}, batch_size=[n, 1])}, batch_size=[n])
-
-
-@pytest.fixture
-def pool_factory():
-    pools = []
-
-    def make(factories, **config):
-        pool = EnvWorkerPool(factories, EnvWorkerConfig(**config))
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
 
 
 def test_step_template_has_the_keys_of_a_step():
@@ -97,7 +84,7 @@ def test_pool_of_gymnasium_adapters_equals_in_process_stepping(pool_factory):
     assert (pool.reset(seed=0) == torch.cat([r.reset(seed=2 * k) for k, r in enumerate(refs)])).all()
     generator = torch.Generator().manual_seed(0)
     for _ in range(60):  # several episode ends at random actions
-        actions = _cartpole_actions(4, generator)
+        actions = cartpole_actions(4, generator)
         expected = torch.cat([r.step(actions[2 * k:2 * k + 2]) for k, r in enumerate(refs)])
         assert (pool.step(actions) == expected).all()
     assert "invalid_output_truncations" in pool.counters  # the workers' own counters come through
@@ -111,12 +98,12 @@ def test_killed_worker_ends_its_episodes_truncated_and_restarts(pool_factory):
     pool.reset(seed=0)
     ref.reset(seed=4)
     for _ in range(5):
-        actions = _cartpole_actions(8, generator)
+        actions = cartpole_actions(8, generator)
         last = pool.step(actions).exclude(NEXT)
         ref.step(actions[4:])
     old_pid = pool.worker_pids[0]
     os.kill(old_pid, signal.SIGKILL)
-    actions = _cartpole_actions(8, generator)
+    actions = cartpole_actions(8, generator)
     out = pool.step(actions)
     assert (out[4:] == ref.step(actions[4:])).all()
     nxt = out.get((NEXT, "agent"))
@@ -129,7 +116,7 @@ def test_killed_worker_ends_its_episodes_truncated_and_restarts(pool_factory):
     assert counters["env_restarts"] == 1 and counters["episodes_lost"] == 4 and counters["worker_crashes"] == 1
     assert pool.worker_pids[0] != old_pid
     for _ in range(3):  # the batch goes on
-        validate(pool.step(_cartpole_actions(8, generator)), pool.tree)
+        validate(pool.step(cartpole_actions(8, generator)), pool.tree)
 
 
 @pytest.mark.parametrize("mode, counter", [("hang", "step_timeouts"), ("raise", "worker_errors")])
@@ -138,17 +125,17 @@ def test_hung_or_failing_worker_is_restarted(pool_factory, tmp_path, mode, count
     pool = pool_factory([functools.partial(FaultyCartPole, flag) for flag in flags], step_timeout_s=1.0)
     generator = torch.Generator().manual_seed(0)
     pool.reset(seed=0)
-    pool.step(_cartpole_actions(8, generator))
+    pool.step(cartpole_actions(8, generator))
     with open(flags[1], "w") as f:
         f.write(mode)
     start = time.monotonic()
-    out = pool.step(_cartpole_actions(8, generator))
+    out = pool.step(cartpole_actions(8, generator))
     elapsed = time.monotonic() - start
     assert (elapsed >= 1.0) == (mode == "hang") and elapsed < 20
     failed = out.get((NEXT, TRUNCATED)).squeeze(1)
     assert failed.tolist() == [False] * 4 + [True] * 4  # exactly the faulty worker's envs
     assert pool.counters[counter] == 1 and pool.counters["env_restarts"] == 1 and pool.counters["episodes_lost"] == 4
-    validate(pool.step(_cartpole_actions(8, generator)), pool.tree)
+    validate(pool.step(cartpole_actions(8, generator)), pool.tree)
 
 
 def test_a_worker_that_cannot_start_raises(pool_factory):

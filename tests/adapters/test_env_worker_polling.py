@@ -10,12 +10,12 @@ import time
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from adapters.builtin import CartPole, CartPoleConfig
-from adapters.env_worker import EnvWorkerConfig, EnvWorkerFault, EnvWorkerPool
-from core.layout import ACTION, DONE, NEXT, OBSERVATION, TERMINATED, TRUNCATED
+from adapters.env_worker import EnvWorkerFault
+from core.layout import DONE, NEXT, OBSERVATION, TERMINATED, TRUNCATED
 from core.specs import validate
+from tests.adapters.test_env_worker import cartpole_actions
 
 
 class SlowCartPole(CartPole):
@@ -39,26 +39,6 @@ class SlowCartPole(CartPole):
         if self._delay:
             time.sleep(self._delay)
         return super().step(actions)
-
-
-def cartpole_actions(n: int, generator: torch.Generator) -> TensorDict:
-    """Random CartPole actions, batch ``[n]``."""
-    action = torch.randint(0, 2, (n, 1), generator=generator)
-    return TensorDict({"agent": TensorDict({ACTION: action}, batch_size=[n, 1])}, batch_size=[n])
-
-
-@pytest.fixture
-def pool_factory():
-    pools = []
-
-    def make(factories, **config):
-        pool = EnvWorkerPool(factories, EnvWorkerConfig(**config))
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
 
 
 def test_split_phase_steps_equal_in_process_stepping(pool_factory):

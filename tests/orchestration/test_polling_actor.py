@@ -13,7 +13,6 @@ import torch
 from tensordict import TensorDict
 
 from adapters.builtin import CartPole, CartPoleConfig
-from adapters.env_worker import EnvWorkerConfig, EnvWorkerPool
 from core.layout import (ACTION, DONE, EPISODE_ID, FRAGMENT_ID, MASK, NEXT, OBSERVATION, POLICY_VERSION,
                          RECURRENT_STATE, TERMINATED, TRUNCATED, WORKER_ID, make_fragment_id)
 from core.policies import PolicyConfig, make_policies
@@ -23,20 +22,6 @@ from orchestration.polling_actor import PollingActor
 from tests.adapters.test_env_worker_polling import SlowCartPole
 
 G = "agent"  # CartPole's one group
-
-
-@pytest.fixture
-def pool_factory():
-    pools = []
-
-    def make(factories, **config):
-        pool = EnvWorkerPool(factories, EnvWorkerConfig(**config))
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
 
 
 def _policies(recurrent: bool = False):
