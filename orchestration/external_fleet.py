@@ -185,12 +185,15 @@ def build_external(config: TrainConfig, *, log=sys.stderr):
                                          log_dir=Path(config.run_dir) / "simulators" if config.run_dir else None)
             launcher.start()
         # launched simulators get a second start_timeout_s: one that failed to connect is restarted once by then
-        deadline = time.monotonic() + ec.start_timeout_s * (2 if launcher is not None else 1)
+        patience = ec.start_timeout_s * (2 if launcher is not None else 1)
+        deadline = time.monotonic() + patience
         while not server.tree_ready.wait(0.1):
             if launcher is not None:
                 launcher.check(server.connected)
             if time.monotonic() > deadline:
-                server.wait_for_tree(0)  # raises, naming the address
+                raise TimeoutError(f"no simulator connected to {server.url} within {patience:.0f} s, so the "
+                                   f"environment's tree is unknown: start simulators (external.command launches "
+                                   f"them), give external.tree, or wait longer (external.start_timeout_s)")
         tree = server.tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
