@@ -11,6 +11,10 @@ synchronous mode the games counted against a member are games against it, on eve
 mode on Ray, games that end in fragments already queued at the swap (at most ``RayConfig.queue_size`` per
 worker) are credited to the new member.
 
+Ratings: the learner and every member carry an Elo rating (:mod:`core.ratings`), updated once per iteration
+from the games against the member played (``league_elo``, ``league_opponent_elo``): in a zero-sum game the
+summed return is always 0, and a win rate depends on who was played; a rating does not.
+
 Usage::
 
     config = TrainConfig(env="pettingzoo:classic.connect_four_v3", backend="local",   # or "ray"
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDictBase
 
+from core.ratings import INITIAL, elo_update, score_from_return
 
 
 @dataclass
@@ -38,6 +43,8 @@ class Member:
     games: int = 0
     score: float = 0.0
     """Sum of the learner's returns against this member (win +1, loss -1 in zero-sum games)."""
+    rating: float = INITIAL
+    """Elo rating (:mod:`core.ratings`); a snapshot starts with the learner's rating when it was taken."""
 
     @property
     def win_rate(self) -> float:
@@ -68,6 +75,8 @@ class LeagueTrainer:
         self.generator = torch.Generator().manual_seed(seed)
         self.pool: list[Member] = [Member("initial", trainer.learners[opponent].weights()[1].clone())]
         self.current = self.pool[0]
+        self.rating = INITIAL
+        """The learner's Elo rating: one rating period per iteration, against the member it played."""
 
     def _draw(self) -> Member:
         weights = torch.tensor([(1.0 - m.win_rate) ** self.pfsp_power + 1e-3 for m in self.pool])
@@ -81,11 +90,18 @@ class LeagueTrainer:
         new = self.trainer.last_episodes.get(f"return/{self.learner}", [])
         self.current.games += len(new)
         self.current.score += float(sum(new))
+        if new:  # learner = player 0, the member = player 1; one rating period
+            games = len(new)
+            ratings = elo_update(torch.tensor([self.rating, self.current.rating], dtype=torch.float64),
+                                 torch.zeros(games, dtype=torch.long), torch.ones(games, dtype=torch.long),
+                                 score_from_return(torch.tensor(new)))
+            self.rating, self.current.rating = float(ratings[0]), float(ratings[1])
         if self.trainer.iteration % self.snapshot_every == 0:
             version, weights = self.trainer.learners[self.learner].weights()
-            self.pool.append(Member(f"{self.learner}@{version}", weights.clone()))
+            self.pool.append(Member(f"{self.learner}@{version}", weights.clone(), rating=self.rating))
         metrics.update(league_size=len(self.pool), league_opponent=self.pool.index(self.current),
-                       league_win_rate=self.current.win_rate, league_games=len(new))
+                       league_win_rate=self.current.win_rate, league_games=len(new), league_elo=self.rating,
+                       league_opponent_elo=self.current.rating)
         return metrics
 
 

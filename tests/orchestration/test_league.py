@@ -25,6 +25,11 @@ def test_league_grows_a_pool_and_actors_play_the_drawn_opponent():
         assert (actor_opponent == league.current.weights).all()  # the actors played the drawn member
     assert len(league.pool) == 4 and metrics["league_size"] == 4  # initial + snapshots at 2, 4, 6
     assert sum(m.games for m in league.pool) > 0
+    # Elo (core.ratings): reported, and moving towards whoever wins
+    assert metrics["league_elo"] == league.rating and metrics["league_opponent_elo"] == league.current.rating
+    initial = league.pool[0]
+    if initial.games:  # the learner beat the random-initialised opponent more often than not: it gained on it
+        assert (league.rating > initial.rating) == (initial.win_rate > 0.5) or initial.win_rate == 0.5
     learner_now = TensorDict.from_module(league.trainer.learners["player"].policy)
     assert not (learner_now == league.pool[1].weights).all()  # snapshots are copies, not views
 
