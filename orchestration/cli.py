@@ -186,17 +186,22 @@ def _run_dir_from(args: list[str], default: TrainConfig) -> str:
 
 
 def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4,
-             env: str | None = None, threads: int = 1) -> float:
+             env: str | None = None, threads: int = 1, opponent: str | None = None, seats: tuple[str, ...] = (),
+             sample: bool = False) -> float:
     """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return
-    and its standard deviation.
+    and its standard deviation. With ``--opponent``: plays each seat against it and prints win/draw/loss rates
+    with 95% intervals per seat (:mod:`orchestration.matches`).
 
     Args:
         checkpoint: a checkpoint directory, or a run's ``checkpoints`` directory (its newest checkpoint).
-        episodes: episodes to play.
+        episodes: episodes to play (per seat with ``--opponent``).
         num_envs: envs stepped together.
         env: the env to play in (default: the checkpoint's, unless naming it would import a module: an env
             read from a checkpoint never imports code).
         threads: torch CPU threads (1 is fastest for small networks on a shared machine).
+        opponent: ``random`` or another checkpoint (same tree) playing every seat but the evaluated one.
+        seats: the agents the checkpoint plays, one at a time (default: every agent).
+        sample: the checkpoint's policy samples instead of acting with its mode (the opponent always samples).
     """
     import statistics
 
@@ -211,6 +216,13 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "
                          f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
     config = dataclasses.replace(config, env=env or config.env)
+    if opponent is not None:
+        from orchestration.matches import play_seats
+
+        per_seat = play_seats(checkpoint, opponent, episodes=episodes, seats=tuple(seats), env=config.env,
+                              num_envs=num_envs, sample=sample)
+        print(json.dumps({"checkpoint": str(checkpoint), "opponent": opponent, "seats": per_seat}))
+        return min(r["win"] for r in per_seat.values())
     tree = from_json(state["tree"])
     assignment = assignment_for(config, tree)
     policies, fixed = build_policies(config, tree, assignment)

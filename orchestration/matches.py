@@ -1,0 +1,102 @@
+"""Matches: a checkpoint's policy against an opponent, seat by seat (``shoal evaluate CKPT --opponent ...``).
+
+For each seat (an agent of the tree), the checkpoint's policy plays that seat and the opponent plays every
+other agent: ``random`` (uniform over legal actions) or another checkpoint of the same tree (its policies on
+their own seats). Results per seat: win, draw and loss rates with Wilson 95% intervals (zero-sum returns:
+win > 0, draw 0, loss < 0), plus the mean return. The checkpoint's policy acts with its mode unless
+``sample``; the opponent always samples (two deterministic players would replay one game).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from core.specs import agent_index, from_json
+from orchestration.builder import assignment_for, build_evaluator, build_policies
+from orchestration.checkpoint import load_checkpoint
+from orchestration.run_state import load_config
+
+OPPONENT = "opponent"
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95% by default); ``(0, 1)`` without trials."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[str, ...] = (), env: str,
+               num_envs: int = 4, sample: bool = False, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Seat -> results (module docstring) of ``episodes`` games per seat.
+
+    Raises:
+        ValueError: an unknown seat (the tree's agents are named), an opponent checkpoint of another tree.
+    """
+    weights, _, state = load_checkpoint(checkpoint)
+    config = dataclasses.replace(load_config(state), env=env, seed=seed)
+    tree = from_json(state["tree"])
+    agents = list(agent_index(tree))
+    unknown = [s for s in seats if s not in agents]
+    if unknown:
+        raise ValueError(f"unknown seats {unknown}: the tree's agents are {agents}")
+    other = None
+    if opponent != "random":
+        other_weights, _, other_state = load_checkpoint(opponent)
+        if other_state["tree"] != state["tree"]:
+            raise ValueError(f"opponent checkpoint {opponent!r} was trained on another tree than {checkpoint!r}")
+        other = (other_weights, assignment_for(load_config(other_state), tree))
+    out = {}
+    for seat in seats or agents:
+        foe = "random" if other is None else OPPONENT
+        seat_config = dataclasses.replace(
+            config, policy_mapping=tuple((a, foe) for a in agents if a != seat),
+            fixed_policies=tuple({*config.fixed_policies, OPPONENT}))
+        assignment = assignment_for(seat_config, tree)
+        policies, fixed = build_policies(seat_config, tree, assignment)
+        group, _ = agent_index(tree)[seat]
+        mine = assignment[group].main_policy if assignment[group].single else _policy_of(assignment, group, seat,
+                                                                                         agents, foe)
+        _load(policies[mine], weights, _checkpoint_policy(load_config(state), tree, seat))
+        if other is not None:
+            foe_seat = next(a for a in agents if a != seat)
+            _load(policies[OPPONENT], other[0], _checkpoint_policy(load_config(other_state), tree, foe_seat))
+        deterministic = [] if sample else [mine]
+        actor = build_evaluator(seat_config, policies, assignment, set(policies) - set(deterministic),
+                                num_envs=num_envs)
+        returns = torch.tensor(actor.run_episodes(episodes)[f"return/{mine}"], dtype=torch.float64)
+        wins, draws = int((returns > 0).sum()), int((returns == 0).sum())
+        n = len(returns)
+        out[seat] = {"games": n, "win": wins / n, "draw": draws / n, "loss": (n - wins - draws) / n,
+                     "win_ci95": list(wilson_interval(wins, n)), "return_mean": float(returns.mean())}
+    return out
+
+
+def _policy_of(assignment, group: str, seat: str, agents: list[str], foe: str) -> str:
+    """The policy acting for ``seat`` in a group split between it and the opponent."""
+    return next(p for p in assignment[group].policies if p != foe)
+
+
+def _checkpoint_policy(config, tree, seat: str) -> str:
+    """The policy id that played ``seat`` in the run that wrote a checkpoint."""
+    group, slot = agent_index(tree)[seat]
+    assigned = assignment_for(config, tree)[group]
+    return next(pid for pid, slots in assigned.slots.items() if bool(slots[slot]))
+
+
+def _load(policy, weights, pid: str) -> None:
+    prefix = f"{pid}/"
+    own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    if not own:
+        raise ValueError(f"the checkpoint has no weights of policy {pid!r}")
+    policy.load_state_dict(own)
+
+
+__all__ = ["play_seats", "wilson_interval"]

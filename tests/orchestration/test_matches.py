@@ -1,0 +1,53 @@
+"""``shoal evaluate --opponent``: a checkpoint against random or another checkpoint, seat by seat."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestration.cli import main
+from orchestration.matches import play_seats, wilson_interval
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    lo, hi = wilson_interval(5, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.2366, 0.7634)
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and round(hi, 4) == 0.2775
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def connect_four(tmp_path_factory):
+    run = tmp_path_factory.mktemp("c4")
+    main(["train", "pettingzoo:classic.connect_four_v3", "--iterations", "2", "--rollout.num-envs", "8",
+          "--rollout.fragment-length", "32", "--run-dir", str(run), "--no-progress"])
+    return str(run / "checkpoints")
+
+
+def test_every_seat_plays_its_games_against_random_and_the_rates_add_up(connect_four, capsys):
+    main(["evaluate", connect_four, "--opponent", "random", "--episodes", "12"])
+    seats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["seats"]
+    assert set(seats) == {"player_0", "player_1"}
+    for result in seats.values():
+        assert result["games"] == 12
+        assert result["win"] + result["draw"] + result["loss"] == pytest.approx(1.0)
+        lo, hi = result["win_ci95"]
+        assert lo <= result["win"] <= hi
+        # zero-sum: the mean return is (wins - losses) / games
+        assert result["return_mean"] == pytest.approx(result["win"] - result["loss"])
+
+
+def test_a_checkpoint_against_itself_on_one_seat(connect_four):
+    seats = play_seats(connect_four, connect_four, episodes=6, seats=("player_1",), env="pettingzoo:classic.connect_four_v3")
+    assert list(seats) == ["player_1"] and seats["player_1"]["games"] == 6
+
+
+def test_bad_seats_and_opponents_are_named(connect_four, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["evaluate", connect_four, "--opponent", "random", "--seats", "player_9"])
+    assert exit_.value.code == 2 and "player_9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["evaluate", connect_four, "--opponent", str(tmp_path / "nowhere")])
+    assert "nowhere" in capsys.readouterr().err
