@@ -26,12 +26,15 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from core.ratings import INITIAL, elo_update, score_from_return
+from orchestration.builder import assignment_for
 
 
 @dataclass
@@ -77,6 +80,32 @@ class LeagueTrainer:
         self.current = self.pool[0]
         self.rating = INITIAL
         """The learner's Elo rating: one rating period per iteration, against the member it played."""
+
+    def save_pool(self, directory: str | Path) -> list[Path]:
+        """Writes every member of the pool as a snapshot (:mod:`orchestration.snapshots`) under ``directory``;
+        any process can load them, e.g. :meth:`add_snapshot` of another league."""
+        from orchestration.snapshots import save_snapshot
+
+        module = self.trainer.learners[self.opponent].policy
+        tree, config = self.trainer.tree, self.trainer.config.policy
+        group = next(g for g, a in assignment_for(self.trainer.config, tree).items() if self.opponent in a.policies)
+        written = []
+        for i, member in enumerate(self.pool):
+            policy = copy.deepcopy(module)
+            with torch.no_grad():
+                TensorDict.from_module(policy).update_(member.weights)
+            written.append(save_snapshot(Path(directory) / f"{i:04d}-{member.name.replace('/', '_')}", policy, tree,
+                                         group=group, policy_id=member.name, version=i, config=config))
+        return written
+
+    def add_snapshot(self, path: str | Path) -> Member:
+        """Adds a saved snapshot to the pool (its weights must fit the opponent slot)."""
+        from orchestration.snapshots import load_snapshot
+
+        snapshot = load_snapshot(path)
+        member = Member(snapshot.policy_id, snapshot.weights())
+        self.pool.append(member)
+        return member
 
     def _draw(self) -> Member:
         weights = torch.tensor([(1.0 - m.win_rate) ** self.pfsp_power + 1e-3 for m in self.pool])

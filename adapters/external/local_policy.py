@@ -18,7 +18,6 @@ Recurrent policies are not supported here yet.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Mapping
 
@@ -29,16 +28,9 @@ from tensordict import TensorDict
 from adapters.external.client import Answer, SimulatorClient
 from adapters.external.codec import TreeCodec, action_value
 from core.layout import ACTION, ACTION_MASK, LOG_PROB, MASK, OBSERVATION
-from core.policies import PolicyConfig, make_policies
+from core.policies import make_policies
+from core.policies.config import policy_config_from_dict
 from core.specs import from_json
-
-
-def _policy_config(fields: Mapping[str, Any]) -> PolicyConfig:
-    known = {f.name for f in dataclasses.fields(PolicyConfig)}
-    values = {k: v for k, v in fields.items() if k in known}
-    if "hidden_sizes" in values:
-        values["hidden_sizes"] = tuple(values["hidden_sizes"])
-    return PolicyConfig(**values)
 
 
 class LocalPolicy:
@@ -67,7 +59,7 @@ class LocalPolicy:
         for episode in list(self._pending):
             self._upload(episode)
         for group, entry in self.client.get_policy().items():
-            module = make_policies(self.codec.tree, _policy_config(entry["config"]))[group]
+            module = make_policies(self.codec.tree, policy_config_from_dict(entry["config"]))[group]
             if module.gru is not None:
                 raise ValueError(f"group {group!r}: a recurrent policy cannot act locally yet; use act requests")
             params = TensorDict.from_module(module)

@@ -81,6 +81,18 @@ class PolicyConfig:
                self.normalize_observations)
 
 
+def policy_config_from_dict(fields: dict) -> PolicyConfig:
+    """A :class:`PolicyConfig` from its JSON form (``dataclasses.asdict`` through JSON: lists for tuples);
+    unknown keys (a newer writer's) are ignored, bad values raise the config's own named errors."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(PolicyConfig)}
+    values = {k: v for k, v in fields.items() if k in known}
+    if "hidden_sizes" in values:
+        values["hidden_sizes"] = tuple(values["hidden_sizes"])
+    return PolicyConfig(**values)
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -90,4 +102,4 @@ def _check(ok: bool, name: str, expected: str, got: object) -> None:
         raise ValueError(f"PolicyConfig.{name} must be {expected}, got {got!r}")
 
 
-__all__ = ["ACTIVATIONS", "Activation", "PolicyConfig"]
+__all__ = ["ACTIVATIONS", "Activation", "PolicyConfig", "policy_config_from_dict"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tensordict import TensorDict
 
 from core.losses import PPOConfig
@@ -40,3 +41,57 @@ def test_league_refuses_a_learning_opponent():
     trainer = build_trainer(config)
     with pytest.raises(ValueError, match="fixed policy"):
         LeagueTrainer(trainer, learner="player", opponent="player")
+
+
+def test_snapshots_saved_by_a_league_play_the_same_actions_in_a_new_process(tmp_path):
+    import subprocess
+    import sys
+
+    from core.specs import rand
+    from orchestration.snapshots import load_snapshot
+
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3", seed=0, iterations=2, lr=1e-3,
+                         policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",),
+                         rollout=RolloutConfig(num_envs=4, fragment_length=16), ppo=PPOConfig(minibatch_size=64))
+    league = LeagueTrainer(build_trainer(config), learner="player", opponent="opponent", snapshot_every=1)
+    league.train()
+    paths = league.save_pool(tmp_path / "pool")
+    assert len(paths) == 2  # the initial member and one snapshot
+    snapshot = load_snapshot(paths[-1])
+    assert (snapshot.weights() == league.pool[-1].weights).all()
+    obs = rand(snapshot.tree, (5,), torch.Generator().manual_seed(1)).get("player")
+    inputs = {"observation": obs["observation"], "action_mask": obs["action_mask"]}
+    torch.save(inputs, tmp_path / "obs.pt")  # test data (this process wrote it)
+    here = snapshot.policy.act_step(inputs, None, None, True, with_value=False)["action"]
+    script = ("import sys, torch; from orchestration.snapshots import load_snapshot; "
+              "s = load_snapshot(sys.argv[1]); inputs = torch.load(sys.argv[2]); "
+              "print(s.policy.act_step(inputs, None, None, True, with_value=False)['action'].tolist())")
+    there = subprocess.run([sys.executable, "-c", script, str(paths[-1]), str(tmp_path / "obs.pt")],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert there == str(here.tolist())
+    member = league.add_snapshot(paths[0])
+    assert len(league.pool) == 3 and (member.weights == league.pool[0].weights).all()
+    league.trainer.close()
+
+
+def test_a_snapshot_that_is_not_one_is_refused_by_name(tmp_path):
+    import json
+
+    from core.policies import PolicyConfig, make_policies
+    from orchestration.checkpoint import CheckpointError
+    from orchestration.envs import make_env
+    from orchestration.snapshots import load_snapshot, save_snapshot
+
+    tree = make_env("builtin:cartpole", 1).tree
+    policy = make_policies(tree, PolicyConfig())["agent"]
+    path = save_snapshot(tmp_path / "s", policy, tree, group="agent", policy_id="agent", version=3, config=PolicyConfig())
+    assert load_snapshot(path).version == 3
+    meta = json.loads((path / "snapshot.json").read_text())
+    (path / "snapshot.json").write_text(json.dumps({**meta, "policy_config": {"hidden_sizes": [8]}}))
+    with pytest.raises(CheckpointError, match="do not fit the declared policy"):
+        load_snapshot(path)
+    (path / "snapshot.json").write_text(json.dumps({**meta, "format": "pickle"}))
+    with pytest.raises(CheckpointError, match="format must be"):
+        load_snapshot(path)
+    with pytest.raises(FileExistsError):
+        save_snapshot(path, policy, tree, group="agent", policy_id="agent", version=3, config=PolicyConfig())
