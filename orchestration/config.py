@@ -20,7 +20,9 @@ class RolloutConfig:
     num_workers: int = 1
     """Rollout workers (actors), each with ``num_envs`` envs."""
     check: Literal["strict", "lenient"] = "strict"
-    """Bad env output: raise a named error (strict) or truncate that env's episode and count it (lenient)."""
+    """Bad env output: raise a named error (strict) or truncate that env's episode and count it (lenient).
+    Lenient runs keep the envs in a subprocess (``env_processes``, at least one), so that an env that raises, returns
+    an observation of the wrong shape, hangs or dies is restarted and its lost episodes counted."""
     env_processes: int = 0
     """Run each actor's envs in this many subprocesses (``adapters.env_worker.EnvWorkerPool``): slow Python envs
     use more cores, and an env that hangs, crashes or raises is restarted, its episodes truncated and counted

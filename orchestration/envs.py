@@ -164,11 +164,14 @@ def imports_code(name: str) -> str | None:
 
 def make_run_env(config, num_envs: int):
     """``num_envs`` envs of a :class:`orchestration.config.TrainConfig`'s environment (every backend uses this);
-    in ``rollout.env_processes`` subprocesses (an :class:`adapters.env_worker.EnvWorkerPool`) when asked."""
+    in ``rollout.env_processes`` subprocesses (an :class:`adapters.env_worker.EnvWorkerPool`) when asked, and
+    in at least one in lenient mode or with an env timeout."""
     rc = config.rollout
     build = partial(make_env, config.env, check=rc.check, kwargs=parse_kwargs(config.env_kwargs),
                     shared_state=None if config.policy.critic == "central" else False)
-    processes = min(rc.env_processes or (1 if rc.env_timeout_s else 0), num_envs)
+    # lenient runs keep envs in a subprocess (one unless asked for more): an env that raises, returns what cannot
+    # be stored (a wrong shape), hangs or dies is then restarted, its episodes truncated and counted
+    processes = min(rc.env_processes or (1 if rc.env_timeout_s or rc.check == "lenient" else 0), num_envs)
     if not processes:
         return build(num_envs)
     from adapters.env_worker import EnvWorkerConfig, EnvWorkerPool

@@ -320,6 +320,9 @@ FAULTY_ENV = textwrap.dedent("""
                     time.sleep(3600)
                 elif self.fault == "crash":
                     os._exit(9)
+                elif self.fault == "shape":
+                    obs, reward, terminated, truncated, info = super().step(action)
+                    return obs[:2], reward, terminated, truncated, info  # 2 numbers where the space says 4
                 else:
                     raise RuntimeError("the simulator raised")
             return super().step(action)
@@ -338,7 +341,7 @@ FAULTY_ENV = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,counter", [("hang", "step_timeouts"), ("crash", "worker_crashes"),
-                                           ("raise", "worker_errors")])
+                                           ("raise", "worker_errors"), ("shape", "worker_errors")])
 def test_a_faulty_env_from_the_cli_is_restarted_counted_and_the_run_finishes(tmp_path, fault, counter):
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
     run = tmp_path / "run"
@@ -354,6 +357,22 @@ def test_a_faulty_env_from_the_cli_is_restarted_counted_and_the_run_finishes(tmp
     assert float(last[f"env/{counter}"]) == 1 and float(last["env/env_restarts"]) == 1
     assert float(last["env/episodes_lost"]) == 2  # the restarted process's two envs
     assert int(float(last["iteration"])) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["shape", "raise"])
+def test_lenient_mode_alone_restarts_an_env_that_raises_or_returns_a_wrong_shape(tmp_path, fault):
+    """No process or timeout flag: lenient mode keeps the envs in a subprocess by itself."""
+    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+    _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", fault, "--rollout.num-envs", "2",
+           "--rollout.fragment-length", "32", "--rollout.check", "lenient", "--iterations", "2", "--no-progress",
+           "--run-dir", str(run), cwd=tmp_path, env=env)
+    with open(run / "metrics.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert float(last["env/worker_errors"]) == 1 and float(last["env/episodes_lost"]) == 2
 
 
 @pytest.mark.slow
