@@ -339,14 +339,18 @@ FAULTY_ENV = textwrap.dedent("""
 """)
 
 
+def _faulty_env(tmp_path) -> dict:
+    """Writes the faulty env module into ``tmp_path``; the environment variables a ``shoal`` run needs to use it."""
+    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
+    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,counter", [("hang", "step_timeouts"), ("crash", "worker_crashes"),
                                            ("raise", "worker_errors"), ("shape", "worker_errors")])
 def test_a_faulty_env_from_the_cli_is_restarted_counted_and_the_run_finishes(tmp_path, fault, counter):
-    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+    run, env = tmp_path / "run", _faulty_env(tmp_path)
     _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", fault, "--rollout.num-envs", "4",
            "--rollout.fragment-length", "32", "--rollout.env-processes", "2", "--rollout.env-timeout-s", "2",
            "--rollout.check", "lenient", "--iterations", "3", "--no-progress", "--run-dir", str(run),
@@ -363,10 +367,7 @@ def test_a_faulty_env_from_the_cli_is_restarted_counted_and_the_run_finishes(tmp
 @pytest.mark.parametrize("fault", ["shape", "raise"])
 def test_lenient_mode_alone_restarts_an_env_that_raises_or_returns_a_wrong_shape(tmp_path, fault):
     """No process or timeout flag: lenient mode keeps the envs in a subprocess by itself."""
-    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+    run, env = tmp_path / "run", _faulty_env(tmp_path)
     _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", fault, "--rollout.num-envs", "2",
            "--rollout.fragment-length", "32", "--rollout.check", "lenient", "--iterations", "2", "--no-progress",
            "--run-dir", str(run), cwd=tmp_path, env=env)
@@ -377,10 +378,7 @@ def test_lenient_mode_alone_restarts_an_env_that_raises_or_returns_a_wrong_shape
 
 @pytest.mark.slow
 def test_in_strict_mode_a_faulty_env_stops_the_run_with_a_named_error_and_a_checkpoint(tmp_path):
-    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+    run, env = tmp_path / "run", _faulty_env(tmp_path)
     out = _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", "raise", "--rollout.num-envs", "4",
                  "--rollout.fragment-length", "32", "--rollout.env-processes", "2", "--iterations", "3",
                  "--no-progress", "--run-dir", str(run), cwd=tmp_path, env=env, check=False)
