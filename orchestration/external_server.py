@@ -195,6 +195,8 @@ class ExternalServer(LocalPolicyHandlers):
         except (ConnectionClosed, TimeoutError, OSError):
             pass
         except Exception as error:  # noqa: BLE001 - one connection's bug never takes the server down
+            print(f"shoal: external connection of {state['sim'] or 'an unnamed simulator'} ended by an internal "
+                  f"error: {type(error).__name__}: {error}", file=self._log)
             self._refuse(ws, ProtocolError("internal", f"{type(error).__name__}: {error}"))
         finally:
             for episode in episodes.values():
