@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -237,34 +236,28 @@ def test_metrics_rows_past_the_checkpoint_are_cut_on_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_points_then_resume_ends_with_the_uninterrupted_weights(tmp_path):
-    """A chaos run: kill -9 at random moments (checkpoint writes slowed so some kills land inside them)."""
+def test_kill_9_at_50_random_points_then_resume_ends_with_the_uninterrupted_weights(tmp_path):
+    """The chaos run: kill -9 at 50 random moments of short runs (checkpoint writes slowed so that some kills
+    land inside them; ``chaos_runner`` forks every run from one pre-imported parent). After every kill the
+    checkpoint ``latest`` resolves to loads; every run, resumed after its kills, writes each iteration once
+    and ends with the weights of the uninterrupted run."""
     from safetensors.torch import load_file
 
     args = [*ARGS, "--iterations", "6", "--checkpoint-every", "1"]
-    _shoal("train", *args, "--run-dir", str(tmp_path / "straight"), cwd=tmp_path)
-    slow = ("import sys, time; import orchestration.checkpoint as c; real = c._save_tensors\n"
-            "c._save_tensors = lambda p, t: (time.sleep(0.05), real(p, t))\n"
-            "from orchestration.cli import main; main(sys.argv[1:])\n")
-    run, rng, kills = tmp_path / "chaos", random.Random(7), 0
-    for _ in range(40):
-        resume = ["--resume"] if (run / "checkpoints" / "latest").exists() else []
-        proc = subprocess.Popen([sys.executable, "-c", slow, "train", *resume, *args, "--run-dir", str(run)],
-                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            proc.wait(timeout=rng.uniform(1.5, 6.0))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            kills += 1
-            continue
-        assert proc.returncode == 0, proc.stderr.read()[-2000:]
-        break
-    assert kills >= 3, "the chaos run was never interrupted: lower the wait times"
-    assert _iterations(run / "metrics.csv") == list(range(1, 7))  # every iteration once
+    result = subprocess.run([sys.executable, "-m", "tests.orchestration.chaos_runner", str(tmp_path), "--kills",
+                             "50", "--seed", "7", "--", *args], cwd=Path(__file__).parents[2], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["failures"] == [] and report["bad_checkpoints"] == 0, report
+    assert report["kills"] == 50 and report["kills_in_writes"] >= 1, report
     straight = load_file(str(ckpt.resolve(tmp_path / "straight/checkpoints") / "weights.safetensors"))
-    chaos = load_file(str(ckpt.resolve(run / "checkpoints") / "weights.safetensors"))
-    assert straight.keys() == chaos.keys() and all(torch.equal(straight[k], chaos[k]) for k in straight)
+    runs = sorted(tmp_path.glob("chaos-*"))
+    assert len(runs) == report["runs"] >= 2
+    for run in runs:
+        assert _iterations(run / "metrics.csv") == list(range(1, 7)), run.name  # every iteration once
+        chaos = load_file(str(ckpt.resolve(run / "checkpoints") / "weights.safetensors"))
+        assert straight.keys() == chaos.keys() and all(torch.equal(straight[k], chaos[k]) for k in straight), run
 
 
 # -- schedules and non-finite training ---------------------------------------------------------------------------
