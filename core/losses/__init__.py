@@ -1,15 +1,42 @@
-"""PPO losses, advantage estimators and the update step (pure functions plus one effectful ``ppo_update_``)."""
+"""PPO losses, advantage estimators and the update step (pure functions plus one effectful ``ppo_update_``).
 
-from core.losses.advantages import gae, vtrace, with_gae, with_vtrace
+The config record is imported at once and the rest on first use (PEP 562 ``__getattr__``): ``PPOConfig`` is
+torch-free, so ``orchestration.config`` (and ``shoal --help``) import it without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from core.losses.config import PPOConfig
-from core.losses.ppo import ENTROPY, ppo_loss
-from core.losses.turns import credit_absent_steps
-from core.losses.update import Evaluate, ppo_update_
+
+if TYPE_CHECKING:
+    from core.losses.advantages import gae, vtrace, with_gae, with_vtrace
+    from core.losses.ppo import ENTROPY, ppo_loss
+    from core.losses.turns import credit_absent_steps
+    from core.losses.update import Evaluate, ppo_update_
+
+_LAZY = {"gae": "advantages", "vtrace": "advantages", "with_gae": "advantages", "with_vtrace": "advantages",
+         "ENTROPY": "ppo", "ppo_loss": "ppo", "credit_absent_steps": "turns", "Evaluate": "update",
+         "ppo_update_": "update"}
+_LAZY.update(BCConfig="bc", bc_loss="bc")  # behaviour cloning (core/losses/bc.py)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
+    "BCConfig",
     "ENTROPY",
     "Evaluate",
     "PPOConfig",
+    "bc_loss",
     "credit_absent_steps",
     "gae",
     "ppo_loss",
