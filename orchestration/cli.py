@@ -1,4 +1,4 @@
-"""The ``shoal`` command: ``train``, ``serve``, ``evaluate``, ``export``, ``plot`` and ``conformance``.
+"""The ``shoal`` command: ``train``, ``serve``, ``evaluate``, ``export``, ``plot``, ``tune`` and ``conformance``.
 
     shoal train CartPole-v1 --iterations 40                 # flags map onto TrainConfig (see --help)
     shoal train --config-file run.yaml                      # a YAML or JSON config file, flags override it
@@ -6,6 +6,8 @@
     shoal evaluate runs/RUN/checkpoints --episodes 20
     shoal export runs/RUN/checkpoints --out policy/         # torch.export programs, no Shoal needed to run them
     shoal plot runs/A runs/B runs/C --out curve.png         # mean and 95% interval over seeds, final IQM
+    shoal tune --config-file sweep.yaml --num-samples 4     # a Ray Tune sweep: TrainConfig keys plus
+        search: {key: {grid|choice|uniform|loguniform: [...]}} (shoal tune --help)
     shoal train --env external --external.command "python examples/external_sim.py --port {port} --seed {seed}
         --sim-id {sim_id} --token {token}" --external.instances 8   # launched simulators (docs/external-protocol.md)
     shoal serve --external.port 8765 --mode async          # wait for simulators and robots that connect themselves
@@ -14,10 +16,16 @@
 Each ``shoal train`` writes to a fresh ``runs/<env>__<seed>__<time>`` unless ``--run-dir`` names one.
 """
 
+# Imports stay light here (no torch, tensordict, torchrl or Ray at module level): ``shoal --help`` and every
+# ``--help`` must answer at once, so each command imports what it needs when it runs (tests/orchestration/
+# test_cli_fast.py checks that importing this module imports no torch).
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import importlib
 import json
 import math
 import sys
@@ -25,13 +33,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
 import tyro
 
-from orchestration.checkpoint import clean_stale, load_checkpoint
 from orchestration.config import TrainConfig
-from orchestration.run_loop import fresh_run_dir, run_training
-from orchestration.run_state import load_config, restore_trainer_
 
 
 def _check_keys(raw: dict, config, where: str) -> None:
@@ -66,6 +70,8 @@ def _config_from_file(path: str) -> TrainConfig:
             base[key].update(value)
         else:
             base[key] = value
+    from orchestration.run_state import load_config  # imports torch: after the keys were checked
+
     return load_config({"config": base})
 
 
@@ -129,18 +135,23 @@ def train(argv: Sequence[str]) -> dict[str, float]:
                 one += ["--run-dir", str(Path(base) / f"seed_{seed}")]
             with user_errors("train"):
                 trainer, config, resume, progress = _setup_training(one)
-            metrics = run_training(trainer, config, resume, progress)
+            metrics = _run_training(trainer, config, resume, progress)
             runs.append(config.run_dir)
         print(json.dumps({"runs": runs, "plot": "shoal plot " + " ".join(runs) + " --out curve.png"}))
         return metrics
     with user_errors("train"):
         trainer, config, resume, progress = _setup_training(argv)
+    return _run_training(trainer, config, resume, progress)
+
+
+def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> dict[str, float]:
+    from orchestration.run_loop import run_training  # imported once a run is set up (it imports torch)
+
     return run_training(trainer, config, resume, progress)
 
 
 def _setup_training(argv: list[str]):
     """Config, trainer and restored state of ``shoal train``: every user error surfaces here."""
-    from orchestration.builder import build_trainer
     from orchestration.envs import imports_code
 
     rest, config_file, resume, progress = _split_train_args(argv)
@@ -151,6 +162,9 @@ def _setup_training(argv: list[str]):
         if not named:
             raise ValueError("--resume continues a run: name its directory with --run-dir RUN (runs/ holds one "
                              "directory per run)")
+        from orchestration.checkpoint import load_checkpoint
+        from orchestration.run_state import load_config
+
         ckpt_root = Path(named) / "checkpoints"
         saved = load_config(load_checkpoint(ckpt_root)[2])
         default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
@@ -159,6 +173,15 @@ def _setup_training(argv: list[str]):
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train", description=_TRAIN_HELP)
+    if config.backend == "local":
+        _import_torchrl_without_ray()
+    import torch  # the first heavy import of a training run: after parsing, so --help stays fast
+
+    from orchestration.builder import build_trainer
+    from orchestration.checkpoint import clean_stale, load_checkpoint
+    from orchestration.run_loop import fresh_run_dir
+    from orchestration.run_state import restore_trainer_
+
     if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
         stamp = time.strftime("%Y%m%d-%H%M%S")
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.env)
@@ -176,6 +199,20 @@ def _setup_training(argv: list[str]):
     return trainer, config, resume, progress
 
 
+def _import_torchrl_without_ray() -> None:
+    """Imports TorchRL's data package with Ray made unimportable for that moment: with Ray installed it imports
+    Ray at import time (``torchrl/data/replay_buffers/ray_buffer.py``, about 0.4 s of a run's start here), for a
+    Ray replay buffer that Shoal never uses. For local runs only; Ray stays importable afterwards (the
+    ``ray_*`` modules import it themselves), and TorchRL tolerates its absence (STYLE.md, layers)."""
+    if "torchrl.data" in sys.modules or "ray" in sys.modules:
+        return
+    sys.modules["ray"] = None  # type: ignore[assignment]  # find_spec("ray") is None: TorchRL skips it
+    try:
+        importlib.import_module("torchrl.data")
+    finally:
+        del sys.modules["ray"]
+
+
 def _run_dir_from(args: list[str], default: TrainConfig) -> str:
     for i, arg in enumerate(args):
         if arg == "--run-dir" and i + 1 < len(args):
@@ -187,10 +224,12 @@ def _run_dir_from(args: list[str], default: TrainConfig) -> str:
 
 def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4,
              env: str | None = None, threads: int = 1, opponent: str | None = None, seats: tuple[str, ...] = (),
-             sample: bool = False) -> float:
+             sample: bool = False, video: str | None = None) -> float:
     """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return
     and its standard deviation. With ``--opponent``: plays each seat against it and prints win/draw/loss rates
-    with 95% intervals per seat (:mod:`orchestration.matches`).
+    with 95% intervals per seat (:mod:`orchestration.matches`). With ``--video DIR``: plays the episodes in one
+    env that renders ``rgb_array`` frames and writes one video per episode into ``DIR``, as MP4 when the
+    video extra is installed (``pip install 'shoal[video]'``), else as animated GIFs (:mod:`orchestration.videos`).
 
     Args:
         checkpoint: a checkpoint directory, or a run's ``checkpoints`` directory (its newest checkpoint).
@@ -202,13 +241,20 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         opponent: ``random`` or another checkpoint (same tree) playing every seat but the evaluated one.
         seats: the agents the checkpoint plays, one at a time (default: every agent).
         sample: the checkpoint's policy samples instead of acting with its mode (the opponent always samples).
+        video: a directory to write a video of every episode into (one env, whatever ``num_envs`` says).
     """
     import statistics
 
+    import torch
+
     from core.specs import from_json
     from orchestration.builder import assignment_for, build_evaluator, build_policies
+    from orchestration.checkpoint import load_checkpoint
     from orchestration.envs import imports_code
+    from orchestration.run_state import load_config
 
+    if video is not None and opponent is not None:
+        raise ValueError("--video records the evaluation of one checkpoint; it does not combine with --opponent")
     torch.set_num_threads(threads)
     weights, _, state = load_checkpoint(checkpoint)
     config = load_config(state)
@@ -228,12 +274,19 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     policies, fixed = build_policies(config, tree, assignment)
     for pid, policy in policies.items():
         policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
-    actor = build_evaluator(config, policies, assignment, fixed, num_envs=num_envs)
+    videos = None
+    if video is None:
+        returns = build_evaluator(config, policies, assignment, fixed, num_envs=num_envs).run_episodes(episodes)
+    else:
+        from orchestration.videos import record_episodes
+
+        returns, videos = record_episodes(config, policies, assignment, fixed, episodes=episodes, out_dir=video)
     results = {}
-    for key, values in actor.run_episodes(episodes).items():
+    for key, values in returns.items():
         results[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
         results[key.replace("return", "eval_return_std", 1)] = statistics.pstdev(values) if values else math.nan
-    print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results}))
+    print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results,
+                      **({"videos": [str(v) for v in videos]} if videos is not None else {})}))
     return results["eval_return_mean"]
 
 
@@ -258,8 +311,11 @@ def user_errors(command: str):
 def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list[str]:
     """Writes one ``torch.export`` program per policy of ``checkpoint`` plus ``manifest.json`` (see
     :func:`orchestration.exporting.export`); returns the program paths."""
+    import torch
+
     from orchestration.exporting import export as export_programs
 
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     return export_programs(checkpoint, out)
 
 
@@ -274,8 +330,8 @@ def plot(runs: tyro.conf.Positional[list[str]], out: str = "runs.png", metric: s
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``shoal`` command."""
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    """Entry point of the ``shoal`` command (torch is imported by the commands that use it, after parsing)."""
+    command_line = argv is None  # the console command: this process ends when main returns
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -294,12 +350,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             tyro.cli(plot, args=rest, prog="shoal plot")
     elif command == "serve":  # train on external environments that connect by themselves
         train(["--env", "external", *rest])
+    elif command == "tune":
+        from orchestration.sweeps import main as tune
+
+        raise SystemExit(tune(rest))
     elif command == "conformance":
         from adapters.external.conformance import main as conformance
 
         raise SystemExit(conformance(rest))
     else:
-        raise SystemExit(f"unknown command {command!r}: use train, serve, evaluate, export, plot or conformance")
+        raise SystemExit(f"unknown command {command!r}: use train, serve, evaluate, export, plot, tune or conformance")
+    if command_line:
+        # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
+        # here). Files, loggers and envs are closed already and atexit handlers still run; in-process callers
+        # (tests) keep their collector as it was.
+        gc.freeze()
 
 
 if __name__ == "__main__":

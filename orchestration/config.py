@@ -196,6 +196,11 @@ class TrainConfig:
     ``external``: simulators that connect over the network (``external`` settings)."""
     env_kwargs: tuple[tuple[str, str], ...] = ()
     """Extra keyword arguments of the env constructor as ``(name, python literal)`` pairs."""
+    collection: str | None = None
+    """An environment collection to train on instead of ``env`` (``orchestration.env_collection``): a
+    ``.json``/``.yaml`` file, or the JSON document itself (format ``shoal.envcollection/1``: envs by id plus a
+    split, curriculum, adversarial set or prior). The run stores the document, so a resumed run never reads
+    the file again; envs that import code (``module:factory``) are only allowed from a file."""
     seed: int = 0
     """Seed of every generator of the run (envs, sampling, minibatch order, initial weights)."""
     iterations: int = 100
@@ -235,6 +240,16 @@ class TrainConfig:
     run_dir: str = ""
     """Directory for metrics.csv, TensorBoard files, the learning-curve PNG, checkpoints and run.json; empty:
     a fresh ``runs/<env>__<seed>__<time>`` per run (``--resume`` needs the directory named)."""
+    loggers: tuple[str, ...] = ("csv", "tensorboard")
+    """Where each iteration's metrics (evaluation included) go: ``csv`` (``run_dir/metrics.csv``, against env
+    steps), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases; ``pip install
+    'shoal[wandb]'``, offline with ``WANDB_MODE=offline``), ``mlflow`` (``pip install 'shoal[mlflow]'``). The
+    trackers log against the iteration, name the run after ``run_dir`` and record this config."""
+    project: str = "shoal"
+    """The W&B project and the MLflow experiment that the run is logged under."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server or store, e.g. ``sqlite:///mlflow.db`` or ``http://host:5000``; empty: MLflow's
+    default (``MLFLOW_TRACKING_URI``, else its store in the working directory)."""
     device: str = "auto"
     """Learner device: ``auto`` (CUDA when present), ``cpu`` or ``cuda[:i]``."""
     threads: int = 1
@@ -270,6 +285,12 @@ class TrainConfig:
                                ("reuse_limit", self.reuse_limit >= 1, ">= 1")):
             if not ok:
                 raise ValueError(f"TrainConfig.{name} must be {rule}, got {getattr(self, name)!r}")
+        if isinstance(self.loggers, (str, list)):  # a config file's ``loggers: wandb`` or ``[csv, wandb]``
+            names = (self.loggers,) if isinstance(self.loggers, str) else tuple(self.loggers)
+            object.__setattr__(self, "loggers", names)
+        from orchestration.loggers import check_logger_names
+
+        check_logger_names(self.loggers)
         if self.mode not in ("sync", "async"):
             raise ValueError(f"TrainConfig.mode must be 'sync' or 'async', got {self.mode!r}")
         if self.train_batch_size and self.train_batch_size % (self.rollout.num_envs * self.rollout.fragment_length):

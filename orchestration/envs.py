@@ -1,7 +1,7 @@
 """Environment names to batched envs: the one place that knows every adapter (the composition root's helper).
 
 Names:
-- ``builtin:cartpole``, ``builtin:spread``: Shoal's own vectorised torch envs;
+- ``builtin:cartpole``, ``builtin:spread``, ``builtin:spot`` (an image task): Shoal's own vectorised torch envs;
 - ``mpe2:simple_spread_v3`` (any mpe2 module), ``pettingzoo:classic.connect_four_v3`` (any PettingZoo module):
   parallel or AEC PettingZoo envs, ``num_envs`` copies batched;
 - ``vmas:navigation`` (any VMAS scenario): one vectorised VMAS env through torchrl's ``VmasEnv`` and
@@ -10,6 +10,10 @@ Names:
   PettingZoo parallel or AEC env, or a batched torchrl env (:func:`from_factory`);
 - anything else: a gymnasium id (``CartPole-v1``, or gymnasium's ``module:EnvId``), vectorised with
   ``SyncVectorEnv``.
+
+mpe2, VMAS, PettingZoo's classic and butterfly games and gymnasium's Box2D envs need optional packages
+(``shoal[mpe2]``, ``shoal[vmas]``, ``shoal[classic]``, ``shoal[butterfly]``, ``shoal[box2d]``): without them
+:func:`make_env` raises :class:`adapters.extras.MissingExtra`, naming the ``pip install`` that brings them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import importlib
 import re
 from functools import partial
 from typing import Any, Iterable
+
+from adapters.extras import EXTRAS, extra_for, is_installed, missing_extra, require
 
 
 def parse_kwargs(pairs: Iterable[tuple[str, str]]) -> dict[str, Any]:
@@ -50,8 +56,13 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
             from adapters.builtin.spread import Spread, SpreadConfig
 
             return Spread(SpreadConfig(num_envs=num_envs, **kwargs))
-        raise ValueError(f"unknown built-in env {which!r}: use builtin:cartpole or builtin:spread")
+        if which == "spot":
+            from adapters.builtin.spot import Spot, SpotConfig
+
+            return Spot(SpotConfig(num_envs=num_envs, **kwargs))
+        raise ValueError(f"unknown built-in env {which!r}: use builtin:cartpole, builtin:spread or builtin:spot")
     if name.startswith("vmas:"):  # a VMAS scenario through torchrl's VmasEnv: the batch lives in torch
+        require(name, "vmas")
         from torchrl.envs.libs.vmas import VmasEnv
 
         from adapters.torchrl_env import TorchRLEnv, TorchRLEnvConfig
@@ -62,12 +73,7 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
                           TorchRLEnvConfig(payoff=payoff))
     if name.startswith(("mpe2:", "pettingzoo:")):
         family, module_name = name.split(":", 1)
-        try:
-            module = importlib.import_module(f"{family}.{module_name}")
-        except ModuleNotFoundError as err:
-            hint = ("PettingZoo ids are pettingzoo:<family>.<name>, e.g. pettingzoo:classic.connect_four_v3"
-                    if family == "pettingzoo" else "mpe2 ids are mpe2:<name>, e.g. mpe2:simple_spread_v3")
-            raise ValueError(f"env {name!r}: no module {family}.{module_name} ({err.name} is missing); {hint}") from None
+        module = _import_pettingzoo(name, family, module_name)
         from adapters.pettingzoo_env import PettingZooAECEnv, PettingZooParallelEnv
 
         adapter_kwargs = {k: kwargs.pop(k) for k in ("payoff", "action_mask", "state") if k in kwargs}
@@ -82,9 +88,44 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
         return PettingZooAECEnv(partial(module.env, **kwargs), num_envs, check=check, **adapter_kwargs)
     if ":" in name and (factory := _factory(name)) is not None:
         return from_factory(name, factory, num_envs, check=check, kwargs=kwargs)
+    from gymnasium.error import DependencyNotInstalled
+
     from adapters.gymnasium_env import make_gymnasium
 
-    return make_gymnasium(name, num_envs, check=check, **kwargs)
+    try:
+        return make_gymnasium(name, num_envs, check=check, **kwargs)
+    except (DependencyNotInstalled, ModuleNotFoundError) as err:  # e.g. LunarLander-v3 without Box2D
+        module = getattr(err, "name", None) or next((m for m in EXTRAS if m in str(err)), "")
+        if extra_for(module) is None:
+            raise
+        raise missing_extra(name, module, extra_for(module)) from None
+
+
+def _import_pettingzoo(name: str, family: str, module_name: str):
+    """The module of ``mpe2:<name>`` or ``pettingzoo:<family>.<name>``; a missing optional package raises
+    :class:`adapters.extras.MissingExtra` naming the extra that installs it, a wrong name a ValueError."""
+    if family == "pettingzoo" and module_name.startswith("mpe."):  # PettingZoo 1.25 moved MPE out to mpe2
+        renamed = f"mpe2:{module_name[4:]}"
+        install = "" if is_installed("mpe2") else " (after pip install 'shoal[mpe2]')"
+        raise ValueError(f"env {name!r}: PettingZoo's MPE environments moved to the mpe2 package; name it "
+                         f"{renamed}{install}")
+    if family == "mpe2":
+        require(name, "mpe2")
+    try:
+        return importlib.import_module(f"{family}.{module_name}")
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        top = missing.split(".")[0]
+        subfamily = family if family == "mpe2" else module_name.split(".")[0]
+        if top not in (family, "") and (extra := extra_for(missing, subfamily)) is not None:
+            raise missing_extra(name, missing, extra) from None
+        if top not in (family, ""):  # a package of PettingZoo's own extras (chess, rlcard, ...)
+            raise ImportError(f"env {name!r} needs the package {top!r}, which is not installed: pip install "
+                              f"'pettingzoo[{subfamily}]' brings what PettingZoo's {subfamily} environments "
+                              f"need") from None
+        hint = ("PettingZoo ids are pettingzoo:<family>.<name>, e.g. pettingzoo:classic.connect_four_v3"
+                if family == "pettingzoo" else "mpe2 ids are mpe2:<name>, e.g. mpe2:simple_spread_v3")
+        raise ValueError(f"env {name!r}: no module {family}.{module_name} ({missing} is missing); {hint}") from None
 
 
 def _factory(name: str):

@@ -24,13 +24,15 @@ Shapes of requests, batches and results: :mod:`orchestration.inference_requests`
 
 Batching rule (Sample Factory's): take whoever is queued, in arrival order, up to ``max_batch_rows`` rows
 (a request that does not fit opens the next batch). Wait -- at most ``max_wait_s`` -- only while the batch
-holds fewer than half the rows of the largest of the last few batches: callers just answered usually come
-straight back, while a lone caller is never kept waiting for company. Never a barrier over all callers.
+holds fewer than three quarters of the rows of the largest of the last few batches ("nearly empty"): callers
+just answered usually come straight back, while a lone caller is never kept waiting for company, and when
+callers leave the threshold follows within a few batches. Never a barrier over all callers.
 
 Callers help (leader/follower): :meth:`InferenceService.act`, and any caller that calls
 :meth:`InferenceService.serve_queued` before it waits, serves one batch of whatever is queued in its own thread
-when no batch is being served at that moment (a request that does not fit goes back to the queue). A lone
-caller so pays no hand-off to the service thread and back; under load the service thread batches as above.
+when no batch is being served at that moment and the queue is not nearly empty (a request that does not fit
+goes back to the queue). A lone caller so pays no hand-off to the service thread and back; many callers are not
+served in small batches by whichever of them comes first, but wait for the service thread's batch.
 One batch is served at a time, whoever serves it, so weights still swap only between batches.
 
 Deadlines: a request whose deadline passed before it was batched is dropped (its future raises
@@ -63,7 +65,7 @@ from orchestration.inference_requests import (InferenceConfig, InferenceResult, 
                                               concatenate, make_request, split, to_device)
 from orchestration.learner import resolve_device
 
-#: Batches whose size sets the "nearly empty" threshold (the largest of them, halved).
+#: Batches whose size sets the "nearly empty" threshold (three quarters of the largest of them).
 _RECENT_BATCHES = 8
 _STOP = object()  # queued by close(): the service thread ends after the batch it is forming
 
@@ -97,6 +99,8 @@ class InferenceService:
         self._serving = threading.Lock()  # one batch at a time: the service thread's or a waiting caller's
         self._pending: dict[str, tuple[int, TensorDictBase]] = {}
         self._recent: deque[int] = deque(maxlen=_RECENT_BATCHES)
+        self._enough = 1  # rows a batch needs to be served without waiting (the batching rule)
+        self._queued_rows = 0  # rows of the requests in the queue (approximate: read without the lock)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._counts = dict(batches=0, rows=0, max_rows=0, served=0, dropped=0, cancelled=0, failed=0,
@@ -122,14 +126,15 @@ class InferenceService:
             KeyError: unknown policy id. ValueError / TypeError: a malformed request (the message names the
             policy id and the entry). ServiceClosed: the service is closed.
         """
-        if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
-            raise ValueError(f"policy {policy_id!r}: timeout_s must be a number >= 0 (every request has a deadline), "
-                             f"got {timeout_s!r}")
-        request = self._request(policy_id, obs, shared, timeout_s, deterministic, recurrent_state, episode_start)
+        return self._enqueue(self._request(policy_id, obs, shared, timeout_s, deterministic, recurrent_state,
+                                           episode_start, answer=False))
+
+    def _enqueue(self, request: Request):
         with self._lock:
             if self._closed:
                 raise ServiceClosed("the inference service is closed")
             self._queue.put(request)
+            self._queued_rows += request.rows
         return request.future
 
     def act(self, policy_id: str, obs: Mapping, **kwargs: Any) -> InferenceResult:
@@ -137,16 +142,17 @@ class InferenceService:
         raises what the future raises."""
         if self._thread is None:
             raise RuntimeError("InferenceService.act before start(): nothing would serve the request")
-        future = self.submit(policy_id, obs, **kwargs)
+        answer = self._enqueue(self._request(policy_id, obs, answer=True, **_act_arguments(kwargs)))
         self.serve_queued()
-        return future.result()
+        return answer.result()
 
     def serve_queued(self) -> bool:
         """Serves, in the calling thread, one batch of whatever is queued, if no batch is being served now
-        (a caller about to wait helps instead: a lone caller pays no thread hand-off, and the service
-        thread's batching is unchanged when it is busy). Returns whether it served a batch."""
-        if not self._serving.acquire(blocking=False):
-            return False
+        and the queue is not nearly empty (a caller about to wait helps instead: a lone caller pays no thread
+        hand-off; a nearly empty queue is left to the service thread, which waits a moment for more).
+        Returns whether it served a batch."""
+        if self._queued_rows < self._enough or not self._serving.acquire(blocking=False):
+            return False  # too few rows queued to serve now: the service thread waits a moment for more
         try:
             batch, limit, rows = [], self.config.max_batch_rows, 0
             while rows < limit:
@@ -160,6 +166,7 @@ class InferenceService:
                 if rows + item.rows > limit:
                     self._queue.put(item)  # goes to the back: still served, after this batch
                     break
+                self._taken(item)
                 if self._admit(item):
                     batch.append(item)
                     rows += item.rows
@@ -277,7 +284,7 @@ class InferenceService:
     def _gather(self) -> tuple[list[Request], bool]:
         """Takes queued requests (the batching rule of the module docstring); ``(batch, stop after it)``."""
         limit = self.config.max_batch_rows
-        enough = min(limit, (max(self._recent) + 1) // 2) if self._recent else 1
+        enough = self._enough
         batch: list[Request] = []
         rows, wait_until = 0, None
         while rows < limit:
@@ -306,9 +313,16 @@ class InferenceService:
             item, self._carry = self._carry, None
             return item
         try:
-            return self._queue.get(block, timeout)
+            item = self._queue.get(block, timeout)
         except queue.Empty:
             return None
+        self._taken(item)
+        return item
+
+    def _taken(self, item) -> None:
+        if item is not _STOP:
+            with self._lock:
+                self._queued_rows -= item.rows
 
     def _admit(self, r: Request) -> bool:
         """Whether ``r`` joins the batch: not cancelled by its caller, deadline not passed (else dropped)."""
@@ -341,6 +355,7 @@ class InferenceService:
         c["rows"] += rows
         c["max_rows"] = max(c["max_rows"], rows)
         self._recent.append(rows)
+        self._enough = min(self.config.max_batch_rows, (3 * max(self._recent) + 3) // 4)
         groups: dict[tuple[str, bool], list[Request]] = {}
         for r in batch:
             groups.setdefault((r.policy_id, r.deterministic), []).append(r)
@@ -390,10 +405,26 @@ class InferenceService:
             raise KeyError(f"unknown policy id {policy_id!r}: this service serves {sorted(self._policies)}")
         return self._templates[policy_id]
 
-    def _request(self, pid, obs, shared, timeout_s, deterministic, state, start) -> Request:
+    def _request(self, pid, obs, shared=None, timeout_s=10.0, deterministic=False, state=None, start=None, *,
+                 answer: bool) -> Request:
+        if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+            raise ValueError(f"policy {pid!r}: timeout_s must be a number >= 0 (every request has a deadline), "
+                             f"got {timeout_s!r}")
         self._template(pid)  # a known policy id
         return make_request(pid, self._policies[pid], obs, shared, state, start, max_rows=self.config.max_batch_rows,
-                            deadline=self._clock() + timeout_s, deterministic=deterministic)
+                            deadline=self._clock() + timeout_s, deterministic=deterministic, answer=answer)
+
+
+_SUBMIT_ARGUMENTS = ("shared", "timeout_s", "deterministic", "recurrent_state", "episode_start")
+
+
+def _act_arguments(kwargs: dict) -> dict:
+    """:meth:`InferenceService.act`'s keyword arguments as ``_request`` takes them (those of ``submit``)."""
+    unknown = set(kwargs) - set(_SUBMIT_ARGUMENTS)
+    if unknown:
+        raise TypeError(f"InferenceService.act got unexpected keyword arguments {sorted(unknown)}")
+    names = {"recurrent_state": "state", "episode_start": "start"}
+    return {names.get(k, k): v for k, v in kwargs.items()}
 
 
 __all__ = ["InferenceConfig", "InferenceResult", "InferenceService", "RequestExpired", "ServiceClosed"]

@@ -17,6 +17,7 @@ Shapes (``n`` rows of one request, ``A`` agents of the policy's group, ``N`` row
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -79,6 +80,42 @@ class ServiceClosed(RuntimeError):
     """The service was closed before it served the request."""
 
 
+class Answer:
+    """A one-shot answer for a caller that waits at once (:meth:`InferenceService.act`): the part of the
+    ``Future`` API the service uses, on a lock taken at creation and released by the answer. A ``Future``
+    waits on a condition variable, which costs every answer a second lock and a notify."""
+
+    __slots__ = ("_lock", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True  # nobody can cancel it: its caller is waiting for it
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._lock.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._lock.release()
+
+    def done(self) -> bool:
+        return not self._lock.locked()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError("no answer from the inference service in time")
+        self._lock.release()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One caller's request, checked (:func:`make_request`); the service resolves ``future``."""
@@ -91,11 +128,12 @@ class Request:
     rows: int
     deadline: float
     deterministic: bool
-    future: Future
+    future: Future | Answer
 
 
 def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state: Tensor | None,
-                 start: Tensor | None, *, max_rows: int, deadline: float, deterministic: bool) -> Request:
+                 start: Tensor | None, *, max_rows: int, deadline: float, deterministic: bool,
+                 answer: bool = False) -> Request:
     """A :class:`Request` once its entries have the shapes of the module docstring (a few µs: it runs for
     every request, in the caller's thread, so that a malformed one never reaches a batch).
 
@@ -139,7 +177,7 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
                 raise ValueError(f"policy {pid!r}: episode_start must be bool [{n}] or [{n}, {a}], "
                                  f"got {start.dtype} {tuple(start.shape)}")
             start = start.reshape(n, 1).expand(n, a) if start.dim() == 1 else start  # one layout to concatenate
-    return Request(pid, inputs, shared, state, start, n, deadline, bool(deterministic), Future())
+    return Request(pid, inputs, shared, state, start, n, deadline, bool(deterministic), Answer() if answer else Future())
 
 
 def _expect(pid: str, path: str, t: Any, lead: tuple[int, ...], ndim: int | None) -> None:

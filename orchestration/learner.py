@@ -34,6 +34,7 @@ from core.losses import PPOConfig, credit_absent_steps, ppo_update_, with_gae
 from core.policies import GroupPolicy
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.inbox import Inbox
+from orchestration.reward_scaling import ReturnStreams
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,6 +124,8 @@ class PPOLearner:
         self.inbox = Inbox(policy_id, batch_steps, max_staleness=max_staleness, reuse_limit=reuse_limit)
         self.last_fragment_ids: list[int] = []
         """Fragment ids of the last training batch, in batch order."""
+        scaler = getattr(policy, "reward_scaler", None)  # PolicyConfig.scale_rewards
+        self.returns = None if scaler is None else ReturnStreams(ppo.gamma, self.groups, scaler)
         self._published = self._snapshot()
 
     def _snapshot(self) -> TensorDictBase:
@@ -211,9 +214,13 @@ class PPOLearner:
                 mask = (mask if mask is not None else torch.ones(g.batch_size, dtype=torch.bool,
                                                                  device=self.device)) & slots.to(self.device)
             self.policy.observe_(g.get(OBSERVATION), mask)
+        if self.returns is not None:  # and the return statistics (orchestration.reward_scaling)
+            metrics["reward_scale"] = self.returns.observe_(fragments)
         for group in self.groups:
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step
+                if self.returns is not None:
+                    batch = self.returns.scaled(batch, group)
                 batch = self._only_slots(batch, group)
                 batch = self._with_values(batch, group)
                 batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)
@@ -301,12 +308,14 @@ class PPOLearner:
         return {**self.inbox.report(), "learner": dict(self.counters), "version": self.version}
 
     def state(self) -> dict[str, Any]:
-        """Weights, optimizer, generator, version, counters and the inbox ledger, as numpy arrays and JSON values."""
+        """Weights, optimizer, generator, version, counters, the inbox ledger and the return accumulators
+        (``"returns"``, with reward scaling), as numpy arrays and JSON values."""
         opt_tensors, opt_meta = flatten_optimizer("optimizer", self.optimizer)
+        returns = {} if self.returns is None else {"returns": {k: _numpy(v) for k, v in self.returns.state().items()}}
         return {"weights": {k: _numpy(v) for k, v in self.policy.state_dict().items()},
                 "optimizer": ({k: _numpy(v) for k, v in opt_tensors.items()}, opt_meta),
                 "generator": _numpy(self.generator.get_state()), "version": self.version,
-                "counters": dict(self.counters), "inbox": self.inbox.state()}
+                "counters": dict(self.counters), "inbox": self.inbox.state(), **returns}
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
         """Loads a :meth:`state` (mutates this learner) and republishes its weights."""
@@ -318,6 +327,8 @@ class PPOLearner:
         self.counters.update(state["counters"])
         if "inbox" in state:
             self.inbox.load_state_(state["inbox"])
+            if self.returns is not None:  # per-stream, like the ledger: kept only when the streams go on
+                self.returns.load_state_(state.get("returns", {}))
         self._published = self._snapshot()
 
     def publish_as(self, version: int) -> None:

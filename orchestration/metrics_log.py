@@ -1,4 +1,4 @@
-"""Where metrics go: a CSV file, TensorBoard event files, and a learning-curve PNG at the end.
+"""Where metrics go: the run's loggers (CSV, TensorBoard, W&B, MLflow), and a learning-curve PNG at the end.
 
 The only effectful sink of training metrics; everything upstream returns plain dicts of numbers.
 """
@@ -8,78 +8,68 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from orchestration.config import TrainConfig
 
 
 class MetricsLog:
-    """Appends one row of scalar metrics per iteration to ``DIR/metrics.csv`` and TensorBoard.
+    """Sends one row of scalar metrics per iteration to every logger of the run (:mod:`orchestration.loggers`):
+    ``DIR/metrics.csv`` and TensorBoard by default, Weights & Biases and MLflow when named.
 
     A key that appears later (evaluation metrics every N iterations, a win rate once a game ends) adds a
-    column: the file is rewritten once with the wider header (earlier rows get empty cells), so the header
-    always describes every row and nothing is dropped.
+    column to the CSV (earlier rows get empty cells), so its header always describes every row.
     """
 
-    def __init__(self, directory: str | Path, *, tensorboard: bool = True, resume: bool = False,
-                 upto_iteration: int | None = None) -> None:
-        """``resume``: append to an existing CSV; ``upto_iteration``: first drop its rows past that iteration
-        (written after the checkpoint a run resumes from, and about to be written again)."""
+    def __init__(self, directory: str | Path, *, loggers: Sequence[str] | None = None, tensorboard: bool = True,
+                 resume: bool = False, upto_iteration: int | None = None, config: TrainConfig | None = None) -> None:
+        """Opens the loggers.
+
+        Args:
+            directory: the run directory.
+            loggers: names from :data:`orchestration.loggers.LOGGER_NAMES` (None: ``config.loggers``, else
+                ``("csv", "tensorboard")``).
+            tensorboard: False leaves TensorBoard out whatever ``loggers`` says.
+            resume: append to an existing CSV and continue the tracked runs of ``DIR/loggers.json``.
+            upto_iteration: on resume, first drop the CSV's rows past that iteration (written after the
+                checkpoint a run resumes from, and about to be written again).
+            config: the run's config: the tracked run's project and hyper-parameters.
+
+        Raises:
+            ValueError: an unknown logger name (naming the nearest one).
+            ImportError: the package of a named tracker is missing (naming the extra to install).
+        """
+        from orchestration.loggers import open_loggers
+
+        names = tuple(loggers if loggers is not None else config.loggers if config is not None
+                      else ("csv", "tensorboard"))
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.directory / "metrics.csv"
-        self._columns: list[str] | None = None
-        if resume and self.csv_path.exists():
-            with open(self.csv_path, newline="") as f:
-                rows = list(csv.reader(f))
-            self._columns = rows[0] if rows else None
-            if upto_iteration is not None and self._columns and "iteration" in self._columns:
-                at = self._columns.index("iteration")
-                kept = [r for r in rows[1:] if len(r) > at and r[at] and float(r[at]) <= upto_iteration]
-                tmp = self.csv_path.with_suffix(".csv.tmp")
-                with open(tmp, "w", newline="") as f:
-                    csv.writer(f).writerows([self._columns, *kept])
-                tmp.replace(self.csv_path)
-        elif self.csv_path.exists():
-            self.csv_path.unlink()
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(str(self.directory / "tensorboard"))
+        self.loggers = open_loggers([n for n in names if tensorboard or n != "tensorboard"], self.directory,
+                                    config=config, resume=resume, upto_iteration=upto_iteration)
+        self._rows = 0
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Records ``metrics`` at env step ``step``."""
-        row = {"env_steps": step, **{k: float(v) for k, v in metrics.items()}}
-        if self._columns is None:
-            self._columns = list(row)
-            with open(self.csv_path, "w", newline="") as f:
-                csv.writer(f).writerow(self._columns)
-        elif new := [k for k in row if k not in self._columns]:
-            self._widen(new)
-        with open(self.csv_path, "a", newline="") as f:
-            csv.writer(f).writerow([row.get(c, "") for c in self._columns])
-        if self._writer is not None:
-            for k, v in row.items():
-                if k != "env_steps" and math.isfinite(v):
-                    self._writer.add_scalar(k, v, step)
-            self._writer.flush()
-
-    def _widen(self, new: list[str]) -> None:
-        """Rewrites the CSV with ``new`` columns appended to the header (atomically: write, then rename)."""
-        with open(self.csv_path, newline="") as f:
-            rows = list(csv.reader(f))[1:]
-        self._columns = [*self._columns, *new]
-        tmp = self.csv_path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(self._columns)
-            writer.writerows(r + [""] * (len(self._columns) - len(r)) for r in rows)
-        tmp.replace(self.csv_path)
+        """Records ``metrics`` at env step ``step`` (trackers: at ``metrics["iteration"]``, else the row count)."""
+        self._rows += 1
+        row = {k: float(v) for k, v in metrics.items()}
+        iteration = int(row.get("iteration", self._rows))
+        for logger in self.loggers:
+            logger.write(step, iteration, row)
 
     def close(self) -> None:
-        """Flushes TensorBoard."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Flushes and ends every logger (all of them, even when one fails; its error is raised after)."""
+        errors = []
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as err:  # noqa: BLE001 -- raised below, once every logger had its chance
+                errors.append(err)
+        self.loggers = []
+        if errors:
+            raise errors[0]
 
 
 def read_csv(path: str | Path) -> dict[str, list[float]]:
@@ -92,17 +82,15 @@ def read_csv(path: str | Path) -> dict[str, list[float]]:
 def plot_learning_curve(csv_path: str | Path, png_path: str | Path, *, y: str = "episode_return_mean",
                         title: str = "") -> Path | None:
     """Writes a PNG of ``y`` against env steps from a metrics CSV; returns its path (None without data)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if not Path(csv_path).exists():  # no iteration ran (--iterations 0, or a resume of a finished run)
         return None
     data = read_csv(csv_path)
     if y not in data or not data[y]:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, and a shorter import at a run's end
+
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    ax = fig.subplots()
     ax.plot(data["env_steps"], data[y], label=y + " (last 100 episodes)")
     if "episode_return_mean_10" in data and y == "episode_return_mean":
         ax.plot(data["env_steps"], data["episode_return_mean_10"], label="last 10 episodes", alpha=0.5)
@@ -115,7 +103,6 @@ def plot_learning_curve(csv_path: str | Path, png_path: str | Path, *, y: str = 
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path)
-    plt.close(fig)
     return Path(png_path)
 
 

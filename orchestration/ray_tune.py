@@ -9,57 +9,44 @@ backend the config names, and reports every iteration's metrics to Tune::
                         "ppo.clip_eps": tune.choice([0.1, 0.2])})
     best = results.get_best_result("episode_return_mean", "max")
 
+A trial writes its metrics to the loggers its config names (``metrics.csv`` and TensorBoard in the trial's
+directory by default, so ``shoal plot`` draws trials as it draws runs) and hands Tune a Shoal checkpoint every
+``checkpoint_every`` iterations and at its end: Tune keeps it under the storage path, and a trial that Tune
+restarts after a failure (``max_failures``) or an experiment it restores continues from it. ``shoal tune``
+(:mod:`orchestration.sweeps`) runs a sweep described in a config file.
+
 Needs ``ray[tune]`` (pandas, pyarrow, tensorboardX); Tune is imported only when used.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from pathlib import Path
 from typing import Any, Mapping
 
 from orchestration.config import TrainConfig
-
-
-def config_from_params(base: TrainConfig, params: Mapping[str, Any]) -> TrainConfig:
-    """``base`` with ``params`` applied; keys are dotted field paths: ``"lr"``, ``"ppo.clip_eps"``.
-
-    Raises:
-        KeyError: naming a key that is no field of the config.
-    """
-    nested: dict[str, Any] = {}
-    for key, value in params.items():
-        head, _, rest = key.partition(".")
-        if rest:
-            nested.setdefault(head, {})[rest] = value
-        else:
-            nested[head] = value
-    names = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(nested) - names)
-    if unknown:
-        raise KeyError(f"{type(base).__name__} has no fields {unknown}")
-    changes = {k: config_from_params(getattr(base, k), v) if isinstance(v, dict) else v for k, v in nested.items()}
-    return dataclasses.replace(base, **changes)
+from orchestration.sweeps import config_from_params, run_trial
 
 
 def trainable(params: dict[str, Any], base: TrainConfig) -> None:
-    """Tune function trainable: one run of ``config_from_params(base, params)``, metrics reported per iteration."""
+    """Tune function trainable: :func:`orchestration.sweeps.run_trial` with Tune's checkpoint and reports."""
     from ray import tune
 
-    from orchestration.builder import build_trainer
+    restored = tune.get_checkpoint()
 
-    config = config_from_params(base, params)
-    trainer = build_trainer(config)  # on the Ray backend: joins the Ray instance the trial runs in
-    try:
-        while trainer.iteration < config.iterations:
-            metrics = trainer.train()
-            tune.report({k: float(v) for k, v in metrics.items()})
-    finally:
-        trainer.close()
+    def report(metrics: dict[str, float], directory: str | None) -> None:
+        tune.report(metrics, **({"checkpoint": tune.Checkpoint.from_directory(directory)} if directory else {}))
+
+    if restored is None:
+        run_trial(config_from_params(base, params), tune.get_context().get_trial_dir(), None, report)
+    else:
+        with restored.as_directory() as directory:
+            run_trial(config_from_params(base, params), tune.get_context().get_trial_dir(), directory, report)
 
 
 def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: int = 1,
              metric: str = "episode_return_mean", mode: str = "max", max_concurrent_trials: int | None = None,
-             cpus_per_trial: float = 1.0, storage_path: str | None = None, name: str | None = None):
+             cpus_per_trial: float = 1.0, storage_path: str | None = None, name: str | None = None,
+             max_failures: int = 0, restore: bool = False, verbose: int = 0):
     """Runs one trial per point of ``param_space`` (times ``num_samples``) in parallel; returns Tune's ResultGrid.
 
     Args:
@@ -69,8 +56,11 @@ def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: 
         metric, mode: what "best" means for ``ResultGrid.get_best_result``.
         max_concurrent_trials: cap on trials running at once (None: as resources allow).
         cpus_per_trial: Ray CPUs reserved by each trial.
-        storage_path: where Tune writes results (None: Tune's default, ``~/ray_results``).
+        storage_path: where Tune writes results and checkpoints (None: Tune's default, ``~/ray_results``).
         name: experiment name under ``storage_path``.
+        max_failures: restarts of a failed trial (from its last checkpoint) before it counts as failed.
+        restore: continue the interrupted experiment ``storage_path/name`` (unfinished and failed trials).
+        verbose: Tune's console output (0: none, 1: status tables, 2: every result).
     """
     from ray import tune
 
@@ -78,11 +68,41 @@ def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: 
 
     init_ray(base, base.ray)
     fn = tune.with_resources(tune.with_parameters(trainable, base=base), {"cpu": cpus_per_trial})
+    if restore:
+        if not (storage_path and name):
+            raise ValueError("restoring a Tune experiment needs its storage path and name")
+        return tune.Tuner.restore(str(Path(storage_path) / name), fn, resume_unfinished=True,
+                                  resume_errored=True).fit()
     tuner = tune.Tuner(fn, param_space=dict(param_space),
                        tune_config=tune.TuneConfig(num_samples=num_samples, metric=metric, mode=mode,
                                                    max_concurrent_trials=max_concurrent_trials),
-                       run_config=tune.RunConfig(storage_path=storage_path, name=name, verbose=0))
+                       run_config=tune.RunConfig(storage_path=storage_path, name=name, verbose=verbose,
+                                                 failure_config=tune.FailureConfig(max_failures=max_failures),
+                                                 checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
     return tuner.fit()
 
 
-__all__ = ["config_from_params", "run_tune", "trainable"]
+def search_space(checked: Mapping[str, tuple[str, list]]) -> dict[str, Any]:
+    """Tune's param space from :func:`orchestration.sweeps.check_search`'s ``{key: (kind, values)}``."""
+    from ray import tune
+
+    return {key: tune.grid_search(values) if kind == "grid" else tune.choice(values) if kind == "choice"
+            else getattr(tune, kind)(*values) for key, (kind, values) in checked.items()}
+
+
+def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwargs: Any):
+    """:func:`run_tune` over a checked search section, in the Ray instance running (or one started for it and
+    shut down after)."""
+    import ray
+
+    from orchestration.ray_session import init_ray
+
+    owns_ray = init_ray(base, base.ray)
+    try:
+        return run_tune(base, search_space(checked), **kwargs)
+    finally:
+        if owns_ray:
+            ray.shutdown()
+
+
+__all__ = ["run_sweep", "run_tune", "search_space", "trainable"]

@@ -59,7 +59,14 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
                      if config.mode == "sync" else "asynchronous mode: fragments waiting in a learner's pool and "
                      "in flight at the checkpoint are not restored") + "; learners, optimizers and schedules are.",
                   file=sys.stderr)
-    log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None)
+    try:
+        log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None, config=config)
+    except BaseException as err:  # a tracker's missing package is a user error, told before training starts
+        trainer.close()
+        if not isinstance(err, ImportError):
+            raise
+        print(f"shoal train: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str))
     (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))
     bar = tqdm(total=config.iterations, initial=trainer.iteration, disable=not progress, unit="it",

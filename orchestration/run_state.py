@@ -33,7 +33,9 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     """``(weights, tensors, json_state)`` of any trainer (:meth:`Trainer.state`), one format for every backend.
 
     weights: ``"<policy>/<param>"``; tensors: ``optimizer/<policy>/...``, ``rng/learner/<policy>``,
-    ``actor/<i>/...``; JSON: counters, history, config, tree, optimizer hyper-parameters, inbox ledgers.
+    ``returns/<policy>/...`` (reward scaling), ``actor/<i>/...``, ``rng/collection``; JSON: counters, history,
+    config (with an env collection's document), tree, optimizer hyper-parameters, inbox ledgers, the
+    collection's state.
     """
     raw = trainer.state()
     weights, tensors = {}, {}
@@ -50,10 +52,14 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
             tensors.update({f"optimizer/{pid}/{k.split('/', 1)[1]}": _tensor(v) for k, v in opt_tensors.items()})
             tensors[f"rng/learner/{pid}"] = _tensor(learner["generator"])
             entry["inbox"] = learner["inbox"]
+        tensors.update({f"returns/{pid}/{k}": _tensor(v) for k, v in learner.get("returns", {}).items()})
         state["learners"][pid] = entry
     for i, actor in enumerate(raw["actors"]):
         tensors.update({f"actor/{i}/{k}": v for k, v in actor["tensors"].items()})
         state["actors"].append(actor["json"])
+    if "collection" in raw:  # an environment collection's state (orchestration.collection_driver)
+        state["collection"] = raw["collection"]["json"]
+        tensors["rng/collection"] = raw["collection"]["rng"]
     return weights, tensors, state
 
 
@@ -71,15 +77,19 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
             learner["generator"] = tensors[f"rng/learner/{pid}"]
             if "inbox" in entry:
                 learner["inbox"] = entry["inbox"]
+            head = f"returns/{pid}/"  # reward scaling's return accumulators (orchestration.reward_scaling)
+            learner["returns"] = {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
         learners[pid] = learner
     actors = []
     for i, meta in enumerate(state["actors"]):
         head = f"actor/{i}/"
         actors.append({"tensors": {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}, "json": meta})
+    collection = {"collection": {"json": state["collection"], "rng": tensors["rng/collection"]}} \
+        if "collection" in state else {}
     trainer.load_state_({"iteration": state["iteration"], "env_steps": state["env_steps"],
                          "produced": state.get("produced", 0), "history": state["history"],
                          "agent_history": state.get("agent_history", {}), "learners": learners,
-                         "actors": actors})
+                         "actors": actors, **collection})
 
 
 def _tensor(value) -> torch.Tensor:

@@ -33,6 +33,7 @@ from .composite import ActionHeads
 from .config import PolicyConfig
 from .distributions import CategoricalHead
 from .networks import ObservationEncoder, Path, SharedEncoder, init_linear_, mlp, read_path, run_layers
+from .reward_scaling import RewardScaler
 
 
 #: Policies whose heads take more params than this compute log-probabilities per step (GroupPolicy.defers_log_prob).
@@ -103,6 +104,8 @@ class GroupPolicy(nn.Module):
             critic_in += a * f_c + (self.shared_encoder.out_features if self.shared_encoder is not None else 0)
         self.critic_trunk = mlp(critic_in, hidden, act, gain)
         self.critic_out = init_linear_(nn.Linear(hidden[-1] if hidden else critic_in, 1), config.critic_output_gain)
+        #: running return statistics (config.scale_rewards): updated and applied by learners only
+        self.reward_scaler = RewardScaler() if config.scale_rewards else None
         # The common acting case (one flat float observation leaf, feed-forward, no agent ids, one discrete action
         # leaf) as (observation width, actor layers, head): act_step then runs the layers and the head directly,
         # skipping ~10 Python calls of the general path. Inside a gymnasium loop, where the env's own Python

@@ -55,6 +55,10 @@ class PolicyConfig:
     """Standardise float vector observations with running mean and variance (clipped to +-10, as SB3's
     VecNormalize). The statistics are part of the policy's state: learners update them from every training
     batch, actors receive them with the weights, checkpoints keep them, exported programs apply them."""
+    scale_rewards: bool = False
+    """Divide rewards by the running standard deviation of the discounted return (``PPOConfig.gamma``) and clip
+    them to +-10 before GAE, as SB3's VecNormalize (:mod:`core.policies.reward_scaling`). The statistics are part
+    of the policy's state, as ``normalize_observations``' are; evaluation and episode metrics stay unscaled."""
 
     def __post_init__(self) -> None:
         sizes = self.hidden_sizes
@@ -79,6 +83,7 @@ class PolicyConfig:
                self.image_features)
         _check(isinstance(self.normalize_observations, bool), "normalize_observations", "a bool",
                self.normalize_observations)
+        _check(isinstance(self.scale_rewards, bool), "scale_rewards", "a bool", self.scale_rewards)
 
 
 def policy_config_from_dict(fields: dict) -> PolicyConfig:

@@ -4,7 +4,8 @@
 
 One parent imports Shoal once and forks every run from it, so each of the many short runs costs its own
 training, not torch's import: 50 kills fit in a test. Checkpoint writes are slowed (a sleep before each
-tensor file) so that some kills land inside them; a marker file says when a kill did.
+tensor file, under a marker file); every 4th kill waits for the marker, so a quarter of the kills land inside
+a write, and the report counts the kills that found the marker.
 
 The parent never runs a torch op itself (a forked child of a process whose OpenMP pool exists can hang):
 checks of a checkpoint run in a forked child too. It prints one JSON line:
@@ -78,17 +79,25 @@ def run(workdir: Path, kills: int, seed: int, train_args: list[str]) -> dict:
     if _wait(_fork(lambda: shoal(["train", *train_args, "--run-dir", str(workdir / "straight")]))) != 0:
         return {"failures": ["the uninterrupted run failed"]}
     duration = time.monotonic() - start
-    report = {"kills": 0, "kills_in_writes": 0, "runs": 0, "bad_checkpoints": 0, "failures": []}
+    report = {"kills": 0, "kills_in_writes": 0, "stuck": 0, "runs": 0, "bad_checkpoints": 0, "failures": []}
     run_dir = workdir / "chaos-0"
     while report["kills"] < kills:
         root = run_dir / "checkpoints"
         resume = ["--resume"] if (root / ckpt.LATEST).exists() else []
         pid = _fork(lambda: shoal(["train", *resume, *train_args, "--run-dir", str(run_dir)]))
-        deadline, finished = time.monotonic() + rng.uniform(0.0, duration), None
-        while finished is None and time.monotonic() < deadline:
+        # every 4th kill waits for a checkpoint write to begin (its moment inside the write is random), so
+        # kills inside writes happen whatever the machine's load; the others fall anywhere in the run
+        in_write = report["kills"] % 4 == 3
+        began, finished = time.monotonic(), None
+        deadline = began + (3 * duration if in_write else rng.uniform(0.0, duration))
+        while finished is None and time.monotonic() < deadline and not (in_write and marker.exists()):
             done, status = os.waitpid(pid, os.WNOHANG)
             finished = os.waitstatus_to_exitcode(status) if done else None
-            time.sleep(0.005)
+            time.sleep(0.001)
+        if in_write and finished is None:
+            if not marker.exists():  # no write began in 3 run-lengths: a stuck run (killed all the same)
+                report["stuck"] += 1
+            time.sleep(rng.uniform(0.0, WRITE_DELAY_S))
         if finished is not None:  # the run ended before its kill: check it, go on with a fresh run dir
             if finished != 0:
                 report["failures"].append(f"{run_dir.name}: exit {finished} before its kill")

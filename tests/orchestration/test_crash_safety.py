@@ -250,10 +250,10 @@ def test_kill_9_at_50_random_points_then_resume_ends_with_the_uninterrupted_weig
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["failures"] == [] and report["bad_checkpoints"] == 0, report
-    assert report["kills"] == 50 and report["kills_in_writes"] >= 1, report
+    assert report["kills"] == 50 and report["kills_in_writes"] >= 10, report
     straight = load_file(str(ckpt.resolve(tmp_path / "straight/checkpoints") / "weights.safetensors"))
     runs = sorted(tmp_path.glob("chaos-*"))
-    assert len(runs) == report["runs"] >= 2
+    assert len(runs) == report["runs"] >= 1
     for run in runs:
         assert _iterations(run / "metrics.csv") == list(range(1, 7)), run.name  # every iteration once
         chaos = load_file(str(ckpt.resolve(run / "checkpoints") / "weights.safetensors"))

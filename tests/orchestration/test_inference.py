@@ -382,3 +382,17 @@ def test_a_waiting_caller_serves_the_queue_itself_when_no_batch_runs(monkeypatch
     assert not service.serve_queued()  # nothing queued
     service.close()
     assert service.stats()["batches"] == 1
+
+
+def test_a_caller_leaves_a_nearly_empty_queue_to_the_service_thread():
+    """After a batch of 8 rows, a helping caller serves only once 3/4 of that (6 rows) are queued: many callers
+    are not answered in small batches by whichever comes back first."""
+    service = InferenceService(_policies(), InferenceConfig(max_wait_s=0.05, device="cpu"))  # no thread yet
+    futures = [service.submit("spread", _obs("spread", 1, k), timeout_s=TIMEOUT) for k in range(8)]
+    assert service.serve_queued() and all(f.result().batch == 0 for f in futures)
+    futures = [service.submit("spread", _obs("spread", 1, k), timeout_s=TIMEOUT) for k in range(5)]
+    assert not service.serve_queued()  # 5 rows < 6: left for the service thread's batch
+    futures.append(service.submit("spread", _obs("spread", 1, 5), timeout_s=TIMEOUT))
+    assert service.serve_queued() and all(f.result().batch == 1 for f in futures)
+    service.close()
+    assert service.stats()["batches"] == 2

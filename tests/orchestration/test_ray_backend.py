@@ -228,7 +228,7 @@ def test_killed_workers_are_replaced_and_accounting_is_exact(streaming, ray_sess
 
 
 def test_config_from_params_applies_dotted_overrides():
-    from orchestration.ray_tune import config_from_params
+    from orchestration.sweeps import config_from_params
 
     base = _config()
     out = config_from_params(base, {"lr": 1e-3, "ppo.clip_eps": 0.1, "rollout.num_envs": 8})

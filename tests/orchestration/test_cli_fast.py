@@ -1,0 +1,117 @@
+"""A fast ``shoal`` command: light imports for ``--help`` (checked by module, never by a clock) and ``evaluate --video``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "tensordict", "torchrl", "ray", "gymnasium", "matplotlib", "tensorboard")
+
+
+def _imported_after(code: str) -> list[str]:
+    """The heavy top-level packages in ``sys.modules`` after ``code`` ran in a fresh interpreter."""
+    probe = (f"import sys\n{code}\n"
+             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+@pytest.mark.parametrize("module", ["orchestration.config", "orchestration.cli"])
+def test_the_config_and_the_command_import_no_torch(module):
+    assert _imported_after(f"import {module}") == []
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["evaluate", "--help"], ["export", "--help"],
+                                  ["plot", "--help"], ["serve", "--help"]])
+def test_help_imports_no_torch(args):
+    code = f"from orchestration.cli import main\ntry:\n    main({args!r})\nexcept SystemExit:\n    pass"
+    assert _imported_after(code) == []
+
+
+def test_a_user_error_in_a_config_file_imports_no_torch(tmp_path):
+    (tmp_path / "bad.yaml").write_text("rollout:\n  num_env: 4\n")
+    code = (f"from orchestration.cli import main\ntry:\n    main(['train', '--config-file', {str(tmp_path / 'bad.yaml')!r}])\n"
+            f"except SystemExit as e:\n    assert e.code == 2")
+    assert _imported_after(code) == []
+
+
+def test_torchrl_imported_for_a_local_run_leaves_ray_importable():
+    code = ("from orchestration.cli import _import_torchrl_without_ray\n_import_torchrl_without_ray()\n"
+            "import torchrl.data, ray\nassert sys.modules['ray'] is not None and hasattr(ray, 'init')")
+    assert "torchrl" in _imported_after(code)
+
+
+BLIND_ENVS = '''
+from gymnasium.envs.classic_control import CartPoleEnv
+
+
+def make_blind(**kwargs):
+    env = CartPoleEnv()
+    env.metadata = {"render_modes": [], "render_fps": 50}
+    return env
+'''
+
+
+@pytest.fixture(scope="module")
+def cartpole_checkpoint(tmp_path_factory):
+    """A one-iteration gymnasium CartPole-v1 run (2 envs x 16 steps): its checkpoints directory."""
+    from orchestration.cli import main
+
+    run = tmp_path_factory.mktemp("video") / "run"
+    main(["train", "CartPole-v1", "--iterations", "1", "--rollout.num-envs", "2", "--rollout.fragment-length", "16",
+          "--no-progress", "--run-dir", str(run)])
+    return run / "checkpoints"
+
+
+def _frame_count(path) -> int:
+    """Frames in a video written by :mod:`orchestration.videos` (a GIF merges repeated frames into longer ones)."""
+    if path.suffix == ".gif":
+        from PIL import Image, ImageSequence
+
+        with Image.open(path) as gif:
+            return round(sum(frame.info["duration"] for frame in ImageSequence.Iterator(gif)) / 20)  # 50 fps
+    import imageio_ffmpeg
+
+    frames = imageio_ffmpeg.read_frames(str(path))
+    next(frames)  # the metadata
+    return sum(1 for _ in frames)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "gif", "mp4"])
+def test_evaluate_records_a_video_of_every_episode(cartpole_checkpoint, tmp_path, capsys, monkeypatch, fmt):
+    import orchestration.videos as videos
+    from orchestration.cli import main
+
+    if fmt == "mp4":
+        pytest.importorskip("imageio_ffmpeg", reason="MP4 videos need the video extra")
+    if fmt != "auto":  # the command picks MP4 when imageio-ffmpeg is installed; force each encoder here
+        monkeypatch.setattr(videos, "video_format", lambda _fmt="auto", f=fmt: f)
+    main(["evaluate", str(cartpole_checkpoint), "--episodes", "2", "--video", str(tmp_path / "videos")])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    paths = [tmp_path / "videos" / f"episode_00{k}.{fmt if fmt != 'auto' else videos.video_format()}"
+             for k in range(2)]
+    assert result["videos"] == [str(p) for p in paths]
+    assert all(p.stat().st_size > 0 for p in paths)
+    # CartPole pays 1 per step: an episode's video holds one frame per step (its reset frame, then the frame
+    # after each action but the last, which already shows the next episode's start)
+    assert sum(_frame_count(p) for p in paths) == round(2 * result["eval_return_mean"])
+
+
+@pytest.mark.parametrize("env, why", [("builtin:cartpole", "do not render frames"),
+                                      ("my_blind_envs:make_blind", "without 'rgb_array'")])
+def test_an_env_that_does_not_render_is_named_in_one_paragraph(cartpole_checkpoint, tmp_path, capsys, monkeypatch,
+                                                               env, why):
+    from orchestration.cli import main
+
+    (tmp_path / "my_blind_envs.py").write_text(BLIND_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["evaluate", str(cartpole_checkpoint), "--env", env, "--video", str(tmp_path / "videos")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"env {env!r} cannot be filmed" in err and why in err and "--video" in err
+    assert not any((tmp_path / "videos").glob("*.*"))

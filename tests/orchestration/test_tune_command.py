@@ -1,0 +1,78 @@
+"""``shoal tune``: a sweep from a config file on Ray Tune (the session's Ray instance), its results table, and
+the errors that name a mistyped key or search before any trial starts."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from orchestration.checkpoint import load_checkpoint
+from orchestration.metrics_log import read_csv
+
+SWEEP = """\
+env: builtin:cartpole
+iterations: 2
+rollout: {num_envs: 4, fragment_length: 16}
+ppo: {num_epochs: 1, minibatch_size: 32}
+search:
+  seed: {grid: [0, 1]}
+"""
+
+
+@pytest.mark.ray
+def test_a_grid_over_two_seeds_runs_both_trials_and_writes_the_results_table(ray_session, tmp_path, capsys):
+    pytest.importorskip("ray.tune", exc_type=ImportError)  # ray[tune]: pandas, pyarrow, tensorboardX
+    from orchestration.sweeps import main
+
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    code = main(["--config-file", str(tmp_path / "sweep.yaml"), "--storage", str(tmp_path / "tune"), "--name",
+                 "seeds", "--cpus-per-trial", "0.5", "--verbose", "0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    with open(tmp_path / "tune" / "seeds" / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["seed"] for r in rows) == ["0", "1"]
+    assert all(r["status"] == "ok" and r["iterations"] == "2" and r["env_steps"] == "128" for r in rows)
+    assert json.loads((tmp_path / "tune" / "seeds" / "results.json").read_text())[0]["episode_return_mean"] > 0
+    header = next(line for line in out.splitlines() if line.startswith("trial"))
+    assert header.split() == ["trial", "seed", "iterations", "env_steps", "episode_return_mean", "status"]
+    for row in rows:  # Tune kept each trial's checkpoint; each trial wrote its metrics like a run
+        assert load_checkpoint(row["checkpoint"])[2]["iteration"] == 2
+        assert read_csv(f"{row['path']}/metrics.csv")["iteration"] == [1, 2]
+
+
+@pytest.mark.parametrize("search, named", [
+    ("  ppo.clip_ep: {grid: [0.1, 0.2]}", "search: unknown key 'ppo.clip_ep' (did you mean 'ppo.clip_eps'?)"),
+    ("  ppo:\n    clip_ep: {grid: [0.1]}", "search: unknown key 'ppo.clip_ep' (did you mean 'ppo.clip_eps'?)"),
+    ("  seed: {gird: [0, 1]}", "search.seed: unknown search 'gird' (did you mean 'grid'?)"),
+    ("  seed: [0, 1]", "search.seed: expected one of {grid: [...]}"),
+    ("  lr: {loguniform: [0, 1.0e-3]}", "search.lr.loguniform: expected [low, high] with low < high and low > 0"),
+    ("  rollout.num_envs: {choice: [4, 0]}", "search.rollout.num_envs: 0 is refused"),
+])
+def test_a_mistake_in_the_search_section_is_named_before_any_trial(tmp_path, capsys, search, named):
+    from orchestration.sweeps import main
+
+    (tmp_path / "sweep.yaml").write_text(SWEEP.split("search:")[0] + "search:\n" + search + "\n")
+    assert main(["--config-file", str(tmp_path / "sweep.yaml"), "--storage", str(tmp_path / "tune")]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "tune").exists()
+
+
+def test_a_mistyped_base_key_names_the_nearest_one(tmp_path, capsys):
+    from orchestration.sweeps import main
+
+    (tmp_path / "sweep.yaml").write_text(SWEEP.replace("rollout:", "rolout:"))
+    assert main(["--config-file", str(tmp_path / "sweep.yaml")]) == 2
+    assert "unknown key 'rolout' (did you mean 'rollout'?)" in capsys.readouterr().err
+
+
+def test_shoal_tune_is_a_command_of_the_cli(tmp_path, capsys):
+    from orchestration.cli import main
+
+    (tmp_path / "sweep.yaml").write_text(SWEEP.replace("seed: {grid: [0, 1]}", "sede: {grid: [0, 1]}"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", "--config-file", str(tmp_path / "sweep.yaml")])
+    assert exit_.value.code == 2 and "did you mean 'seed'" in capsys.readouterr().err
