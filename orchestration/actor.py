@@ -191,10 +191,13 @@ class Actor:
 
     def fragment_meta(self, fragment: TensorDictBase) -> dict[str, Any]:
         """The delivery metadata of the fragment just built (:mod:`orchestration.inbox`): its id, worker,
-        sequence number, the version of every policy that acted, and its env steps."""
-        return {"fragment_id": int(fragment.get(FRAGMENT_ID)[0, 0]), "worker_id": self.worker_id,
+        sequence number, the version of every policy that acted, its env steps and, in a collection, the
+        ``env_id`` of the member it ran."""
+        meta = {"fragment_id": int(fragment.get(FRAGMENT_ID)[0, 0]), "worker_id": self.worker_id,
                 "sequence": self.builder.sequence - 1, "policy_versions": dict(self.versions),
                 "env_steps": fragment.batch_size.numel()}
+        member = getattr(self.env, "member_id", None)  # a collection member (orchestration.collection_env)
+        return meta if member is None else {**meta, "env_id": member}
 
     def build_fragment(self, builder: FragmentBuilder | None = None,
                        versions: Mapping[str, int] | None = None) -> TensorDict:

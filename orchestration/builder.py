@@ -24,6 +24,8 @@ from core.specs import Tree, groups
 from orchestration.actor import Actor
 from orchestration.assignment import GroupAssignment, assign, groups_of
 from orchestration.config import TrainConfig
+from orchestration.collection_env import make_actor_env
+from orchestration.env_collection import load_collection, probe_members, with_collection
 from orchestration.envs import make_run_env
 from orchestration.learner import FixedLearner, PPOLearner, resolve_device
 
@@ -149,9 +151,12 @@ def build_actor(config: TrainConfig, env, policies: Mapping[str, GroupPolicy],
 
 
 def build_evaluator(config: TrainConfig, policies: Mapping[str, GroupPolicy], assignment: Mapping[str, GroupAssignment],
-                    fixed: Collection[str], num_envs: int | None = None) -> Actor:
-    """A deterministic actor on its own envs: learned policies act with their modes, fixed ones keep sampling."""
-    env = make_run_env(config, num_envs or min(config.rollout.num_envs, config.eval_episodes))
+                    fixed: Collection[str], num_envs: int | None = None, *, trusted_collection: bool = False) -> Actor:
+    """A deterministic actor on its own envs: learned policies act with their modes, fixed ones keep sampling.
+    With a collection, on its evaluation envs (the first until switched; ``trusted_collection``: the config's
+    collection was resolved by this run, see :func:`orchestration.env_collection.load_collection`)."""
+    env = make_actor_env(config, num_envs or min(config.rollout.num_envs, config.eval_episodes), evaluation=True,
+                         trusted=trusted_collection)
     copies = {pid: copy.deepcopy(p).cpu() for pid, p in policies.items()}
     return Actor(env, copies, assignment, seed=config.seed + 10**6, record=False,
                  deterministic=[p for p in policies if p not in fixed])
@@ -167,16 +172,21 @@ def build_trainer(config: TrainConfig):
     from orchestration.trainer import Trainer
 
     torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point
+    collection = load_collection(config)  # a file is read once: the run (and its checkpoints) keep the document
+    config = with_collection(config, collection)
     rc = config.rollout
     if config.env == "external":  # simulators connect over the network: the tree comes from the first of them
         from orchestration.external_fleet import build_external
 
         fleet, learners, tree, close = build_external(config)  # local or Ray learners, as config.backend says
         return Trainer(config, fleet, learners, None, tree, on_close=close)
+    if collection is not None:  # every member built once: one tree, priors the envs can draw
+        tree = probe_members(config, collection)
     if config.backend == "ray":
-        probe = make_run_env(config, 1)
-        tree = probe.tree
-        probe.close()
+        if collection is None:
+            probe = make_run_env(config, 1)
+            tree = probe.tree
+            probe.close()
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
         from orchestration.ray_session import build_ray_parts
@@ -184,7 +194,7 @@ def build_trainer(config: TrainConfig):
         fleet, learners, close = build_ray_parts(config, tree, policies, fixed)
         learners.update({pid: FixedLearner(policies[pid]) for pid in fixed})
     else:
-        envs = [make_run_env(config, rc.num_envs) for _ in range(rc.num_workers)]
+        envs = [make_actor_env(config, rc.num_envs) for _ in range(rc.num_workers)]
         tree = envs[0].tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
@@ -200,7 +210,7 @@ def build_trainer(config: TrainConfig):
         actors = [build_actor(config, env, shared or {pid: learners[pid].actor_policy() for pid in policies},
                               assignment, slot=i) for i, env in enumerate(envs)]
         fleet = LocalFleet(actors, {pid: lrn for pid, lrn in learners.items() if lrn.learns})
-    evaluator = build_evaluator(config, policies, assignment, fixed) if config.eval_every else None
+    evaluator = build_evaluator(config, policies, assignment, fixed, trusted_collection=True) if config.eval_every else None
     return Trainer(config, fleet, learners, evaluator, tree, on_close=close)
 
 

@@ -9,6 +9,7 @@ The Fleet protocol, which every backend implements (:class:`LocalFleet` here: in
     fleet.start(weights)                                   # async: begin producing
     fleet.pump(weights)                                    # async: let it produce (local: one fragment per actor)
     fleet.broadcast({pid: (version, weights)})             # new weights, loaded at each actor's next fragment
+    fleet.set_env_ids(["easy", "hard"])                    # collections: each actor's member, from its next fragment
     episodes = fleet.episodes()                            # completed since the last call, per key
     fleet.stop(); fleet.close()
 
@@ -26,6 +27,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from tensordict import TensorDictBase
 
 from orchestration.actor import Actor
+from orchestration.collection_env import switch_member_, tag_fragment
 from orchestration.statistics import EpisodeStatistics
 
 #: policy id -> (version, weights in the fleet's transport form)
@@ -48,6 +50,8 @@ class Fleet(Protocol):
     def pump(self, weights: Weights) -> None: ...
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None: ...
+
+    def set_env_ids(self, env_ids: Sequence[str]) -> None: ...
 
     def episodes(self) -> dict[str, Any]: ...
 
@@ -96,7 +100,7 @@ class LocalFleet:
         meta = actor.fragment_meta(fragment)
         for learner in self.learners.values():
             learner.receive(fragment, meta)
-        self.stats.add(meta["worker_id"], meta["sequence"], actor.completed_episodes())
+        self.stats.add(meta["worker_id"], meta["sequence"], tag_fragment(actor.completed_episodes(), actor.env))
         self.reported[meta["worker_id"]] = meta["sequence"] + 1
         return meta
 
@@ -139,6 +143,12 @@ class LocalFleet:
         if wait:
             for actor in self.actors:
                 self._load(actor, weights, force)
+
+    def set_env_ids(self, env_ids: Sequence[str]) -> None:
+        """Actor ``i`` acts in collection member ``env_ids[i]`` from its next fragment on (every actor is at a
+        fragment boundary between calls: the switch happens now; :func:`switch_member_`)."""
+        for actor, env_id in zip(self.actors, env_ids, strict=True):
+            switch_member_(actor, env_id)
 
     # -- statistics, state -------------------------------------------------------------------------------
     def episodes(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class RayFleet:
         self.restarts = 0
         self.reported: dict[int, int] = {}  # worker id -> fragments produced, as last reported
         self.dead: set[int] = set()  # worker ids of incarnations that died
+        self.env_ids: list[str | None] = [None] * config.rollout.num_workers  # collection member per slot
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
         ray.get([s.handle.info.remote() for s in self.slots])  # construction errors surface here
 
@@ -110,7 +111,8 @@ class RayFleet:
         requests = dict.fromkeys(range(n), rounds)
         reports: list[dict] = []
         for _ in range(self.ray_config.max_worker_restarts + 2):
-            pending = {self.slots[i].handle.collect.remote(k, weights): i for i, k in requests.items() if k}
+            pending = {self.slots[i].handle.collect.remote(k, weights, self.env_ids[i]): i
+                       for i, k in requests.items() if k}
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1)
                 index = pending.pop(done[0])
@@ -133,7 +135,7 @@ class RayFleet:
         """Starts every worker streaming."""
         weights = self._refs(weights)
         for slot in self.slots:
-            slot.run_ref = slot.handle.run.remote(weights)
+            slot.run_ref = slot.handle.run.remote(weights, self.env_ids[slot.slot])
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:
         """Hands new weights refs to every worker, loaded at its next fragment boundary (fire-and-forget: a
@@ -144,6 +146,14 @@ class RayFleet:
             return
         for slot in self.slots:
             slot.handle.set_latest.remote(weights, force)
+
+    def set_env_ids(self, env_ids) -> None:
+        """Collection member per worker: sent with the next collect (or run) call, and to streaming workers now
+        (each switches at its next fragment boundary)."""
+        self.env_ids = list(env_ids)
+        for slot in self.slots:
+            if slot.run_ref is not None:
+                slot.handle.set_env_id.remote(self.env_ids[slot.slot])
 
     def check(self, weights: Weights) -> int:
         """Re-creates (and restarts streaming on) every worker whose ``run`` ended; returns how many."""
@@ -157,7 +167,7 @@ class RayFleet:
             except ray.exceptions.RayError as err:
                 cause = err
             self.restart(index, weights, cause)
-            self.slots[index].run_ref = self.slots[index].handle.run.remote(weights)
+            self.slots[index].run_ref = self.slots[index].handle.run.remote(weights, self.env_ids[index])
         return len(done)
 
     def pump(self, weights: Weights) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from orchestration.builder import assignment_for, build_actor, policy_module, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
-from orchestration.envs import make_run_env
+from orchestration.collection_env import make_actor_env, switch_member_, tag_fragment
 from orchestration.statistics import PipelineMonitor, TimedEnv
 from orchestration.wire import from_wire, to_wire
 
@@ -47,7 +47,7 @@ class RolloutWorker:
         self.monitor = PipelineMonitor()
         rc = config.rollout
         self._polling = rc.env_polling
-        self.env = TimedEnv(make_run_env(config, rc.num_envs))
+        self.env = TimedEnv(make_actor_env(config, rc.num_envs))  # a collection's members: one at a time
         tree = self.env.tree
         assignment = assignment_for(config, tree)
         policies = {pid: policy_module(config, tree, assignment, pid) for pid in weights}
@@ -68,6 +68,7 @@ class RolloutWorker:
         self._delay = 0.0
         self._forced: set[str] = set()
         self._streaming = False
+        self._next_env: str | None = None  # a collection member to switch to at the next fragment boundary
         self.set_latest(weights)
         self._load(force=True)
         self._sender = threading.Thread(target=self._send_loop, name="fragment-sender", daemon=True)
@@ -120,6 +121,9 @@ class RolloutWorker:
         """One fragment: newest weights, ``fragment_length`` steps, assembly, then into the queue."""
         self._check_sender()
         self._load()
+        if self._next_env is not None:
+            env_id, self._next_env = self._next_env, None
+            switch_member_(self.actor, env_id)
         actor, monitor = self.actor, self.monitor
         start, env_before = time.perf_counter(), self.env.elapsed
         if self._polling:  # the next stream's fragment: steps and assembly interleave
@@ -133,7 +137,7 @@ class RolloutWorker:
             fragment = actor.build_fragment()
         if self._delay:
             time.sleep(self._delay)  # a slow environment (test hook)
-        episodes = actor.completed_episodes()
+        episodes = tag_fragment(actor.completed_episodes(), self.env)
         built = time.perf_counter()
         env_time = self.env.elapsed - env_before + self._delay
         monitor.add("env_step", env_time)
@@ -164,16 +168,25 @@ class RolloutWorker:
             self._check_sender()
         self._check_sender()
 
-    def collect(self, num_fragments: int, weights: Weights) -> dict[str, Any]:
-        """Synchronous mode: ``num_fragments`` fragments with ``weights``, delivered before returning."""
+    def set_env_id(self, env_id: str | None) -> None:
+        """Acts in collection member ``env_id`` from the next fragment boundary on (None: no change)."""
+        if env_id is not None:
+            self._next_env = env_id
+
+    def collect(self, num_fragments: int, weights: Weights, env_id: str | None = None) -> dict[str, Any]:
+        """Synchronous mode: ``num_fragments`` fragments with ``weights`` (in collection member ``env_id``),
+        delivered before returning."""
+        self.set_env_id(env_id)
         self.set_latest(weights)
         for _ in range(num_fragments):
             self._produce()
         self._flush()
         return self.report()
 
-    def run(self, weights: Weights) -> dict[str, Any]:
-        """Asynchronous mode: streams fragments until :meth:`stop`; delivers what it built, then returns."""
+    def run(self, weights: Weights, env_id: str | None = None) -> dict[str, Any]:
+        """Asynchronous mode: streams fragments (in collection member ``env_id``) until :meth:`stop`; delivers
+        what it built, then returns."""
+        self.set_env_id(env_id)
         self.set_latest(weights)
         self._streaming = True
         try:

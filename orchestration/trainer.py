@@ -14,6 +14,12 @@ the iteration ends when every learning policy has trained once on a ready batch;
 to the fleet as soon as it is published, and actors load it at their next fragment boundary. What a learner
 trains on is decided by its inbox (core's staleness and reuse rules), the same for every backend.
 
+Environment collections (``config.collection``, :mod:`orchestration.env_collection`): before each iteration
+the trainer draws one member per actor (:class:`orchestration.collection_driver.CollectionDriver`, whose
+generator and structure state are part of :meth:`Trainer.state`), and after it reports per-env episode
+metrics and updates the structure (curriculum promotion, adversarial returns); evaluation runs on the
+collection's evaluation envs only, per env id.
+
 Trainers nest: a league (:mod:`orchestration.league`) drives a Trainer and swaps frozen opponents with
 :meth:`Trainer.set_weights`, which reaches every actor before the next fragment it produces.
 
@@ -30,6 +36,7 @@ from typing import Any, Callable, Mapping
 
 from tensordict import TensorDictBase
 
+from orchestration.collection_driver import CollectionDriver, evaluate_members
 from orchestration.config import TrainConfig
 from core.specs import groups
 from orchestration.statistics import episode_metrics, fragment_accounting, merge_monitors, structure_metrics
@@ -66,6 +73,8 @@ class Trainer:
         self._final: dict[str, float] | None = None
         self._on_close = on_close
         self._env_counters: dict[int, dict[str, int]] = {}
+        self.envsets = CollectionDriver.from_config(config) if config.collection is not None else None
+        """The collection's draws, per-env windows and structure state (None without a collection)."""
 
     # -- one iteration -----------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -77,6 +86,8 @@ class Trainer:
         lr = cfg.lr * max(0.0, 1.0 - progress) if cfg.anneal_lr else None  # past the budget: stay at 0
         steps_before = self.env_steps
         start = time.perf_counter()
+        if self.envsets is not None:  # each actor's member for this iteration, switched at its next boundary
+            self.fleet.set_env_ids(self.envsets.draw_())
         if cfg.mode == "sync":
             metrics, reports, t_collect, t_learn = self._train_sync(progress, lr)
         else:
@@ -195,6 +206,7 @@ class Trainer:
     # -- statistics and accounting -----------------------------------------------------------------------
     def _episodes(self) -> dict[str, float]:
         drained = self.fleet.episodes()
+        by_env = self.envsets.observe_(drained["episodes"]) if self.envsets is not None else {}
         self.last_episodes = {k: list(v) for k, v in drained["episodes"].items() if not k.startswith("agents/")}
         for key, values in self.last_episodes.items():
             self.history.setdefault(key, deque(maxlen=100)).extend(values)
@@ -202,7 +214,7 @@ class Trainer:
             if key.startswith("agents/"):
                 self.agent_history.setdefault(key.split("/", 1)[1], deque(maxlen=100)).extend(rows)
         return {"episodes": len(self.last_episodes.get("length", [])), **drained["summary"],
-                **episode_metrics(self.history), **structure_metrics(self.agent_history, self._group_specs)}
+                **episode_metrics(self.history), **structure_metrics(self.agent_history, self._group_specs), **by_env}
 
     def learner_reports(self) -> dict[str, dict]:
         """Each learning policy's ledger and counters (``Learner.report()``)."""
@@ -223,14 +235,22 @@ class Trainer:
     # -- evaluation, state, shutdown ---------------------------------------------------------------------
     def evaluate(self, episodes: int | None = None) -> dict[str, float]:
         """Mean returns of the deterministic evaluator with the newest weights over ``episodes`` episodes:
-        ``eval_return_mean`` (all agents) and, with several policies, ``eval_return_mean/<policy>``."""
+        ``eval_return_mean`` (all agents) and, with several policies, ``eval_return_mean/<policy>``. With a
+        collection: ``episodes`` in each evaluation env, those keys over all of them and per env id
+        (``eval_return_mean/env:<id>``)."""
         actor = self.evaluator
         if actor is None:
             raise ValueError("this trainer has no evaluation actor (TrainConfig.eval_every is 0)")
         for pid, learner in self.learners.items():
             actor.set_weights(pid, *learner.weights())
+        episodes = episodes or self.config.eval_episodes
+        if self.envsets is not None:
+            return evaluate_members(actor, self.envsets.collection.evaluation_ids(), episodes, self._eval_means)
+        return self._eval_means(actor.run_episodes(episodes))
+
+    def _eval_means(self, returns: Mapping[str, list[float]]) -> dict[str, float]:
         out = {}
-        for key, values in actor.run_episodes(episodes or self.config.eval_episodes).items():
+        for key, values in returns.items():
             if key.startswith("return/") and len(self.learners) < 2:
                 continue
             out[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
@@ -243,12 +263,14 @@ class Trainer:
         return self.config.mode == "sync" and bool(self.fleet.resume_exact)
 
     def state(self) -> dict[str, Any]:
-        """Counters, episode history, every learner's state and the fleet's actors' states."""
+        """Counters, episode history, every learner's state, the fleet's actors' states and, with a
+        collection, its driver's state (:meth:`CollectionDriver.state_dict`)."""
         return {"iteration": self.iteration, "env_steps": self.env_steps, "produced": self._produced,
                 "history": {k: list(v) for k, v in self.history.items()},
                 "agent_history": {g: [list(r) for r in rows] for g, rows in self.agent_history.items()},
                 "learners": {pid: lrn.state() for pid, lrn in self.learners.items()},
-                "actors": self.fleet.state(), "resume_exact": self.resume_exact}
+                "actors": self.fleet.state(), "resume_exact": self.resume_exact,
+                **({"collection": self.envsets.state_dict()} if self.envsets is not None else {})}
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
         """Loads a :meth:`state` into a freshly built trainer of the same config; the fleet's actors load the
@@ -269,6 +291,8 @@ class Trainer:
         if restores_actors:
             self.fleet.load_state_(state["actors"])
         self._produced = sum(self.fleet.reported.values()) if restores_actors else 0
+        if self.envsets is not None and "collection" in state:
+            self.envsets.load_state_(state["collection"])
 
     def close(self) -> None:
         """Stops the fleet, settles the accounting, releases fleet and learners."""

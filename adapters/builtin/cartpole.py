@@ -8,6 +8,11 @@ group ``"agent"`` (what :func:`core.specs.groups` names a bare :class:`AgentNode
 Finished envs are reset inside :meth:`CartPole.step`; the final observation stays under ``"next"``.
 Randomness comes from one ``torch.Generator`` for the whole batch: ``reset(seed)`` seeds the batch, not
 env ``i`` with ``seed + i`` (a per-env stream would need a per-env loop).
+
+Per-episode parameters (a prior distribution over envs, :mod:`orchestration.env_collection`): with a sampler
+set (:meth:`CartPole.set_param_sampler`), every env draws its physical parameters (:data:`EPISODE_PARAMS`)
+at each reset, so each episode runs with its own gravity, masses, pole length or force; without one the
+constants below apply (and the fast constant-parameter path runs).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 from tensordict import TensorDict
@@ -34,6 +40,11 @@ FORCE_MAG = 10.0
 TAU = 0.02
 THETA_THRESHOLD = 12 * 2 * math.pi / 360
 X_THRESHOLD = 2.4
+
+#: Parameters a sampler may draw per episode, with their defaults (gymnasium's constants; ``length`` is half the
+#: pole's length, as in gymnasium).
+EPISODE_PARAMS: dict[str, float] = {"gravity": GRAVITY, "masscart": MASSCART, "masspole": MASSPOLE, "length": LENGTH,
+                                    "force_mag": FORCE_MAG}
 
 # gymnasium's observation bounds are float32: twice the thresholds, unbounded velocities.
 _HIGH = tuple(torch.tensor([X_THRESHOLD * 2, math.inf, THETA_THRESHOLD * 2, math.inf]).tolist())
@@ -88,6 +99,33 @@ def cartpole_dynamics(state: torch.Tensor, action: torch.Tensor) -> tuple[torch.
     return nxt, terminated
 
 
+def cartpole_dynamics_per_env(state: torch.Tensor, action: torch.Tensor,
+                              params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cartpole_dynamics` with each env's own physical parameters (gymnasium's equations).
+
+    Args:
+        state: ``[4, env]`` rows x, x_dot, theta, theta_dot.
+        action: ``[env]`` integer; 1 pushes right, anything else left.
+        params: every name of :data:`EPISODE_PARAMS` -> ``[env]`` tensor of the state's dtype.
+
+    Returns:
+        ``(next_state [4, env], terminated [env] bool)``; ``state`` is not modified.
+    """
+    _, thresholds, _, _ = _constants(state.dtype, state.device)
+    gravity, masspole, length = params["gravity"], params["masspole"], params["length"]
+    total_mass = params["masscart"] + masspole
+    polemass_length = masspole * length
+    x, x_dot, theta, theta_dot = state.unbind(0)
+    force = torch.where(action == 1, params["force_mag"], -params["force_mag"])
+    cos, sin = theta.cos(), theta.sin()
+    temp = (force + polemass_length * theta_dot.square() * sin) / total_mass
+    theta_acc = (gravity * sin - cos * temp) / (length * (4.0 / 3.0 - masspole * cos.square() / total_mass))
+    x_acc = temp - polemass_length * theta_acc * cos / total_mass
+    nxt = torch.add(state, torch.stack((x_dot, x_acc, theta_dot, theta_acc)), alpha=TAU)
+    terminated = (nxt[0::2].abs() > thresholds).any(0)
+    return nxt, terminated
+
+
 def initial_states(n: int, generator: torch.Generator, dtype: torch.dtype, device) -> torch.Tensor:
     """``[4, n]`` states uniform in ``[-0.05, 0.05)`` (gymnasium's ``uniform(low, high)`` = low + u * width)."""
     return torch.rand(4, n, generator=generator, dtype=dtype, device=device).mul_(0.1).sub_(0.05)
@@ -115,8 +153,12 @@ class CartPole:
     """``num_envs`` CartPoles stepped together (a :class:`adapters.protocol.BatchedEnv`).
 
     Public state, for tests and tools: ``state`` ``[env, 4]`` (``config.dtype``; a view of the ``[4, env]``
-    storage; assign a new tensor to change it) and ``steps`` ``[env]`` int64 (steps taken in the episode).
+    storage; assign a new tensor to change it), ``steps`` ``[env]`` int64 (steps taken in the episode) and
+    ``params`` (each env's per-episode parameters, ``{}`` without a sampler).
     """
+
+    episode_params: tuple[str, ...] = tuple(EPISODE_PARAMS)
+    """Names a per-episode parameter sampler may draw (:meth:`set_param_sampler`)."""
 
     def __init__(self, config: CartPoleConfig | None = None) -> None:
         self.config = config if config is not None else CartPoleConfig()
@@ -132,6 +174,8 @@ class CartPole:
         self._reward = torch.ones(n, 1, 1, device=self._device)  # float32 whatever the dynamics dtype
         self._present = all_true(n, 1, device=self._device)
         self._legal = all_true(n, 1, 2, device=self._device)
+        self._sampler: Callable[[int], Mapping[str, torch.Tensor]] | None = None
+        self._params: dict[str, torch.Tensor] | None = None  # name -> [env]; None: the module's constants
 
     @property
     def tree(self) -> Tree:
@@ -154,6 +198,37 @@ class CartPole:
     def state(self, value: torch.Tensor) -> None:
         self._state = value.to(self._state).t().contiguous()
 
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """Each env's parameters of its current episode (``[env]`` per name); ``{}`` without a sampler."""
+        return {} if self._params is None else {k: v.clone() for k, v in self._params.items()}
+
+    def set_param_sampler(self, sampler: Callable[[int], Mapping[str, torch.Tensor]] | None) -> None:
+        """Draws each episode's parameters with ``sampler(k)`` -> ``{name: [k]}`` at every reset of ``k`` envs
+        (names from :attr:`episode_params`; one left out keeps its default). None: the constants again.
+        Takes effect at the next reset of each env."""
+        self._sampler = sampler
+        if sampler is None:
+            self._params = None
+
+    def _draw_params(self, rows: torch.Tensor | None) -> None:
+        """New parameters for ``rows`` (``[k]`` indices; None: every env) from the sampler."""
+        k = self.num_envs if rows is None else rows.numel()
+        drawn = self._sampler(k)
+        unknown = sorted(set(drawn) - set(EPISODE_PARAMS))
+        if unknown:
+            raise ValueError(f"builtin:cartpole cannot take the per-episode parameters {unknown}; it takes "
+                             f"{', '.join(EPISODE_PARAMS)}")
+        if self._params is None:
+            self._params = {name: torch.full((self.num_envs,), value, dtype=self.config.dtype, device=self._device)
+                            for name, value in EPISODE_PARAMS.items()}
+        for name, values in drawn.items():
+            values = torch.as_tensor(values).to(dtype=self.config.dtype, device=self._device).reshape(k)
+            if rows is None:
+                self._params[name] = values.clone()
+            else:
+                self._params[name].index_copy_(0, rows, values)
+
     def reset(self, seed: int | None = None) -> TensorDict:
         """Resets every env; ``seed`` seeds the batch's generator (None: continue its stream)."""
         if seed is not None:
@@ -163,12 +238,18 @@ class CartPole:
         self._seeded = True
         self._state = initial_states(self.num_envs, self._generator, self.config.dtype, self._device)
         self.steps = torch.zeros_like(self.steps)
+        if self._sampler is not None:
+            self._draw_params(None)
         return reset_output(self._group, self._root(), self._env_batch, self._group_batch)
 
     def step(self, actions: TensorDict) -> TensorDict:
         """Applies ``(agent, action)`` ``[env, 1]`` and resets the envs whose episode ended (module doc)."""
         n = self.num_envs
-        nxt, terminated = cartpole_dynamics(self._state, actions.get((self._group, ACTION)).reshape(n))
+        action = actions.get((self._group, ACTION)).reshape(n)
+        if self._params is None:
+            nxt, terminated = cartpole_dynamics(self._state, action)
+        else:
+            nxt, terminated = cartpole_dynamics_per_env(self._state, action, self._params)
         self.steps = self.steps + 1
         truncated = self.steps >= self.config.max_steps
         done = terminated | truncated
@@ -179,6 +260,8 @@ class CartPole:
         if ended.numel():
             nxt.index_copy_(1, ended, initial_states(ended.numel(), self._generator, self.config.dtype, self._device))
             self.steps.index_fill_(0, ended, 0)
+            if self._sampler is not None:
+                self._draw_params(ended)
         self._state = nxt
         flags = (terminated.unsqueeze(1), truncated.unsqueeze(1), done.unsqueeze(1))
         nxt_group = {OBSERVATION: final_obs, REWARD: self._reward,
@@ -191,7 +274,9 @@ class CartPole:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Everything that decides the future of the batch (checkpoints resume it exactly)."""
-        return {"state": self._state.clone(), "steps": self.steps.clone(), "rng": self._generator.get_state()}
+        out = {"state": self._state.clone(), "steps": self.steps.clone(), "rng": self._generator.get_state()}
+        out.update({f"param/{k}": v.clone() for k, v in (self._params or {}).items()})
+        return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restores :meth:`state_dict` output."""
@@ -199,9 +284,12 @@ class CartPole:
         self.steps = state["steps"].to(self.steps).clone()
         self._generator.set_state(state["rng"])
         self._seeded = True
+        params = {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
+        self._params = {k: v.to(self._state).clone() for k, v in params.items()} if params else None
 
     def close(self) -> None:
         """Nothing to release."""
 
 
-__all__ = ["CARTPOLE_TREE", "CartPole", "CartPoleConfig", "cartpole_dynamics", "initial_states", "observations"]
+__all__ = ["CARTPOLE_TREE", "EPISODE_PARAMS", "CartPole", "CartPoleConfig", "cartpole_dynamics",
+           "cartpole_dynamics_per_env", "initial_states", "observations"]
