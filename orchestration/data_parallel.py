@@ -54,6 +54,22 @@ def check_in_sync(module: torch.nn.Module) -> bool:
     return bool(diff == 0)
 
 
+def shard_by_rows(fragments: list, world: int, policy_id: str) -> list:
+    """The fragments ``[N, T]`` concatenated and split by env rows into ``world`` equal shards (rank 0's first).
+
+    Raises:
+        ValueError: naming the policy when ``N`` is not a multiple of ``world``.
+    """
+    from core.buffers import concat_fragments
+
+    batch = concat_fragments(fragments)
+    rows = batch.batch_size[0]
+    if rows % world:
+        raise ValueError(f"policy {policy_id!r}: {rows} env rows cannot be split evenly over {world} "
+                         f"data-parallel learners (RayConfig.learners_per_policy)")
+    return list(batch.split(rows // world, dim=0))
+
+
 def free_port() -> int:
     """A TCP port free on this host now (where a rank 0 hosts the group's rendezvous)."""
     with socket.socket() as s:

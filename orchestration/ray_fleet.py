@@ -6,6 +6,12 @@ collects its share of ``train_batch_size`` with the current weights (seed 000); 
 re-collected. Asynchronous mode: workers stream until stopped and get new weights refs as published. A dead
 worker is re-created as a new incarnation (new ``worker_id``, new seed stream) and re-synced. Incarnation 0
 has the local backend's worker ids and seeds: a synchronous Ray run reproduces a local run bit for bit.
+
+Central inference (``rollout.central_inference``): :class:`InferenceServer`, one threaded actor hosting an
+:class:`orchestration.inference.InferenceService` (each worker's request waits in one of its threads while
+the service batches across all of them; weights arrive as object-store refs of their wire form), and
+:class:`RemoteService`, the proxy workers hand their :class:`orchestration.service_policy.ServicePolicy`
+stand-ins.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from tensordict import TensorDictBase
 
 from orchestration.builder import stream_worker_ids, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
+from orchestration.inference import InferenceConfig, InferenceResult, InferenceService
 from orchestration.ray_session import kill_actor, try_get
 from orchestration.statistics import EpisodeStatistics
 from orchestration.ray_worker import RemoteRolloutWorker, RolloutWorker, Weights  # noqa: F401 - re-exported
@@ -233,4 +240,55 @@ class RayFleet:
 #: The statistics actor: light (no CPU reserved), made remote once.
 RemoteEpisodeStatistics = ray.remote(num_cpus=0)(EpisodeStatistics)
 
-__all__ = ["RayFleet", "RemoteEpisodeStatistics", "RemoteRolloutWorker", "RolloutWorker", "Weights"]
+class InferenceServer:
+    """An inference service in its own process (``policies``: policy id -> module with the initial weights)."""
+
+    def __init__(self, policies: Mapping[str, Any], config: InferenceConfig) -> None:
+        self.service = InferenceService(policies, config).start()
+
+    def act(self, policy_id: str, obs: Any, kwargs: Mapping[str, Any]) -> InferenceResult:
+        return self.service.act(policy_id, obs, **kwargs)
+
+    def set_weights(self, policy_id: str, version: int, message: Mapping[str, Any]) -> None:
+        self.service.set_weights(policy_id, version, from_wire(message, copy=True))
+
+    def versions(self) -> dict[str, int]:
+        return self.service.versions
+
+    def weights(self, policy_id: str) -> dict:
+        return to_wire(self.service.weights(policy_id))
+
+    def stats(self) -> dict[str, float]:
+        return self.service.stats()
+
+
+#: One thread per concurrent caller (rollout worker); more callers queue in Ray.
+RemoteInferenceServer = ray.remote(max_concurrency=64)(InferenceServer)
+
+
+class RemoteService:
+    """A rollout worker's handle on the server, with the :class:`orchestration.service_policy.ActionService`
+    methods (each call waits for its answer)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self._sent: dict[str, int] = {}
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """Versions this worker handed over (the server dedups; asking it per step would cost a round trip)."""
+        return dict(self._sent)
+
+    def act(self, policy_id: str, obs: Any, **kwargs: Any) -> InferenceResult:
+        return ray.get(self.handle.act.remote(policy_id, obs, kwargs))
+
+    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
+        ray.get(self.handle.set_weights.remote(policy_id, version, to_wire(weights)))
+        self._sent[policy_id] = version
+
+    def weights(self, policy_id: str) -> TensorDictBase:
+        return from_wire(ray.get(self.handle.weights.remote(policy_id)), copy=True)
+
+
+__all__ = ["InferenceServer", "RayFleet", "RemoteEpisodeStatistics", "RemoteInferenceServer", "RemoteRolloutWorker",
+           "RemoteService", "RolloutWorker", "Weights"]

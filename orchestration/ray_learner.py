@@ -27,12 +27,11 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from core.buffers import concat_fragments
 from core.specs import from_json
 from orchestration.builder import assignment_for, build_learner, policy_module
 from orchestration.config import TrainConfig
 from orchestration.data_parallel import (DataParallelRank, average_gradients_, check_in_sync, free_port,
-                                         init_process_group)
+                                         init_process_group, shard_by_rows)
 from orchestration.ray_session import kill_actor
 from orchestration.wire import from_wire, to_wire
 
@@ -112,13 +111,7 @@ class LearnerServer:
 
     def _train_shards(self, chosen: list, progress: float, lr: float | None) -> dict:
         """Splits the batch by env rows into one equal shard per rank; rank 0 (here) trains the first."""
-        world = len(self._peers) + 1
-        batch = concat_fragments([e.fragment for e in chosen])
-        rows = batch.batch_size[0]
-        if rows % world:
-            raise ValueError(f"policy {self.policy_id!r}: {rows} env rows cannot be split evenly over {world} "
-                             f"data-parallel learners (RayConfig.learners_per_policy)")
-        shards = batch.split(rows // world, dim=0)
+        shards = shard_by_rows([e.fragment for e in chosen], len(self._peers) + 1, self.policy_id)
         futures = [peer.train.remote(ray.put(to_wire(shard)), progress=progress, lr=lr)
                    for peer, shard in zip(self._peers, shards[1:])]
         metrics = self.learner.update_([shards[0]], progress)

@@ -4,6 +4,11 @@ may have died (:func:`try_get`, :func:`kill_actor`).
 
 :func:`init_ray` is the only ``ray.init`` of the project; the composition root
 (:func:`orchestration.builder.build_trainer`) calls :func:`build_ray_parts`, which calls it.
+
+Sweeps on Ray Tune (seed 002): one trial is one run, :func:`orchestration.sweeps.run_trial` inside Tune's
+:func:`trainable`; :func:`run_tune` runs a param space of dotted config keys (``{"lr": tune.grid_search([3e-4,
+1e-3]), "seed": ...}``), :func:`run_sweep` a checked ``search:`` section (``shoal tune``). Tune needs
+``ray[tune]`` and is imported only when used.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import ray
@@ -19,6 +25,7 @@ from tensordict import TensorDict
 
 from core.specs import Tree, to_json
 from orchestration.config import RayConfig, TrainConfig
+from orchestration.sweeps import config_from_params, run_trial
 
 
 def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) -> bool:
@@ -156,7 +163,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
     inference = None
     if config.rollout.central_inference:  # one server for every worker, on a GPU when the cluster has one
         from orchestration.inference import InferenceConfig
-        from orchestration.ray_inference import RemoteInferenceServer
+        from orchestration.ray_fleet import RemoteInferenceServer
 
         learners_take = sum(learner_options(0, rc.learner_num_gpus, len(learners))["num_gpus"] for _ in learners)
         left = ray.cluster_resources().get("GPU", 0.0) - learners_take * rc.learners_per_policy
@@ -177,4 +184,83 @@ def resolve_weights(weights: Any) -> TensorDict:
     return weights
 
 
-__all__ = ["build_ray_learners", "build_ray_parts", "check_resources", "resolve_weights", "cpus_needed", "init_ray", "kill_actor", "learner_options", "try_get"]
+def trainable(params: dict[str, Any], base: TrainConfig) -> None:
+    """Tune function trainable: :func:`orchestration.sweeps.run_trial` with Tune's checkpoint and reports."""
+    from ray import tune
+
+    restored = tune.get_checkpoint()
+
+    def report(metrics: dict[str, float], directory: str | None) -> None:
+        tune.report(metrics, **({"checkpoint": tune.Checkpoint.from_directory(directory)} if directory else {}))
+
+    if restored is None:
+        run_trial(config_from_params(base, params), tune.get_context().get_trial_dir(), None, report)
+    else:
+        with restored.as_directory() as directory:
+            run_trial(config_from_params(base, params), tune.get_context().get_trial_dir(), directory, report)
+
+
+def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: int = 1,
+             metric: str = "episode_return_mean", mode: str = "max", max_concurrent_trials: int | None = None,
+             cpus_per_trial: float = 1.0, storage_path: str | None = None, name: str | None = None,
+             max_failures: int = 0, restore: bool = False, verbose: int = 0):
+    """Runs one trial per point of ``param_space`` (times ``num_samples``) in parallel; returns Tune's ResultGrid.
+
+    Args:
+        base: the config every trial starts from.
+        param_space: dotted config keys -> values or Tune search spaces (``tune.grid_search``, ``tune.choice``).
+        num_samples: repetitions of the space (random searches sample this many points).
+        metric, mode: what "best" means for ``ResultGrid.get_best_result``.
+        max_concurrent_trials: cap on trials running at once (None: as resources allow).
+        cpus_per_trial: Ray CPUs reserved by each trial.
+        storage_path: where Tune writes results and checkpoints (None: Tune's default, ``~/ray_results``).
+        name: experiment name under ``storage_path``.
+        max_failures: restarts of a failed trial (from its last checkpoint) before it counts as failed.
+        restore: continue the interrupted experiment ``storage_path/name`` (unfinished and failed trials).
+        verbose: Tune's console output (0: none, 1: status tables, 2: every result).
+    """
+    from ray import tune
+
+    from orchestration.ray_session import init_ray
+
+    init_ray(base, base.ray)
+    fn = tune.with_resources(tune.with_parameters(trainable, base=base), {"cpu": cpus_per_trial})
+    if restore:
+        if not (storage_path and name):
+            raise ValueError("restoring a Tune experiment needs its storage path and name")
+        return tune.Tuner.restore(str(Path(storage_path) / name), fn, resume_unfinished=True,
+                                  resume_errored=True).fit()
+    tuner = tune.Tuner(fn, param_space=dict(param_space),
+                       tune_config=tune.TuneConfig(num_samples=num_samples, metric=metric, mode=mode,
+                                                   max_concurrent_trials=max_concurrent_trials),
+                       run_config=tune.RunConfig(storage_path=storage_path, name=name, verbose=verbose,
+                                                 failure_config=tune.FailureConfig(max_failures=max_failures),
+                                                 checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
+    return tuner.fit()
+
+
+def search_space(checked: Mapping[str, tuple[str, list]]) -> dict[str, Any]:
+    """Tune's param space from :func:`orchestration.sweeps.check_search`'s ``{key: (kind, values)}``."""
+    from ray import tune
+
+    return {key: tune.grid_search(values) if kind == "grid" else tune.choice(values) if kind == "choice"
+            else getattr(tune, kind)(*values) for key, (kind, values) in checked.items()}
+
+
+def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwargs: Any):
+    """:func:`run_tune` over a checked search section, in the Ray instance running (or one started for it and
+    shut down after)."""
+    import ray
+
+    from orchestration.ray_session import init_ray
+
+    owns_ray = init_ray(base, base.ray)
+    try:
+        return run_tune(base, search_space(checked), **kwargs)
+    finally:
+        if owns_ray:
+            ray.shutdown()
+
+
+__all__ = ["build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed", "init_ray", "kill_actor",
+           "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable", "try_get"]

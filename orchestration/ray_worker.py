@@ -1,205 +1,48 @@
-"""A rollout worker on Ray (seed 004): the actor the one builder makes, a bounded fragment queue and a sender
-thread (:class:`RolloutWorker`, plain class, made remote once; :class:`orchestration.ray_fleet.RayFleet`
-creates and supervises them).
+"""A rollout worker on Ray (seed 004): a :class:`orchestration.sampler.Sampler` (the actor the one builder
+makes, a bounded fragment queue) plus a sender thread (:class:`RolloutWorker`, plain class, made remote once;
+:class:`orchestration.ray_fleet.RayFleet` creates and supervises them).
 
-The sampling loop puts fragments in a bounded queue; a sender thread ``ray.put``s each in wire form
-(:mod:`orchestration.wire`) and pushes the ref to every learner, with at most ``max_in_flight``
-unacknowledged pushes per learner: a slow learner fills the queue and blocks sampling (back-pressure),
-and no RPC happens inside the sampling loop. At each fragment boundary the worker loads the newest weights
-it was told about (one ref per version, put once by the learner); each fragment records its versions.
+The sender thread ``ray.put``s each fragment in wire form (:mod:`orchestration.wire`) and pushes the ref to
+every learner, with at most ``max_in_flight`` unacknowledged pushes per learner: a slow learner fills the
+queue and blocks sampling (back-pressure). Weights arrive as one ref per version, put once by the learner.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections import deque
 from typing import Any, Mapping
 
 import ray
-import torch
 
-from orchestration.builder import assignment_for, build_actor, policy_module, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
-from orchestration.collection_env import make_actor_env, switch_member_, tag_fragment
-from orchestration.statistics import PipelineMonitor, TimedEnv
+from orchestration.sampler import Sampler
 from orchestration.wire import from_wire, to_wire
 
 #: policy id -> (version, [ref of its wire-form weights]); the ref is nested so Ray passes it unresolved.
 Weights = Mapping[str, tuple[int, list]]
 
 
-class RolloutWorker:
-    """One rollout process: a local :class:`Actor`, a bounded fragment queue and a sender thread.
-
-    Builds its envs and policies from ``config`` and starts from ``weights``; ``slot`` is its place in the
-    fleet and ``incarnation`` how often the slot was re-created. Every fragment goes to every learner in
-    ``learners`` (policy id -> handle); completed episodes go to ``stats`` (or nowhere when None).
+class RolloutWorker(Sampler):
+    """One rollout process: a :class:`orchestration.sampler.Sampler` and the sender thread that delivers its
+    fragments. Every fragment goes to every learner in ``learners`` (policy id -> handle); completed episodes
+    go to ``stats`` (or nowhere when None); ``inference``: the central inference server's handle, if any.
     """
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, slot: int, incarnation: int,
                  learners: Mapping[str, Any], stats, weights: Weights, inference=None) -> None:
-        torch.set_num_threads(ray_config.worker_threads)
-        self.ray_config, self.slot, self.incarnation = ray_config, slot, incarnation
-        self.worker_id = worker_id_of(slot, incarnation)
-        self.monitor = PipelineMonitor()
-        rc = config.rollout
-        self._polling = rc.env_polling
-        self.env = TimedEnv(make_actor_env(config, rc.num_envs))  # a collection's members: one at a time
-        tree = self.env.tree
-        assignment = assignment_for(config, tree)
-        policies = {pid: policy_module(config, tree, assignment, pid) for pid in weights}
-        if inference is not None:  # central inference: stand-ins that ask the server actor
-            from orchestration.ray_inference import RemoteService
-            from orchestration.service_policy import ServicePolicy
+        from orchestration.ray_fleet import RemoteService
 
-            remote = RemoteService(inference)
-            policies = {pid: ServicePolicy(pid, remote, p) for pid, p in policies.items()}
-        self.actor = build_actor(config, self.env, policies, assignment, slot=slot, incarnation=incarnation)
+        super().__init__(config, slot, incarnation, weights, fetch=lambda ref: from_wire(ray.get(ref)),
+                         fetch_errors=(ray.exceptions.RayError,), queue_size=ray_config.queue_size,
+                         threads=ray_config.worker_threads,
+                         service=RemoteService(inference) if inference is not None else None)
+        self.ray_config = ray_config
         self.learners, self.stats = dict(learners), stats
-        self.queue: queue.Queue = queue.Queue(maxsize=ray_config.queue_size)
-        self.produced = self.sent = self.push_failures = 0
-        self._latest: dict[str, tuple[int, list]] = {}
-        self._lock, self._loading = threading.Lock(), threading.Lock()
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._delay = 0.0
-        self._forced: set[str] = set()
-        self._streaming = False
-        self._next_env: str | None = None  # a collection member to switch to at the next fragment boundary
-        self.set_latest(weights)
-        self._load(force=True)
         self._sender = threading.Thread(target=self._send_loop, name="fragment-sender", daemon=True)
         self._sender.start()
-
-    # -- weights -----------------------------------------------------------------------------------------
-    def set_latest(self, weights: Weights, force: bool = False) -> None:
-        """Records newer weights refs; the sampling loop loads them at its next fragment boundary.
-
-        Versions only move forward (calls to a threaded actor may run out of order), unless ``force`` (a
-        restored checkpoint may hold a version number again with other weights).
-        """
-        with self._lock:
-            for pid, (version, refs) in weights.items():
-                if force or int(version) > self._latest.get(pid, (-1,))[0]:
-                    self._latest[pid] = (int(version), list(refs))
-                    self._forced |= {pid} if force else set()
-
-    def _load(self, force: bool = False) -> None:
-        with self._lock:
-            latest, forced, self._forced = dict(self._latest), self._forced, set()
-        with self._loading:
-            for pid, (version, refs) in latest.items():
-                if force or pid in forced or version != self.actor.versions[pid]:
-                    try:
-                        weights = from_wire(ray.get(refs[0]))
-                    except ray.exceptions.RayError:  # its learner died with the object: keep acting, newer come
-                        continue
-                    self.actor.set_weights(pid, version, weights, force=True)
-
-    def sync_weights(self, weights: Weights, force: bool = False, timeout_s: float = 300.0) -> dict[str, int]:
-        """Has the actor act with ``weights`` before it produces another fragment; returns the versions held.
-
-        An idle worker loads them now; a streaming one at its current fragment's end (never mid-fragment):
-        this call returns once the sampling loop has loaded them.
-        """
-        self.set_latest(weights, force)
-        if not self._streaming:
-            self._load()
-        else:
-            deadline = time.monotonic() + timeout_s
-            while any(self.actor.versions[pid] < v for pid, (v, _) in weights.items()) or self._forced:
-                if time.monotonic() > deadline or self._stop.is_set():
-                    break
-                time.sleep(0.002)
-        return dict(self.actor.versions)
-
-    # -- sampling loop (one thread) ----------------------------------------------------------------------
-    def _produce(self) -> None:
-        """One fragment: newest weights, ``fragment_length`` steps, assembly, then into the queue."""
-        self._check_sender()
-        self._load()
-        if self._next_env is not None:
-            env_id, self._next_env = self._next_env, None
-            switch_member_(self.actor, env_id)
-        actor, monitor = self.actor, self.monitor
-        start, env_before = time.perf_counter(), self.env.elapsed
-        if self._polling:  # the next stream's fragment: steps and assembly interleave
-            fragment = actor.collect()
-            stepped = time.perf_counter()
-        else:
-            with torch.no_grad():
-                for _ in range(actor.fragment_length):
-                    actor.step()
-            stepped = time.perf_counter()
-            fragment = actor.build_fragment()
-        if self._delay:
-            time.sleep(self._delay)  # a slow environment (test hook)
-        episodes = tag_fragment(actor.completed_episodes(), self.env)
-        built = time.perf_counter()
-        env_time = self.env.elapsed - env_before + self._delay
-        monitor.add("env_step", env_time)
-        monitor.add("inference", stepped - start - env_time)
-        monitor.add("assembly", built - stepped)
-        meta = {**actor.fragment_meta(fragment), "slot": self.slot, "incarnation": self.incarnation}
-        self.produced += 1
-        self._put((fragment, meta, episodes))
-        monitor.add("enqueue_wait", time.perf_counter() - built)
-        monitor.fragment_built(meta["env_steps"], self.queue.qsize())
-
-    def _put(self, item) -> None:
-        while True:
-            try:
-                return self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                self._check_sender()
-
-    def _check_sender(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"worker {self.worker_id}: the sender thread failed") from self._error
-
-    def _flush(self) -> None:
-        """Blocks until every queued fragment was delivered and acknowledged."""
-        done = threading.Event()
-        self._put(done)
-        while not done.wait(0.1):
-            self._check_sender()
-        self._check_sender()
-
-    def set_env_id(self, env_id: str | None) -> None:
-        """Acts in collection member ``env_id`` from the next fragment boundary on (None: no change)."""
-        if env_id is not None:
-            self._next_env = env_id
-
-    def collect(self, num_fragments: int, weights: Weights, env_id: str | None = None) -> dict[str, Any]:
-        """Synchronous mode: ``num_fragments`` fragments with ``weights`` (in collection member ``env_id``),
-        delivered before returning."""
-        self.set_env_id(env_id)
-        self.set_latest(weights)
-        for _ in range(num_fragments):
-            self._produce()
-        self._flush()
-        return self.report()
-
-    def run(self, weights: Weights, env_id: str | None = None) -> dict[str, Any]:
-        """Asynchronous mode: streams fragments (in collection member ``env_id``) until :meth:`stop`; delivers
-        what it built, then returns."""
-        self.set_env_id(env_id)
-        self.set_latest(weights)
-        self._streaming = True
-        try:
-            while not self._stop.is_set():
-                self._produce()
-        finally:
-            self._streaming = False
-        self._flush()
-        return self.report()
-
-    def stop(self) -> None:
-        """Ends :meth:`run` after the current fragment."""
-        self._stop.set()
 
     # -- sender thread -----------------------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -233,7 +76,7 @@ class RolloutWorker:
                 self.monitor.add("send_wait", time.perf_counter() - put)
                 self.monitor.fragment_sent()
             except BaseException as err:  # surfaced to the sampling loop by _check_sender
-                self._error = err
+                self.error = err
                 if isinstance(item, threading.Event):
                     item.set()
 
@@ -245,26 +88,9 @@ class RolloutWorker:
         except ray.exceptions.RayActorError:
             self.push_failures += 1
 
-    # -- reports and test hooks --------------------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
-        """Fragments produced and sent by this incarnation, and the pipeline monitor's window (then reset)."""
-        return {"worker_id": self.worker_id, "slot": self.slot, "incarnation": self.incarnation,
-                "produced": self.produced, "produced_by": self.actor.sequences(), "sent": self.sent, "push_failures": self.push_failures,
-                "monitor": self.monitor.snapshot(reset=True), "env_counters": dict(getattr(self.env, "counters", {}))}
-
     def info(self) -> dict[str, Any]:
         """Where this worker runs: worker id, node id, process id."""
         return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
-
-    def policy_weights(self, policy_id: str) -> dict:
-        """The weights this worker acts with for ``policy_id`` (wire form)."""
-        with self._loading:
-            return to_wire(self.actor.policy_weights(policy_id))
-
-    def set_fragment_delay(self, seconds: float) -> None:
-        """Sleeps ``seconds`` in every fragment, like a slow environment (tests of staleness)."""
-        self._delay = float(seconds)
-
 
 #: The rollout worker actor: threaded, so control calls (weights refs, monitor, stop) run beside sampling.
 RemoteRolloutWorker = ray.remote(max_concurrency=4)(RolloutWorker)

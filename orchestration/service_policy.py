@@ -2,7 +2,7 @@
 
 With ``rollout.central_inference`` the actors of a fleet hold no policy copy of their own: each step's
 ``act_step`` becomes one request to a shared :class:`orchestration.inference.InferenceService` (in this
-process on the local backend; a Ray actor hosting one, :mod:`orchestration.ray_inference`, on Ray), which
+process on the local backend; a Ray actor hosting one, :mod:`orchestration.ray_fleet`, on Ray), which
 batches the requests of every actor into one forward pass, on the GPU when there is one. Weights handed to an
 actor go to the service (newer versions only), which swaps them in between two batches.
 

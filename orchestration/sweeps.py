@@ -1,5 +1,5 @@
 """``shoal tune``: a hyper-parameter sweep on Ray Tune, described in a config file (the Ray part is in
-:mod:`orchestration.ray_tune`; this module checks the file and prints the results, without Ray).
+:mod:`orchestration.ray_session`; this module checks the file and prints the results, without Ray).
 
 The file holds the usual ``TrainConfig`` keys (the base of every trial) and a ``search:`` section that maps
 dotted keys to search spaces::
@@ -146,7 +146,7 @@ HELP = __doc__.split("\n", 2)[2]
 
 def check_search(base: TrainConfig, search: Mapping[str, Any]) -> dict[str, tuple[str, list]]:
     """``{dotted key: (kind, values)}`` of a ``search:`` section, every value checked against the config
-    (:func:`orchestration.ray_tune.search_space` makes Tune's param space of it).
+    (:func:`orchestration.ray_session.search_space` makes Tune's param space of it).
 
     Raises:
         KeyError: an unknown key (with its nearest valid spelling).
@@ -283,7 +283,7 @@ def main(argv: list[str]) -> int:
         return 2
     storage = Path(args.storage).resolve()
     name = args.name or f"{Path(args.config_file).stem}__{time.strftime('%Y%m%d-%H%M%S')}"
-    from orchestration.ray_tune import run_sweep
+    from orchestration.ray_session import run_sweep
 
     results = run_sweep(base, space, num_samples=args.num_samples, metric=args.metric, mode=args.mode,
                         max_concurrent_trials=args.max_concurrent, cpus_per_trial=args.cpus_per_trial,
