@@ -62,17 +62,12 @@ def _config_from_file(path: str) -> TrainConfig:
         raw = yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)
     if not isinstance(raw, dict):
         raise ValueError(f"config file {path}: expected a mapping of TrainConfig fields, got {type(raw).__name__}")
-    default = TrainConfig()
-    _check_keys(raw, default, "")
-    base = json.loads(json.dumps(dataclasses.asdict(default)))
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            base[key].update(value)
-        else:
-            base[key] = value
-    from orchestration.run_state import load_config  # imports torch: after the keys were checked
+    from orchestration.sweeps import config_from_params
 
-    return load_config({"config": base})
+    _check_keys(raw, TrainConfig(), "")
+    if isinstance(raw.get("collection"), dict):  # an env collection written out in the file: its JSON document
+        raw["collection"] = json.dumps(raw["collection"])
+    return config_from_params(TrainConfig(), raw)  # YAML's ``1e-3`` (a string to YAML 1.1) becomes a float
 
 
 _TRAIN_HELP = """Train with PPO. Besides the flags below: ENV may be given as the first argument;

@@ -191,6 +191,18 @@ def test_a_yaml_config_is_strict_and_reproduces_a_run(tmp_path, monkeypatch, cap
     assert _rows(tmp_path / "a/metrics.csv")[-1]["loss_value"] == _rows(tmp_path / "b/metrics.csv")[-1]["loss_value"]
 
 
+def test_a_yaml_config_takes_yaml_1_1_floats_and_an_inline_collection(tmp_path):
+    from orchestration.cli import _config_from_file
+
+    (tmp_path / "run.yaml").write_text(
+        "lr: 1e-3\npolicy: {hidden_sizes: [32, 32]}\ncollection:\n  format: shoal.envcollection/1\n"
+        "  members: {easy: builtin:cartpole, hard: builtin:cartpole}\n"
+        "  structure: {kind: split, train: [easy], test: [hard]}\n")
+    config = _config_from_file(str(tmp_path / "run.yaml"))
+    assert config.lr == 1e-3 and config.policy.hidden_sizes == (32, 32)  # PyYAML reads 1e-3 as a string
+    assert json.loads(config.collection)["structure"]["test"] == ["hard"]
+
+
 def test_interquartile_mean_trims_a_quarter_each_side():
     from orchestration.metrics_log import interquartile_mean
 
