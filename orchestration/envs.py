@@ -6,6 +6,8 @@ Names:
   parallel or AEC PettingZoo envs, ``num_envs`` copies batched;
 - ``vmas:navigation`` (any VMAS scenario): one vectorised VMAS env through torchrl's ``VmasEnv`` and
   :class:`adapters.torchrl_env.TorchRLEnv` (``--env-kwargs n_agents 3 continuous_actions False`` ...);
+- ``torchrl:CartPole-v1`` (any gymnasium id): torchrl's ``GymEnv`` with ``num_envs`` (its vectorised env) through
+  :class:`adapters.torchrl_env.TorchRLEnv`;
 - ``package.module:factory``: a user's factory (no arguments but ``env_kwargs``) returning a gymnasium env, a
   PettingZoo parallel or AEC env, or a batched torchrl env (:func:`from_factory`);
 - anything else: a gymnasium id (``CartPole-v1``, or gymnasium's ``module:EnvId``), vectorised with
@@ -71,6 +73,13 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
         seed = kwargs.pop("seed", 0)
         return TorchRLEnv(VmasEnv(name.split(":", 1)[1], num_envs=num_envs, seed=seed, **kwargs),
                           TorchRLEnvConfig(payoff=payoff))
+    if name.startswith("torchrl:"):  # a gymnasium id through torchrl's own GymEnv (its vectorised batch)
+        from torchrl.envs.libs.gym import GymEnv
+
+        from adapters.torchrl_env import TorchRLEnv, TorchRLEnvConfig
+
+        payoff = kwargs.pop("payoff", "cooperative")
+        return TorchRLEnv(GymEnv(name.split(":", 1)[1], num_envs=num_envs, **kwargs), TorchRLEnvConfig(payoff=payoff))
     if name.startswith(("mpe2:", "pettingzoo:")):
         family, module_name = name.split(":", 1)
         module = _import_pettingzoo(name, family, module_name)
@@ -186,7 +195,7 @@ _GYM_ID = re.compile(r"^[A-Za-z0-9_\-/.]+$")
 def imports_code(name: str) -> str | None:
     """Why building env ``name`` could import a module that ``name`` itself chooses, or None when it cannot.
 
-    Safe forms: ``builtin:<name>``, ``mpe2:<module>`` and ``pettingzoo:<family>.<module>`` (dotted
+    Safe forms: ``builtin:<name>``, ``torchrl:<gymnasium id>``, ``mpe2:<module>`` and ``pettingzoo:<family>.<module>`` (dotted
     identifiers inside those installed packages) and gymnasium ids without a module part (``CartPole-v1``,
     ``ALE/Pong-v5``). Gymnasium's ``module:Env-v0`` form imports ``module``: an env id read from a checkpoint
     must never do that (the checkpoint could name any module on the path).
@@ -200,6 +209,8 @@ def imports_code(name: str) -> str | None:
         return None if rest.isidentifier() else f"VMAS scenario {rest!r} is not a name"
     if family in ("mpe2", "pettingzoo"):
         return None if _DOTTED.match(rest) else f"{family} module {rest!r} is not a dotted module name"
+    if family == "torchrl":  # torchrl's GymEnv of a gymnasium id: safe as that id is
+        return None if _GYM_ID.match(rest) else f"env id {rest!r} (through torchrl) is not a plain gymnasium id"
     return f"env id {name!r} makes gymnasium import the module {family!r}"
 
 

@@ -219,3 +219,18 @@ def test_vmas_if_installed():
         assert torch.equal(out.get(("agents", OBSERVATION)), first)
         assert bool(out.get((NEXT, TERMINATED)).all()) == (step == 4)  # VMAS's max_steps sets terminated
         assert not out.get((NEXT, TRUNCATED)).any()
+
+
+def test_a_torchrl_gym_env_id_trains_from_the_cli(tmp_path):
+    """``torchrl:<gymnasium id>``: torchrl's vectorised GymEnv through the adapter, one iteration from the CLI;
+    the id form is as safe as the gymnasium id it names (a ``module:Env`` id would import a module)."""
+    import csv
+
+    from orchestration.cli import main
+    from orchestration.envs import imports_code
+
+    main(["train", "torchrl:CartPole-v1", "--iterations", "1", "--rollout.num-envs", "4", "--rollout.fragment-length",
+          "16", "--no-progress", "--run-dir", str(tmp_path / "run")])
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        assert int(float(list(csv.DictReader(f))[-1]["env_steps"])) == 64
+    assert imports_code("torchrl:CartPole-v1") is None and imports_code("torchrl:evil:Env-v0")
