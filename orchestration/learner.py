@@ -37,6 +37,11 @@ from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
 
 
+#: Transitions per critic call when values are computed for a whole batch: the hidden activations of a large
+#: batch (64 floats per layer and transition) would otherwise outweigh the batch itself.
+_VALUE_CHUNK = 1 << 16
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` picks CUDA when present, else CPU."""
     if name == "auto":
@@ -172,7 +177,11 @@ class PPOLearner:
             obs = {OBSERVATION: g.get(OBSERVATION)}
             if MASK in g.keys():
                 obs[MASK] = g.get(MASK)
-            g.set(STATE_VALUE, self.policy.value(TensorDict(obs, batch_size=g.batch_size), root.get(SHARED, None)))
+            obs, shared = TensorDict(obs, batch_size=g.batch_size), root.get(SHARED, None)
+            rows = max(1, _VALUE_CHUNK // max(1, g.batch_size[1:].numel()))  # env rows per critic call
+            g.set(STATE_VALUE, self.policy.value(obs, shared) if g.batch_size[0] <= rows else torch.cat(
+                [self.policy.value(obs[i:i + rows], None if shared is None else shared[i:i + rows])
+                 for i in range(0, g.batch_size[0], rows)]))
         return batch
 
     @staticmethod

@@ -124,3 +124,20 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_valid(tmp_pa
     _, _, restored = load_checkpoint(tmp_path)
     assert restored["iteration"] == 1  # `latest` still names the complete first checkpoint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "latest"]  # no half-written leftovers
+
+
+def test_values_of_a_large_batch_are_computed_in_chunks_with_the_same_result(monkeypatch):
+    """The learner evaluates the critic over a big batch in chunks of env rows (bounded activations): an
+    update with 3-row chunks trains the same weights as one critic call over the batch (up to float
+    rounding)."""
+    import orchestration.learner as learner_module
+
+    config = TrainConfig(env="builtin:cartpole", seed=2, rollout=RolloutConfig(num_envs=8, fragment_length=16))
+    weights = []
+    for chunk in (1 << 16, 3 * 16):  # one call; then chunks of 3 env rows of 16 steps (the last one 2 rows)
+        monkeypatch.setattr(learner_module, "_VALUE_CHUNK", chunk)
+        trainer = build_trainer(config)
+        trainer.train()
+        weights.append(trainer.learners["agent"].weights()[1])
+        trainer.close()
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0].keys(True, True))

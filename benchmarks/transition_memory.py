@@ -1,0 +1,92 @@
+"""Peak memory per stored transition of a training iteration, against the bytes a transition holds.
+
+Each case runs in a fresh process: the built-in torch CartPole with ``num_envs`` envs and fragments of
+``steps`` steps, one warm-up iteration at a small batch (imports, allocator, first-use costs), then the
+measured iteration at full size. Ours: (peak RSS during the measured iteration, sampled every millisecond, -
+RSS before it) / transitions
+(``num_envs * steps``). Reference, in the same process: the bytes of the iteration's fragment (every tensor a
+learner trains on: observations, actions, rewards, flags, log-probabilities, masks, ...) / transitions.
+Target (issue 18): ours <= 2x the reference.
+
+    python benchmarks/transition_memory.py [--envs 1024 4096 16384] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import threading
+import time
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _case(num_envs: int, steps: int, out) -> None:
+    import torch
+
+    from orchestration.builder import build_trainer
+    from orchestration.config import RolloutConfig, TrainConfig
+
+    torch.set_num_threads(1)
+    small = build_trainer(TrainConfig(env="builtin:cartpole", rollout=RolloutConfig(num_envs=64, fragment_length=steps)))
+    small.train()
+    small.close()
+    trainer = build_trainer(TrainConfig(env="builtin:cartpole",
+                                        rollout=RolloutConfig(num_envs=num_envs, fragment_length=steps)))
+    before, peak, done = _rss_mb(), [0.0], threading.Event()
+
+    def watch() -> None:  # RSS sampled every millisecond during the iteration
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    fragments = []
+    learner = trainer.learners["agent"]
+    receive = learner.receive
+
+    def keep(fragment, meta):  # the fragment a learner receives: what a transition holds
+        fragments.append(fragment)
+        return receive(fragment, meta)
+
+    learner.receive = keep
+    watcher.start()
+    trainer.train()
+    done.set()
+    watcher.join()
+    peak = max(peak[0], _rss_mb())
+    transitions = num_envs * steps
+    held = sum(sum(t.numel() * t.element_size() for t in f.values(True, True)) for f in fragments)
+    trainer.close()
+    out.put({"num_envs": num_envs, "steps": steps, "transitions": transitions,
+             "bytes_held_per_transition": round(held / transitions, 1),
+             "peak_bytes_per_transition": round((peak - before) * 2**20 / transitions, 1),
+             "rss_before_mb": round(before, 1), "peak_rss_mb": round(peak, 1)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--envs", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    cases = []
+    for n in args.envs:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_case, args=(n, args.steps, queue))
+        proc.start()
+        result = queue.get()
+        proc.join()
+        result["ratio"] = round(result["peak_bytes_per_transition"] / result["bytes_held_per_transition"], 2)
+        cases.append(result)
+    print(json.dumps({"benchmark": "transition_memory", "env": "builtin:cartpole", "cases": cases,
+                      "target_ratio": 2.0, "meets_target": all(c["ratio"] <= 2.0 for c in cases)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
