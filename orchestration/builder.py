@@ -162,11 +162,37 @@ def build_evaluator(config: TrainConfig, policies: Mapping[str, GroupPolicy], as
                  deterministic=[p for p in policies if p not in fixed])
 
 
-def build_trainer(config: TrainConfig):
+def pretrain_policies_(config: TrainConfig, tree: Tree, assignment: Mapping[str, GroupAssignment],
+                       policies: Mapping[str, GroupPolicy], fixed: Collection[str]) -> dict[str, list[dict[str, float]]]:
+    """Behaviour-clones ``config.pretrain.dataset`` into every learning policy in place (each on the recorded
+    agents of its groups), before learners and actors copy the modules; returns each policy's reports (none
+    without a dataset).
+
+    Raises:
+        DatasetError: a dataset that does not load, or was recorded in another tree than ``tree``.
+    """
+    pc = config.pretrain
+    if not pc.dataset:
+        return {}
+    from core.losses.bc import BCConfig
+    from orchestration.dataset_learner import pretrain_
+    from orchestration.datasets import check_tree, load_dataset
+
+    dataset = load_dataset(pc.dataset)
+    check_tree(dataset, tree)
+    bc = BCConfig(lr=pc.lr, minibatch_size=pc.minibatch_size)
+    return {pid: pretrain_(policies[pid], dataset, bc, steps=pc.steps, groups=groups_of(assignment, pid),
+                           seed=config.seed, device=resolve_device(config.device))
+            for pid in sorted(set(policies) - set(fixed))}
+
+
+def build_trainer(config: TrainConfig, *, pretrain: bool = True):
     """The composition root: a :class:`orchestration.trainer.Trainer` over the backend ``config`` names.
 
     ``local``: actors in this process (:class:`LocalFleet`) and local learners; ``ray``: rollout workers and
-    learner actors (:func:`orchestration.ray_session.build_ray_parts`). Both start from the same weights.
+    learner actors (:func:`orchestration.ray_session.build_ray_parts`). Both start from the same weights:
+    with ``config.pretrain.dataset`` (and ``pretrain``; False for a resumed run, whose checkpoint holds trained
+    weights) the learning policies are behaviour-cloned first (:func:`pretrain_policies_`).
     """
     from orchestration.fleet import LocalFleet
     from orchestration.trainer import Trainer
@@ -176,6 +202,10 @@ def build_trainer(config: TrainConfig):
     config = with_collection(config, collection)
     rc = config.rollout
     if config.env == "external":  # simulators connect over the network: the tree comes from the first of them
+        if pretrain and config.pretrain.dataset:
+            raise ValueError("--pretrain.dataset: external simulators bring their tree when they connect; "
+                             "pretraining needs it before the learners are built (clone with "
+                             "orchestration.dataset_learner.BCLearner and start from its weights instead)")
         from orchestration.external_fleet import build_external
 
         fleet, learners, tree, close = build_external(config)  # local or Ray learners, as config.backend says
@@ -189,6 +219,8 @@ def build_trainer(config: TrainConfig):
             probe.close()
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
+        if pretrain:
+            pretrain_policies_(config, tree, assignment, policies, fixed)
         from orchestration.ray_session import build_ray_parts
 
         fleet, learners, close = build_ray_parts(config, tree, policies, fixed)
@@ -198,6 +230,13 @@ def build_trainer(config: TrainConfig):
         tree = envs[0].tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
+        if pretrain:
+            try:
+                pretrain_policies_(config, tree, assignment, policies, fixed)
+            except BaseException:
+                for env in envs:
+                    env.close()
+                raise
         learners = build_learners(config, assignment, policies, fixed)
         shared, close = None, None
         if rc.central_inference:  # one service answers every actor in batched forwards
@@ -215,4 +254,5 @@ def build_trainer(config: TrainConfig):
 
 
 __all__ = ["assignment_for", "build_actor", "build_evaluator", "build_learner", "build_learners", "build_policies",
-           "build_trainer", "fixed_policy_ids", "is_fixed", "policy_module", "stream_worker_ids", "worker_id_of", "worker_seed"]
+           "build_trainer", "fixed_policy_ids", "is_fixed", "policy_module", "pretrain_policies_", "stream_worker_ids",
+           "worker_id_of", "worker_seed"]

@@ -184,7 +184,7 @@ def _setup_training(argv: list[str]):
     torch.set_num_threads(config.threads)
     ckpt_root = Path(config.run_dir) / "checkpoints"
     clean_stale(ckpt_root)  # half-written checkpoints a killed run left
-    trainer = build_trainer(config)
+    trainer = build_trainer(config, pretrain=not resume)  # a resumed run's checkpoint holds trained weights
     try:
         if resume:
             restore_trainer_(trainer, *load_checkpoint(ckpt_root))
@@ -225,13 +225,16 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     with 95% intervals per seat (:mod:`orchestration.matches`). With ``--video DIR``: plays the episodes in one
     env that renders ``rgb_array`` frames and writes one video per episode into ``DIR``, as MP4 when the
     video extra is installed (``pip install 'shoal[video]'``), else as animated GIFs (:mod:`orchestration.videos`).
+    A checkpoint of a run on an environment collection plays ``episodes`` episodes in each of its evaluation
+    envs and prints the means over all of them plus per env (``eval_return_mean/env:<id>``); the stored
+    collection document never imports code (``module:factory`` members are refused: pass ``--env``).
 
     Args:
         checkpoint: a checkpoint directory, or a run's ``checkpoints`` directory (its newest checkpoint).
         episodes: episodes to play (per seat with ``--opponent``).
         num_envs: envs stepped together.
-        env: the env to play in (default: the checkpoint's, unless naming it would import a module: an env
-            read from a checkpoint never imports code).
+        env: the env to play in, instead of the checkpoint's env or collection (default: the checkpoint's,
+            unless naming it would import a module: an env read from a checkpoint never imports code).
         threads: torch CPU threads (1 is fastest for small networks on a shared machine).
         opponent: ``random`` or another checkpoint (same tree) playing every seat but the evaluated one.
         seats: the agents the checkpoint plays, one at a time (default: every agent).
@@ -245,6 +248,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     from core.specs import from_json
     from orchestration.builder import assignment_for, build_evaluator, build_policies
     from orchestration.checkpoint import load_checkpoint
+    from orchestration.collection_driver import evaluate_members
+    from orchestration.env_collection import load_collection
     from orchestration.envs import imports_code
     from orchestration.run_state import load_config
 
@@ -256,7 +261,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     if env is None and (why := imports_code(config.env)):
         raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "
                          f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
-    config = dataclasses.replace(config, env=env or config.env)
+    if env is not None:  # an env named here replaces the checkpoint's env and its collection
+        config = dataclasses.replace(config, env=env, collection=None)
     if opponent is not None:
         from orchestration.matches import play_seats
 
@@ -269,17 +275,27 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     policies, fixed = build_policies(config, tree, assignment)
     for pid, policy in policies.items():
         policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
+    def summarize(returns) -> dict[str, float]:
+        out = {}
+        for key, values in returns.items():
+            out[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
+            out[key.replace("return", "eval_return_std", 1)] = statistics.pstdev(values) if values else math.nan
+        return out
+
     videos = None
     if video is None:
-        returns = build_evaluator(config, policies, assignment, fixed, num_envs=num_envs).run_episodes(episodes)
+        # a collection's document, as the checkpoint stores it, never imports code (load_collection refuses it)
+        collection = load_collection(config)
+        actor = build_evaluator(config, policies, assignment, fixed, num_envs=num_envs)
+        if collection is None:
+            results = summarize(actor.run_episodes(episodes))
+        else:  # every evaluation env: overall means plus ``/env:<id>`` ones
+            results = evaluate_members(actor, collection.evaluation_ids(), episodes, summarize)
     else:
         from orchestration.videos import record_episodes
 
         returns, videos = record_episodes(config, policies, assignment, fixed, episodes=episodes, out_dir=video)
-    results = {}
-    for key, values in returns.items():
-        results[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
-        results[key.replace("return", "eval_return_std", 1)] = statistics.pstdev(values) if values else math.nan
+        results = summarize(returns)
     print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results,
                       **({"videos": [str(v) for v in videos]} if videos is not None else {})}))
     return results["eval_return_mean"]

@@ -187,6 +187,27 @@ class ExternalConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PretrainConfig:
+    """Behaviour cloning before PPO starts (docs/datasets.md): every learning policy is cloned on a recorded
+    dataset of the run's env (``orchestration.dataset_learner.pretrain_``). A resumed run skips it."""
+
+    dataset: str = ""
+    """A dataset directory (``orchestration.datasets.save_dataset``) recorded in an env of the run's tree;
+    empty: no pretraining."""
+    steps: int = 1000
+    """Gradient steps of behaviour cloning per learning policy."""
+    lr: float = 1e-3
+    """Adam learning rate of behaviour cloning."""
+    minibatch_size: int = 256
+    """Transitions per behaviour-cloning step."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.minibatch_size < 1 or not self.lr > 0:
+            raise ValueError(f"PretrainConfig: steps must be >= 0, minibatch_size >= 1 and lr > 0, got "
+                             f"{self.steps}, {self.minibatch_size} and {self.lr}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """A whole training run: environment, rollout, PPO, policy, budget, evaluation, outputs."""
 
@@ -273,6 +294,8 @@ class TrainConfig:
     """Modes, placement and bounds of the Ray backend (used with ``backend="ray"``)."""
     external: ExternalConfig = field(default_factory=ExternalConfig)
     """The server and simulator launcher of ``--env external`` (docs/external-protocol.md)."""
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    """Behaviour cloning on a recorded dataset before PPO starts (``--pretrain.dataset PATH``)."""
 
     def __post_init__(self) -> None:
         for name, ok, rule in (("iterations", self.iterations >= 0, ">= 0"),
@@ -308,4 +331,4 @@ class TrainConfig:
         return self.train_batch_size or self.rollout.steps_per_round
 
 
-__all__ = ["ExternalConfig", "RayConfig", "RolloutConfig", "TrainConfig"]
+__all__ = ["ExternalConfig", "PretrainConfig", "RayConfig", "RolloutConfig", "TrainConfig"]

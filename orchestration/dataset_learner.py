@@ -11,7 +11,7 @@ of waiting for fleet fragments, so it trains in a continuous loop. Usage loop::
     version, weights = learner.published()
     start_from_(ppo_learner, weights)         # PPO fine-tunes from the cloned policy (public APIs only)
 
-or, before the PPO learners are built (what ``shoal train --pretrain-dataset PATH`` wires)::
+or, before the PPO learners are built (what ``shoal train --pretrain.dataset PATH`` wires)::
 
     policies, fixed = build_policies(config, tree, assignment)
     for pid in set(policies) - fixed:         # each learning policy clones its groups' recorded agents

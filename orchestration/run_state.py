@@ -111,7 +111,7 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
 def _load_config(state: dict[str, Any]) -> TrainConfig:
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
-    from orchestration.config import ExternalConfig, RayConfig, RolloutConfig
+    from orchestration.config import ExternalConfig, PretrainConfig, RayConfig, RolloutConfig
 
     raw = dict(state["config"])
     raw["rollout"] = RolloutConfig(**raw["rollout"])
@@ -129,6 +129,7 @@ def _load_config(state: dict[str, Any]) -> TrainConfig:
             raw.setdefault(moved, ray_raw.pop(moved))
     raw["ray"] = RayConfig(**ray_raw)
     raw["external"] = ExternalConfig(**raw.get("external", {}))
+    raw["pretrain"] = PretrainConfig(**raw.get("pretrain", {}))
     return TrainConfig(**raw)
 
 

@@ -205,3 +205,39 @@ def test_policy_groups_must_be_in_the_dataset_and_weights_must_fit(scripted):
     with pytest.raises(ValueError, match="do not fit"):
         start_from_(ppo, BCLearner(narrow, scripted).published()[1])
     assert ppo.version == 0
+
+
+def test_shoal_train_pretrains_on_a_dataset_before_ppo(scripted, tmp_path, monkeypatch, capsys):
+    import csv
+
+    from orchestration.cli import main
+
+    path = str(save_dataset(tmp_path / "lean", scripted))
+    monkeypatch.chdir(tmp_path)
+    short = ["--iterations", "1", "--rollout.num-envs", "4", "--rollout.fragment-length", "200", "--env-kwargs",
+             "max_steps", "150", "--loggers", "csv", "--no-progress"]
+    main(["train", ENV, "--pretrain.dataset", path, "--pretrain.steps", "300", "--pretrain.lr", "3e-3",
+          "--run-dir", "cloned", *short])
+    with open(tmp_path / "cloned" / "metrics.csv") as f:
+        first = next(csv.DictReader(f))
+    assert float(first["episode_return_mean"]) > 100  # collected with the clone's weights: random gets ~20
+    config = json.loads((tmp_path / "cloned" / "config.json").read_text())
+    assert config["pretrain"]["dataset"] == path and config["pretrain"]["steps"] == 300
+
+    import orchestration.builder as builder
+
+    def refuse(*args):
+        raise AssertionError("a resumed run must not pretrain again")
+
+    monkeypatch.setattr(builder, "pretrain_policies_", refuse)  # the checkpoint holds the trained weights
+    main(["train", "--resume", "--run-dir", "cloned", "--iterations", "2", "--no-progress"])
+    with open(tmp_path / "cloned" / "metrics.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "builtin:spread", "--pretrain.dataset", path, "--run-dir", "wrong", *short[:6],
+              "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "recorded in another tree" in capsys.readouterr().err

@@ -271,3 +271,34 @@ def test_the_cli_trains_on_a_collection_file_and_resumes_without_it(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert len(rows) == 4 and np.isfinite(float(rows[-1].split(",")[header.index("episodes/env:easy")]))
+
+
+def test_shoal_evaluate_plays_every_evaluation_env_of_a_collection_checkpoint(tmp_path, monkeypatch, capsys):
+    from orchestration.cli import main
+
+    doc = json.dumps({"format": FORMAT, "members": {"a": cartpole(40), "t1": cartpole(30), "t2": cartpole(60)},
+                      "structure": {"kind": "split", "train": ["a"], "test": ["t1", "t2"]}})
+    monkeypatch.chdir(tmp_path)
+    main(["train", "--collection", doc, "--iterations", "1", "--rollout.num-envs", "4", "--rollout.fragment-length",
+          "16", "--ppo.minibatch-size", "32", "--loggers", "csv", "--run-dir", "run", "--no-progress"])
+    capsys.readouterr()
+    main(["evaluate", "run/checkpoints", "--episodes", "3", "--num-envs", "2"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for env_id, cap in (("t1", 30), ("t2", 60)):
+        assert 0 < out[f"eval_return_mean/env:{env_id}"] <= cap and f"eval_return_std/env:{env_id}" in out
+    assert "eval_return_mean/env:a" not in out
+    assert out["eval_return_mean"] == pytest.approx((out["eval_return_mean/env:t1"] + out["eval_return_mean/env:t2"]) / 2)
+
+    import dataclasses
+
+    import orchestration.run_state as run_state
+
+    code = json.loads(doc)
+    code["members"]["t2"] = "mymodule:make_env"  # a checkpoint whose stored document names code to import
+    stored = run_state.load_config
+    monkeypatch.setattr(run_state, "load_config",
+                        lambda state: dataclasses.replace(stored(state), collection=json.dumps(code)))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["evaluate", "run/checkpoints", "--episodes", "1"])
+    assert exit_info.value.code == 2
+    assert "member 't2' names env 'mymodule:make_env'" in capsys.readouterr().err
