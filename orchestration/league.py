@@ -98,8 +98,23 @@ class LeagueTrainer:
                                          group=group, policy_id=member.name, version=i, config=config))
         return written
 
+    def add_member(self, weights: TensorDictBase, name: str | None = None) -> Member:
+        """Adds in-memory ``weights`` (fitting the opponent slot, e.g. ``trainer.learners[learner].weights()[1]``)
+        to the pool as a frozen member, without a round trip through disk as in :meth:`add_snapshot`: seeds a
+        pool, or adds opponents from elsewhere. The weights are copied, so later changes to the given tensors
+        do not reach the member. ``name`` defaults to ``"member/<index>"``."""
+        expected = self.pool[0].weights
+        if set(weights.keys(include_nested=True, leaves_only=True)) != set(
+                expected.keys(include_nested=True, leaves_only=True)) or any(
+                weights[k].shape != v.shape for k, v in expected.items(include_nested=True, leaves_only=True)):
+            raise ValueError(f"weights do not fit the opponent slot {self.opponent!r}")
+        member = Member(name if name is not None else f"member/{len(self.pool)}", weights.detach().clone())
+        self.pool.append(member)
+        return member
+
     def add_snapshot(self, path: str | Path) -> Member:
-        """Adds a saved snapshot to the pool (its weights must fit the opponent slot)."""
+        """Adds a saved snapshot to the pool (its weights must fit the opponent slot); from memory:
+        :meth:`add_member`."""
         from orchestration.snapshots import load_snapshot
 
         snapshot = load_snapshot(path)

@@ -35,6 +35,31 @@ def test_league_grows_a_pool_and_actors_play_the_drawn_opponent():
     assert not (learner_now == league.pool[1].weights).all()  # snapshots are copies, not views
 
 
+def test_a_league_is_seeded_with_in_memory_members_that_it_draws_and_plays():
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3", seed=0, iterations=2, lr=1e-3,
+                         policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",),
+                         rollout=RolloutConfig(num_envs=4, fragment_length=32), ppo=PPOConfig(minibatch_size=64))
+    league = LeagueTrainer(build_trainer(config), learner="player", opponent="opponent", snapshot_every=100,
+                           pfsp_power=0.0)
+    source = league.trainer.learners["player"].weights()[1]
+    g = torch.Generator().manual_seed(0)
+    seeded = [league.add_member(source.apply(lambda t: t + 0.1 * torch.randn(t.shape, generator=g)))
+              for _ in range(3)]
+    assert len(league.pool) == 4 and [m.name for m in seeded] == ["member/1", "member/2", "member/3"]
+    assert league.add_member(source, name="mine").name == "mine"
+    before = seeded[0].weights.clone()
+    source.apply_(lambda t: t.add_(1.0))  # the member holds a copy
+    assert (seeded[0].weights == before).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        league.add_member(source.exclude(*list(source.keys())[:1]))
+    league.pool[:] = seeded[1:2]  # only a seeded member left: the league must draw and play it
+    league.train()
+    assert league.current is seeded[1] and seeded[1].games > 0
+    actor_opponent = TensorDict.from_module(league.trainer.fleet.actors[0].policies["opponent"])
+    assert (actor_opponent == seeded[1].weights).all()
+    league.trainer.close()
+
+
 def test_league_refuses_a_learning_opponent():
     config = TrainConfig(env="pettingzoo:classic.connect_four_v3", iterations=1,
                          rollout=RolloutConfig(num_envs=2, fragment_length=8))
