@@ -78,14 +78,17 @@ class Actor:
         self._rnn: dict[tuple[str, str], torch.Tensor | None] = {}
         self._done = torch.ones(env.num_envs, 1, dtype=torch.bool)  # every env starts an episode
 
-    @property
-    def _episode_start(self) -> torch.Tensor:
-        """``[E]`` bool: envs whose episode starts at the current step (their recurrent state is zeroed)."""
-        return self._done.reshape(-1)
-
-    @_episode_start.setter
-    def _episode_start(self, value: torch.Tensor) -> None:
-        self._done = value.reshape(-1, 1)
+    def restart_episodes_(self, first_step: TensorDictBase) -> int:
+        """Ends every open episode at the last fragment's end (not counted as finished: sums dropped, episode
+        ids advance; recurrent states restart) and acts next on ``first_step`` (an env reset, e.g. another
+        member of a collection). At a fragment boundary only; returns how many episodes were open."""
+        if len(self.builder):
+            raise RuntimeError("episodes can only be restarted at a fragment boundary")
+        open_rows = ~self._done.reshape(-1)
+        tracker = self.builder.tracker
+        tracker.episode_count, tracker.carry = tracker.episode_count + open_rows.to(tracker.episode_count), None
+        self._obs, self._rnn, self._done = first_step, {}, torch.ones_like(self._done)
+        return int(open_rows.sum())
 
     # -- acting ------------------------------------------------------------------------------------------
     def act(self, obs: TensorDictBase, done: torch.Tensor | None,
@@ -287,7 +290,7 @@ class Actor:
         the policy versions and the env's own state when it has one (``state_dict``); ``json["env_state"]``
         says whether it had (an env without it is reset on resume, so the continuation is not exact).
         """
-        tensors: dict[str, torch.Tensor] = {"rng": self.generator.get_state(), "episode_start": self._episode_start,
+        tensors: dict[str, torch.Tensor] = {"rng": self.generator.get_state(), "episode_start": self._done.reshape(-1),
                                             "episode_count": self.builder.tracker.episode_count}
         tensors.update(_flat("obs", self._obs))
         meta: dict[str, Any] = {"obs": _layout(self._obs), "sequence": self.builder.sequence,
@@ -323,7 +326,7 @@ class Actor:
         if meta["env_state"] and hasattr(self.env, "load_state_dict"):
             self.env.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("env/")})
             self._obs = _unflat("obs", tensors, meta["obs"])
-            self._episode_start = tensors["episode_start"].clone()
+            self._done = tensors["episode_start"].clone().reshape(-1, 1)  # [E]: envs starting an episode
 
 
 def episode_records(records: Mapping[str, TensorDictBase],

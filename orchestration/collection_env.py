@@ -181,14 +181,7 @@ def switch_member_(actor, env_id: str, *, force: bool = False) -> int:
         return 0
     if len(actor.builder):
         raise RuntimeError("a collection member can only be switched at a fragment boundary")
-    open_rows = ~actor._done.reshape(-1)
-    obs = actor.env.switch_(env_id)
-    tracker = actor.builder.tracker
-    tracker.episode_count = tracker.episode_count + open_rows.to(tracker.episode_count)
-    tracker.carry = None  # the next fragment's episodes start with it
-    actor._obs, actor._rnn = obs, {}
-    actor._done = torch.ones_like(actor._done)
-    cut = int(open_rows.sum())
+    cut = actor.restart_episodes_(actor.env.switch_(env_id))
     if actor.record:
         actor.env.note_cut_(cut)
     return cut

@@ -59,10 +59,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from core.layout import ACTION, LOG_PROB, NEXT, RECURRENT_STATE
 from core.policies import GroupPolicy
 from orchestration.inference_requests import (InferenceConfig, InferenceResult, Request, RequestExpired, ServiceClosed,
-                                              concatenate, make_request, split, to_device)
+                                              check_weights, forward, make_request)
 from orchestration.learner import resolve_device
 
 #: Batches whose size sets the "nearly empty" threshold (three quarters of the largest of them).
@@ -126,8 +125,9 @@ class InferenceService:
             KeyError: unknown policy id. ValueError / TypeError: a malformed request (the message names the
             policy id and the entry). ServiceClosed: the service is closed.
         """
-        return self._enqueue(self._request(policy_id, obs, shared, timeout_s, deterministic, recurrent_state,
-                                           episode_start, answer=False))
+        return self._enqueue(self._request(policy_id, obs, shared=shared, timeout_s=timeout_s,
+                                           deterministic=deterministic, recurrent_state=recurrent_state,
+                                           episode_start=episode_start, answer=False))
 
     def _enqueue(self, request: Request):
         with self._lock:
@@ -142,7 +142,7 @@ class InferenceService:
         raises what the future raises."""
         if self._thread is None:
             raise RuntimeError("InferenceService.act before start(): nothing would serve the request")
-        answer = self._enqueue(self._request(policy_id, obs, answer=True, **_act_arguments(kwargs)))
+        answer = self._enqueue(self._request(policy_id, obs, **kwargs, answer=True))
         self.serve_queued()
         return answer.result()
 
@@ -181,16 +181,7 @@ class InferenceService:
     def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
         """Stages ``weights`` (``TensorDict.from_module`` layout) as ``version`` of ``policy_id``; the service
         loads them before its next batch, so no batch mixes versions. A later call before that wins."""
-        template = self._template(policy_id)
-        extra = set(weights.keys(True, True)) - set(template.keys(True, True))
-        if extra:
-            raise ValueError(f"policy {policy_id!r}: weights entries {sorted(map(str, extra))} are not in the policy")
-        for key, value in template.items(True, True):
-            got = weights.get(key, None)
-            if got is None or got.shape != value.shape:
-                name = ".".join(key) if isinstance(key, tuple) else key
-                raise ValueError(f"policy {policy_id!r}: weights entry {name!r} is "
-                                 f"{None if got is None else tuple(got.shape)}, expected {tuple(value.shape)}")
+        check_weights(policy_id, self._template(policy_id), weights)
         staged = weights.detach().to(self.device).clone()  # ours: the caller may reuse its tensors at once
         with self._lock:
             self._pending[policy_id] = (int(version), staged)
@@ -379,25 +370,9 @@ class InferenceService:
             r.future.set_result(result)
 
     def _forward(self, pid: str, deterministic: bool, requests: list[Request], index: int) -> list[InferenceResult]:
-        policy = self._policies[pid]
-        if len(requests) == 1:  # a lone caller: nothing to concatenate or split
-            r = requests[0]
-            inputs, shared, state, start = r.inputs, r.shared, r.state, r.start
-        else:
-            inputs, shared, state, start = concatenate(requests, policy)
-        if self.device.type != "cpu":
-            inputs, shared, state, start = (to_device(x, self.device) for x in (inputs, shared, state, start))
         self._counts["forwards"] += 1
-        out = policy.act_step(inputs, shared, self._generator, deterministic, state, start,
-                              with_value=False, with_log_prob=True)
-        if self.device.type != "cpu":
-            out = to_device(out, torch.device("cpu"))  # blocking: the callers read it at once
-        version, sizes = self._versions[pid], [r.rows for r in requests]
-        actions, log_probs = split(out[ACTION], sizes), split(out[LOG_PROB], sizes)
-        if policy.gru is None:
-            return [InferenceResult(a, lp, version, index) for a, lp in zip(actions, log_probs)]
-        used, nxt = split(out[RECURRENT_STATE], sizes), split(out[NEXT][RECURRENT_STATE], sizes)
-        return [InferenceResult(a, lp, version, index, u, s) for a, lp, u, s in zip(actions, log_probs, used, nxt)]
+        return forward(self._policies[pid], requests, self._generator, deterministic, self.device,
+                       self._versions[pid], index)
 
     # -- request validation (in the caller's thread: a malformed request never reaches a batch) -----------
     def _template(self, policy_id: str) -> TensorDictBase:
@@ -405,26 +380,15 @@ class InferenceService:
             raise KeyError(f"unknown policy id {policy_id!r}: this service serves {sorted(self._policies)}")
         return self._templates[policy_id]
 
-    def _request(self, pid, obs, shared=None, timeout_s=10.0, deterministic=False, state=None, start=None, *,
-                 answer: bool) -> Request:
+    def _request(self, pid, obs, *, shared=None, timeout_s=10.0, deterministic=False, recurrent_state=None,
+                 episode_start=None, answer: bool) -> Request:
         if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
             raise ValueError(f"policy {pid!r}: timeout_s must be a number >= 0 (every request has a deadline), "
                              f"got {timeout_s!r}")
         self._template(pid)  # a known policy id
-        return make_request(pid, self._policies[pid], obs, shared, state, start, max_rows=self.config.max_batch_rows,
-                            deadline=self._clock() + timeout_s, deterministic=deterministic, answer=answer)
-
-
-_SUBMIT_ARGUMENTS = ("shared", "timeout_s", "deterministic", "recurrent_state", "episode_start")
-
-
-def _act_arguments(kwargs: dict) -> dict:
-    """:meth:`InferenceService.act`'s keyword arguments as ``_request`` takes them (those of ``submit``)."""
-    unknown = set(kwargs) - set(_SUBMIT_ARGUMENTS)
-    if unknown:
-        raise TypeError(f"InferenceService.act got unexpected keyword arguments {sorted(unknown)}")
-    names = {"recurrent_state": "state", "episode_start": "start"}
-    return {names.get(k, k): v for k, v in kwargs.items()}
+        return make_request(pid, self._policies[pid], obs, shared, recurrent_state, episode_start,
+                            max_rows=self.config.max_batch_rows, deadline=self._clock() + timeout_s,
+                            deterministic=deterministic, answer=answer)
 
 
 __all__ = ["InferenceConfig", "InferenceResult", "InferenceService", "RequestExpired", "ServiceClosed"]

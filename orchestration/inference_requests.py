@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from core.layout import ACTION_MASK, MASK, OBSERVATION
+from core.layout import ACTION, ACTION_MASK, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE
 from core.policies import GroupPolicy
 
 _KEYS = frozenset({OBSERVATION, ACTION_MASK, MASK})
@@ -177,7 +177,8 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
                 raise ValueError(f"policy {pid!r}: episode_start must be bool [{n}] or [{n}, {a}], "
                                  f"got {start.dtype} {tuple(start.shape)}")
             start = start.reshape(n, 1).expand(n, a) if start.dim() == 1 else start  # one layout to concatenate
-    return Request(pid, inputs, shared, state, start, n, deadline, bool(deterministic), Answer() if answer else Future())
+    waiter = Answer() if answer else Future()
+    return Request(pid, inputs, shared, state, start, n, deadline, bool(deterministic), waiter)
 
 
 def _expect(pid: str, path: str, t: Any, lead: tuple[int, ...], ndim: int | None) -> None:
@@ -188,6 +189,20 @@ def _expect(pid: str, path: str, t: Any, lead: tuple[int, ...], ndim: int | None
     if shape[: len(lead)] != lead or (ndim is not None and len(shape) != ndim):
         raise ValueError(f"policy {pid!r}: {path} has shape {tuple(shape)}, expected "
                          f"[{', '.join(map(str, lead))}{', ...' if ndim is None else ''}]")
+
+
+def check_weights(policy_id: str, template: TensorDictBase, weights: TensorDictBase) -> None:
+    """Raises ValueError naming the policy and entry unless ``weights`` has exactly ``template``'s entries and
+    shapes (``TensorDict.from_module`` layout)."""
+    extra = set(weights.keys(True, True)) - set(template.keys(True, True))
+    if extra:
+        raise ValueError(f"policy {policy_id!r}: weights entries {sorted(map(str, extra))} are not in the policy")
+    for key, value in template.items(True, True):
+        got = weights.get(key, None)
+        if got is None or got.shape != value.shape:
+            name = ".".join(key) if isinstance(key, tuple) else key
+            raise ValueError(f"policy {policy_id!r}: weights entry {name!r} is "
+                             f"{None if got is None else tuple(got.shape)}, expected {tuple(value.shape)}")
 
 
 def concatenate(requests: list[Request], policy: GroupPolicy) -> tuple[dict, Any, Tensor | None, Tensor | None]:
@@ -249,5 +264,27 @@ def _cat(parts: list):
     return {k: _cat([p[k] for p in parts]) for k in parts[0]}
 
 
-__all__ = ["InferenceConfig", "InferenceResult", "Request", "RequestExpired", "ServiceClosed", "concatenate",
-           "make_request", "split", "to_device"]
+def forward(policy: GroupPolicy, requests: list[Request], generator: torch.Generator, deterministic: bool,
+            device: torch.device, version: int, index: int) -> list[InferenceResult]:
+    """ONE ``act_step`` of ``policy`` (on ``device``) for ``requests`` concatenated; each caller's share back
+    on the CPU, labelled with the weights ``version`` and the batch ``index``."""
+    if len(requests) == 1:  # a lone caller: nothing to concatenate or split
+        r = requests[0]
+        inputs, shared, state, start = r.inputs, r.shared, r.state, r.start
+    else:
+        inputs, shared, state, start = concatenate(requests, policy)
+    if device.type != "cpu":
+        inputs, shared, state, start = (to_device(x, device) for x in (inputs, shared, state, start))
+    out = policy.act_step(inputs, shared, generator, deterministic, state, start, with_value=False, with_log_prob=True)
+    if device.type != "cpu":
+        out = to_device(out, torch.device("cpu"))  # blocking: the callers read it at once
+    sizes = [r.rows for r in requests]
+    actions, log_probs = split(out[ACTION], sizes), split(out[LOG_PROB], sizes)
+    if policy.gru is None:
+        return [InferenceResult(a, lp, version, index) for a, lp in zip(actions, log_probs)]
+    used, nxt = split(out[RECURRENT_STATE], sizes), split(out[NEXT][RECURRENT_STATE], sizes)
+    return [InferenceResult(a, lp, version, index, u, s) for a, lp, u, s in zip(actions, log_probs, used, nxt)]
+
+
+__all__ = ["Answer", "InferenceConfig", "InferenceResult", "Request", "RequestExpired", "ServiceClosed",
+           "check_weights", "concatenate", "forward", "make_request", "split", "to_device"]

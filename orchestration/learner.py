@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from core.buffers import concat_fragments, flatten_transitions
-from core.layout import ACTION_MASK, FRAGMENT_ID, MASK, NEXT, OBSERVATION, POLICY_VERSION, SHARED, STATE_VALUE, WORKER_ID
+from core.buffers import concat_fragments, drop_trivial_masks, flatten_transitions
+from core.layout import FRAGMENT_ID, MASK, NEXT, OBSERVATION, POLICY_VERSION, SHARED, STATE_VALUE, WORKER_ID
 from core.losses import PPOConfig, credit_absent_steps, ppo_update_, with_gae
 from core.policies import GroupPolicy
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
@@ -184,17 +184,6 @@ class PPOLearner:
                  for i in range(0, g.batch_size[0], rows)]))
         return batch
 
-    @staticmethod
-    def _drop_trivial_masks(flat: TensorDictBase, group: str) -> TensorDictBase:
-        """Removes an all-True agent mask or action mask: the unmasked loss path is ~20% cheaper."""
-        g = flat.get(group)
-        trivial = [k for k in (MASK, ACTION_MASK) if k in g.keys() and bool(g.get(k).all())]
-        if not trivial:
-            return flat
-        out = flat.copy()
-        out.set(group, g.exclude(*trivial))
-        return out
-
     def _only_slots(self, batch: TensorDictBase, group: str) -> TensorDictBase:
         """Narrows ``(group, "mask")`` to this policy's slots (other policies' agents are not trained on)."""
         slots = self.groups[group]
@@ -233,7 +222,7 @@ class PPOLearner:
                 batch = self._only_slots(batch, group)
                 batch = self._with_values(batch, group)
                 batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)
-            flat = self._drop_trivial_masks(flatten_transitions(batch), group)
+            flat = drop_trivial_masks(flatten_transitions(batch), group)
 
             def evaluate(mb, group=group):
                 return self.policy.evaluate_terms(mb.get(group), mb.get(SHARED, None))

@@ -4,7 +4,7 @@ Stateful: :class:`FragmentBuilder` (steps -> fragments, on the actor) with its :
 the seed-001 facade :class:`MultiAgentRolloutBuffer`. Everything else takes and returns TensorDicts.
 """
 
-from core.buffers.batching import concat_fragments, flatten_transitions, minibatches
+from core.buffers.batching import concat_fragments, drop_trivial_masks, flatten_transitions, minibatches
 from core.buffers.episodes import (
     advance_carry,
     agent_trajectory,
@@ -30,6 +30,7 @@ __all__ = [
     "concat_fragments",
     "empty_carry",
     "episode_stats",
+    "drop_trivial_masks",
     "flatten_transitions",
     "is_fresh",
     "is_ready",

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict
 
-from core.layout import MASK
+from core.layout import ACTION_MASK, MASK
 
 
 def _layout(td: TensorDict) -> dict:
@@ -64,6 +64,18 @@ def flatten_transitions(rollout: TensorDict) -> TensorDict:
     if rollout.batch_dims != 2:
         raise ValueError(f"expected [env, time] or [N], got batch {tuple(rollout.batch_size)}")
     return rollout.reshape(-1)
+
+
+def drop_trivial_masks(flat: TensorDict, group: str) -> TensorDict:
+    """``flat`` without an all-True agent mask or action mask of ``group`` (the unmasked loss path is cheaper);
+    ``flat`` itself when there is none."""
+    g = flat.get(group)
+    trivial = [k for k in (MASK, ACTION_MASK) if k in g.keys() and bool(g.get(k).all())]
+    if not trivial:
+        return flat
+    out = flat.copy()
+    out.set(group, g.exclude(*trivial))
+    return out
 
 
 def minibatches(
