@@ -249,7 +249,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     from orchestration.builder import assignment_for, build_evaluator, build_policies
     from orchestration.checkpoint import load_checkpoint
     from orchestration.collection_driver import evaluate_members
-    from orchestration.env_collection import load_collection
+    from orchestration.env_collection import load_collection, member_config
     from orchestration.envs import imports_code
     from orchestration.run_state import load_config
 
@@ -294,7 +294,18 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     else:
         from orchestration.videos import record_episodes
 
-        returns, videos = record_episodes(config, policies, assignment, fixed, episodes=episodes, out_dir=video)
+        collection = load_collection(config)
+        if collection is None:
+            returns, videos = record_episodes(config, policies, assignment, fixed, episodes=episodes, out_dir=video)
+        else:  # each evaluation env of the collection, filmed into DIR/<env id>/
+            returns, videos = {}, []
+            for env_id in collection.evaluation_ids():
+                got, paths = record_episodes(member_config(config, collection, env_id), policies, assignment,
+                                             fixed, episodes=episodes, out_dir=Path(video) / env_id)
+                videos += paths
+                for key, values in got.items():
+                    returns.setdefault(key, []).extend(values)
+                    returns.setdefault(f"{key}/env:{env_id}", []).extend(values)
         results = summarize(returns)
     print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results,
                       **({"videos": [str(v) for v in videos]} if videos is not None else {})}))

@@ -241,3 +241,23 @@ def test_shoal_train_pretrains_on_a_dataset_before_ppo(scripted, tmp_path, monke
               "--no-progress"])
     assert exit_info.value.code == 2
     assert "recorded in another tree" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_pretraining_reaches_ray_learners_and_workers(scripted, tmp_path, ray_session):
+    """The Ray backend starts from the cloned weights too: the learner actor publishes them and the rollout
+    workers collect the first iteration with them."""
+    from orchestration.builder import build_trainer
+    from orchestration.config import PretrainConfig, RayConfig, RolloutConfig, TrainConfig
+
+    path = str(save_dataset(tmp_path / "lean", scripted))
+    config = TrainConfig(env=ENV, env_kwargs=(("max_steps", "150"),), backend="ray", iterations=1,
+                         rollout=RolloutConfig(num_envs=4, fragment_length=200),
+                         ray=RayConfig(learner_num_cpus=0, learner_num_gpus=0),
+                         pretrain=PretrainConfig(dataset=path, steps=300, lr=3e-3))
+    trainer = build_trainer(config)
+    try:
+        metrics = trainer.train()
+    finally:
+        trainer.close()
+    assert metrics["episode_return_mean"] > 100, metrics["episode_return_mean"]  # random play gets ~20

@@ -115,3 +115,23 @@ def test_an_env_that_does_not_render_is_named_in_one_paragraph(cartpole_checkpoi
     assert exit_.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert f"env {env!r} cannot be filmed" in err and why in err and "--video" in err
     assert not any((tmp_path / "videos").glob("*.*"))
+
+
+def test_evaluate_films_every_evaluation_env_of_a_collection(tmp_path, capsys, monkeypatch):
+    """A collection checkpoint: each evaluation env is filmed into DIR/<env id>/ (not the config's default env),
+    with per-env returns; the training-only env is not filmed."""
+    import orchestration.videos as videos
+    from orchestration.cli import main
+
+    monkeypatch.setattr(videos, "video_format", lambda _fmt="auto": "gif")
+    split = {"format": "shoal.envcollection/1",
+             "members": {"a": "CartPole-v1", "t": {"env": "CartPole-v1", "kwargs": {"max_episode_steps": 5}}},
+             "structure": {"kind": "split", "train": ["a"], "test": ["t"]}}
+    (tmp_path / "split.json").write_text(json.dumps(split))
+    main(["train", "--collection", str(tmp_path / "split.json"), "--iterations", "1", "--rollout.num-envs", "2",
+          "--rollout.fragment-length", "16", "--no-progress", "--run-dir", str(tmp_path / "run")])
+    capsys.readouterr()
+    main(["evaluate", str(tmp_path / "run" / "checkpoints"), "--episodes", "2", "--video", str(tmp_path / "v")])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["videos"] == [str(tmp_path / "v" / "t" / f"episode_00{k}.gif") for k in range(2)]
+    assert result["eval_return_mean/env:t"] <= 5 and not (tmp_path / "v" / "a").exists()  # capped at 5 steps
