@@ -215,7 +215,8 @@ def test_state_resumes_sequences_and_episode_ids(pool_factory):
     assert resumed.versions[G] == 2 and resumed.env_steps == first.env_steps
     new = _collect(resumed, lambda s: min(map(len, s.values())) >= 2)
     for wid in (3, 4):
-        assert [m["sequence"] for _, m in new[wid]] == [len(old[wid]), len(old[wid]) + 1]  # no gap, no repeat
+        seqs = [m["sequence"] for _, m in new[wid]]  # at least 2: a stream that is ready more often makes more
+        assert len(seqs) >= 2 and seqs == list(range(len(old[wid]), len(old[wid]) + len(seqs)))  # no gap, no repeat
         used = set(torch.cat([f.get(EPISODE_ID).reshape(-1) for f, _ in old[wid]]).tolist())
         fresh = set(torch.cat([f.get(EPISODE_ID).reshape(-1) for f, _ in new[wid]]).tolist())
         assert not used & fresh  # the resumed envs start new episodes with new ids
