@@ -6,6 +6,11 @@ explicit batch sizes and no per-key checks (the shapes were checked by the adapt
 per step, see notes/tensordict-hot-paths.md). The returned tensors share memory with the arrays: adapters hand
 over fresh arrays every step and never write into them afterwards.
 
+A group whose action is structured (non-atomic elements or conditional leaves, :mod:`core.specs.structure`)
+carries its action mask as a tree: the adapter gives ``{path: array}`` (paths of
+:func:`core.specs.action_mask_shapes`, e.g. ``("transform",)`` ``[E, A, n_node, n_transform]`` or
+``("@present", "transform")`` ``[E, A]``); entries it leaves out are all True (legal / executed).
+
 Masks that say "everything" (every agent present, every action legal) and end flags that say "nothing ended"
 are given as None and become constant tensors (all True, all False) built once and shared by every step:
 consumers treat step tensors as read-only (they stack or read them), so sharing is safe and saves an
@@ -14,6 +19,7 @@ allocation and a conversion per step (a few µs each, on the per-step path of ev
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +28,7 @@ from tensordict import TensorDict
 
 from core.layout import (ACTION_MASK, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED,
                          all_true)
-from core.specs import GroupSpec, Leaf, Node, Tree, groups, iter_leaves, shared_observations
+from core.specs import GroupSpec, Leaf, Node, Tree, action_mask_shapes, groups, iter_leaves, shared_observations
 from core.tensordicts import make_td, nested_td  # noqa: F401  (re-exported: the adapters' constructor)
 
 def _nest(node: Node, tensors, batch: torch.Size):
@@ -39,9 +45,10 @@ class GroupStep:
     """One array per observation leaf (``iter_leaves`` order), ``[E, A, *leaf.shape]``."""
     mask: np.ndarray | None
     """``[E, A]`` bool: agent present (acts at this step); None: every agent."""
-    action_mask: np.ndarray | None = None
-    """``[E, A, n]`` bool legal actions, for a group whose action is one discrete leaf; None: all legal
-    (groups without a discrete action carry no action mask)."""
+    action_mask: np.ndarray | Mapping[tuple[str, ...], np.ndarray] | None = None
+    """``[E, A, n]`` bool legal actions, for a group whose action is one discrete leaf; for a structured action,
+    ``{path: bool array [E, A, *shape]}`` (module doc; missing paths all True); None: all legal and present
+    (groups without a discrete or structured action carry no action mask)."""
 
 
 @dataclass(slots=True)
@@ -86,6 +93,10 @@ class StepLayout:
         self._no_env_ended = torch.zeros(num_envs, 1, dtype=torch.bool)
         self._all_legal = {name: all_true(*self._group_batch[name], n)
                            for name, g in self.groups.items() if (n := action_mask_size(g)) is not None}
+        # structured actions: path -> all-True constant, per group (the defaults of the mask tree)
+        self._mask_tree = {name: {path: all_true(*self._group_batch[name], *shape) for path, shape in shapes.items()}
+                           for name, g in self.groups.items()
+                           if (shapes := action_mask_shapes(g.agent.action)) is not None}
 
     def obs_leaves(self, name: str) -> list[tuple[tuple[str, ...], Leaf]]:
         """``(key path, leaf)`` of the observation of group ``name``, in array order."""
@@ -120,7 +131,9 @@ class StepLayout:
                 obs = self._observation(spec.agent.observation, g.observation, batch)
             entries = {OBSERVATION: obs,
                        MASK: self._all_present[name] if g.mask is None else torch.from_numpy(g.mask)}
-            if g.action_mask is not None:
+            if (defaults := self._mask_tree.get(name)) is not None:
+                entries[ACTION_MASK] = self._tree_mask(name, defaults, g.action_mask, batch)
+            elif g.action_mask is not None:
                 entries[ACTION_MASK] = torch.from_numpy(g.action_mask)
             elif (legal := self._all_legal.get(name)) is not None:
                 entries[ACTION_MASK] = legal
@@ -131,6 +144,27 @@ class StepLayout:
         if next_td is not None:
             out[NEXT] = next_td
         return make_td(out, self._env_batch)
+
+    @staticmethod
+    def _tree_mask(name: str, defaults: dict, given, batch: torch.Size) -> TensorDict:
+        """The mask tree of a structured action: the adapter's arrays over all-True defaults (module doc)."""
+        leaves = dict(defaults)
+        if given is not None:
+            if not isinstance(given, Mapping):
+                raise ValueError(f"group {name!r} has a structured action: give its action mask as {{path: array}} "
+                                 f"with paths among {sorted(defaults)}")
+            for path, array in given.items():
+                path = tuple(path)
+                if path not in defaults:
+                    raise ValueError(f"group {name!r}: action mask path {path} is not one of {sorted(defaults)}")
+                leaves[path] = torch.from_numpy(array)
+        tree: dict = {}
+        for path, tensor in leaves.items():
+            node = tree
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = tensor
+        return nested_td(tree, batch)
 
     def _build_next(self, nxt, next_shared, env_terminated, env_truncated) -> TensorDict:
         e = self.num_envs

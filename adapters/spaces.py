@@ -50,6 +50,15 @@ class UnsupportedSpaceError(TreeError):
 
 
 _VARIABLE = (spaces.Text, spaces.Graph, spaces.Sequence, spaces.OneOf)
+#: What to use instead of each variable-size space (named in the error).
+_NEAREST = {
+    spaces.Graph: "fixed-capacity Boxes (node features [max_nodes, F], edges [max_edges, 2] and a presence mask); "
+                  "to choose a node, a Discrete(max_nodes) action under an action mask (see builtin:pick)",
+    spaces.Sequence: "a Box of a fixed maximum length plus a MultiBinary presence mask",
+    spaces.Text: "a MultiDiscrete of character codes of a fixed maximum length",
+    spaces.OneOf: "a Dict of every option plus a Discrete choosing one (a non-atomic action Dict lets the env "
+                  "execute only the chosen element)",
+}
 
 
 def torch_dtype(np_dtype) -> torch.dtype:
@@ -109,7 +118,9 @@ def _node(space, path: str, eval_only: bool) -> Node:
             children[name] = _node(child, f"{path}/{name}" if path else name, eval_only)
         return DictNode(children)
     if isinstance(space, _VARIABLE):
-        raise UnsupportedSpaceError(space, path, "variable size or structure has no fixed tensor layout")
+        nearest = next(hint for kind, hint in _NEAREST.items() if isinstance(space, kind))
+        raise UnsupportedSpaceError(space, path, "variable size or structure has no fixed tensor layout; nearest "
+                                                 f"valid choice: {nearest}")
     raise UnsupportedSpaceError(space, path, "no Shoal leaf for this space type")
 
 

@@ -11,7 +11,16 @@ Keys of one transition (``E`` envs, ``T`` steps, ``A`` agents of the group)::
     (group, "observation", ...)       [E, T, A, *obs]   observation tree of the agent (leaf or sub-TensorDict)
     (group, "action", ...)            [E, T, A, *act]   action tree (leaf or sub-TensorDict)
     (group, "mask")                   [E, T, A]  bool   agent present at t (acts and is trained on)
-    (group, "action_mask")            [E, T, A, n] bool legal discrete actions (optional)
+    (group, "action_mask")            [E, T, A, n] bool legal discrete actions (optional; one discrete leaf)
+    (group, "action_mask", *leaf)     [E, T, A, n] bool per-leaf form, for a dict action: keyed like the action
+                                                        tree, one entry per discrete (n) / multi-discrete
+                                                        (sum(nvec)) leaf; a leaf conditioned on leaf X
+                                                        (``DictNode.conditional``) takes a table
+                                      [E, T, A, n_X, n] bool  row x = its legal values when X chose x
+    (group, "action_mask", "@present", *element)
+                                      [E, T, A] bool    non-atomic dict (``DictNode(atomic=False)``): the env
+                                                        executes that element at t; absent ones add nothing
+                                                        to log_prob and entropy (missing key: present)
     (group, "log_prob")               [E, T, A, 1]      behaviour log-probability of the action
     (group, "state_value")            [E, T, A, 1]      critic value at t (filled by the learner or actor)
     ("shared", ...)                   [E, T, *]         population-level shared observations (global state)
@@ -44,6 +53,9 @@ OBSERVATION = "observation"
 ACTION = "action"
 MASK = "mask"
 ACTION_MASK = "action_mask"
+#: Under a per-leaf ``ACTION_MASK`` tree: the presence masks of non-atomic elements. Not a valid child name
+#: (:mod:`core.specs.nodes` names are letters, digits, ``_``, ``-``), so it never collides with an action leaf.
+ACTION_PRESENT = "@present"
 LOG_PROB = "log_prob"
 STATE_VALUE = "state_value"
 REWARD = "reward"
@@ -55,6 +67,9 @@ ADVANTAGE = "advantage"
 VALUE_TARGET = "value_target"
 ENTROPY = "entropy"
 RECURRENT_STATE = "recurrent_state"
+#: Training sequences only (:func:`core.buffers.sequences.split_sequences`), root ``[S, W]`` bool: steps whose
+#: recurrent state is read from the stored one (a sequence's first step, every episode start) instead of carried.
+SEQUENCE_START = "sequence_start"
 #: Actor-side only: the action-head parameters an actor records per step instead of ``LOG_PROB`` when the
 #: heads can compute the log-probability from them afterwards; never part of a finished fragment.
 ACTION_PARAMS = "action_params"
@@ -67,7 +82,8 @@ ENV_ID = "env_id"
 
 #: Root-level keys that are not agent groups.
 RESERVED_ROOT_KEYS = frozenset(
-    {NEXT, SHARED, POLICY_VERSION, WORKER_ID, FRAGMENT_ID, EPISODE_ID, ENV_ID, DONE, TERMINATED, TRUNCATED}
+    {NEXT, SHARED, POLICY_VERSION, WORKER_ID, FRAGMENT_ID, EPISODE_ID, ENV_ID, DONE, TERMINATED, TRUNCATED,
+     SEQUENCE_START}
 )
 
 

@@ -147,14 +147,14 @@ class Actor:
         """
         single = assigned.single
         # No critic here: the learner evaluates state values for the whole batch in one call.
-        if single is not None and self.policies[single].gru is None:  # the common case: nothing to merge or carry
+        if single is not None and not self.policies[single].recurrent:  # the common case: nothing to merge or carry
             return self.policies[single].act_step(g_obs, shared, self.generator, single in self.deterministic,
                                                   with_value=False, with_log_prob=False)
         outs = {}
         with_log_prob = self.record and single is None
         for pid in assigned.policies:
             policy = self.policies[pid]
-            start = done.reshape(-1) if policy.gru is not None else None  # read by recurrent policies only
+            start = done.reshape(-1) if policy.recurrent else None  # read by recurrent policies only
             out = policy.act_step(g_obs, shared, self.generator, pid in self.deterministic,
                                   rnn.get((group, pid)), start, with_value=False, with_log_prob=with_log_prob)
             if RECURRENT_STATE in out:

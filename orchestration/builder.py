@@ -104,7 +104,7 @@ def build_learner(config: TrainConfig, assignment: Mapping[str, GroupAssignment]
                       # synchronous mode trains on each fragment once, with the weights that made it
                       max_staleness=config.max_staleness if config.mode == "async" else None,
                       reuse_limit=config.reuse_limit if config.mode == "async" else 1,
-                      max_skipped_updates=config.max_skipped_updates)
+                      max_skipped_updates=config.max_skipped_updates, curiosity=config.curiosity)
 
 
 def build_learners(config: TrainConfig, assignment: Mapping[str, GroupAssignment],

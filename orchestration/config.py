@@ -208,6 +208,40 @@ class PretrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CuriosityConfig:
+    """A curiosity bonus by random network distillation (Burda et al. 2018, arXiv:1810.12894;
+    ``orchestration.curiosity``): every learning policy adds ``coef`` times a scaled prediction error of the next
+    observation to its rewards, before reward scaling and GAE. Vector (box, discrete) observations only."""
+
+    coef: float = 0.0
+    """Weight of the intrinsic reward added to the env's reward; 0: off (no RND networks are built)."""
+    lr: float = 1e-3
+    """Adam learning rate of the predictor network."""
+    epochs: int = 1
+    """Gradient steps of the predictor per training batch (each on a fresh random ``proportion`` of it)."""
+    proportion: float = 0.25
+    """Fraction of the batch's present samples the predictor trains on (the paper's update proportion)."""
+    gamma: float = 0.99
+    """Discount of the non-episodic intrinsic returns whose running std scales the bonus (the paper's 0.99)."""
+    hidden_size: int = 64
+    """Width of the hidden layers: two in the target network, three in the predictor (ReLU MLPs)."""
+    features: int = 64
+    """Width of the random features the predictor learns to match."""
+
+    def __post_init__(self) -> None:
+        if self.coef < 0 or not self.lr > 0 or self.epochs < 1 or not 0 < self.proportion <= 1 \
+                or not 0 <= self.gamma < 1 or self.hidden_size < 1 or self.features < 1:
+            raise ValueError(f"CuriosityConfig: coef must be >= 0, lr > 0, epochs >= 1, proportion in (0, 1], gamma "
+                             f"in [0, 1), hidden_size and features >= 1; got {self.coef}, {self.lr}, {self.epochs}, "
+                             f"{self.proportion}, {self.gamma}, {self.hidden_size}, {self.features}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the bonus is on (``coef > 0``)."""
+        return self.coef > 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """A whole training run: environment, rollout, PPO, policy, budget, evaluation, outputs."""
 
@@ -296,6 +330,8 @@ class TrainConfig:
     """The server and simulator launcher of ``--env external`` (docs/external-protocol.md)."""
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     """Behaviour cloning on a recorded dataset before PPO starts (``--pretrain.dataset PATH``)."""
+    curiosity: CuriosityConfig = field(default_factory=CuriosityConfig)
+    """A random-network-distillation curiosity bonus on every learning policy's rewards (``--curiosity.coef``)."""
 
     def __post_init__(self) -> None:
         for name, ok, rule in (("iterations", self.iterations >= 0, ">= 0"),
@@ -316,6 +352,9 @@ class TrainConfig:
         check_logger_names(self.loggers)
         if self.mode not in ("sync", "async"):
             raise ValueError(f"TrainConfig.mode must be 'sync' or 'async', got {self.mode!r}")
+        if self.curiosity.enabled and self.ray.learners_per_policy > 1:
+            raise ValueError("curiosity.coef > 0 with ray.learners_per_policy > 1: the RND predictor is not trained "
+                             "data-parallel yet; use one learner per policy")
         if self.train_batch_size and self.train_batch_size % (self.rollout.num_envs * self.rollout.fragment_length):
             raise ValueError(f"train_batch_size {self.train_batch_size} must be a multiple of num_envs * "
                              f"fragment_length = {self.rollout.num_envs * self.rollout.fragment_length}")
@@ -331,4 +370,4 @@ class TrainConfig:
         return self.train_batch_size or self.rollout.steps_per_round
 
 
-__all__ = ["ExternalConfig", "PretrainConfig", "RayConfig", "RolloutConfig", "TrainConfig"]
+__all__ = ["CuriosityConfig", "ExternalConfig", "PretrainConfig", "RayConfig", "RolloutConfig", "TrainConfig"]

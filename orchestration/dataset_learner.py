@@ -154,7 +154,7 @@ class BCLearner:
     def __init__(self, policy: GroupPolicy, dataset: Dataset, *, config: BCConfig | None = None,
                  groups: Mapping[str, torch.Tensor | None] | None = None, policy_id: str = "policy", seed: int = 0,
                  device: str | torch.device = "cpu") -> None:
-        if policy.gru is not None:
+        if policy.recurrent:
             raise ValueError(f"policy {policy_id!r} is recurrent: behaviour cloning here trains feed-forward policies")
         self.config = config if config is not None else BCConfig()
         self.groups = dict(groups) if groups is not None else {policy.group_name: None}

@@ -266,7 +266,7 @@ def check_tree(dataset: Dataset, tree: Tree) -> None:
 def policy_act(policies: Mapping[str, Any], *, deterministic: bool = False, seed: int = 0) -> Act:
     """An :data:`Act` from group -> :class:`core.policies.GroupPolicy` (feed-forward): samples with a seeded
     generator and records log-probabilities, or acts with the modes (no log-probabilities recorded)."""
-    recurrent = [g for g, p in policies.items() if p.gru is not None]
+    recurrent = [g for g, p in policies.items() if p.recurrent]
     if recurrent:
         raise ValueError(f"groups {recurrent}: recording a recurrent policy needs its state carried; wrap it in a "
                          f"callable that does")

@@ -1,7 +1,8 @@
 """Environment names to batched envs: the one place that knows every adapter (the composition root's helper).
 
 Names:
-- ``builtin:cartpole``, ``builtin:spread``, ``builtin:spot`` (an image task): Shoal's own vectorised torch envs;
+- ``builtin:cartpole``, ``builtin:spread``, ``builtin:spot`` (an image task), ``builtin:recall`` (a memory
+  task), ``builtin:pick`` (a structured two-stage action): Shoal's own vectorised torch envs;
 - ``mpe2:simple_spread_v3`` (any mpe2 module), ``pettingzoo:classic.connect_four_v3`` (any PettingZoo module):
   parallel or AEC PettingZoo envs, ``num_envs`` copies batched;
 - ``vmas:navigation`` (any VMAS scenario): one vectorised VMAS env through torchrl's ``VmasEnv`` and
@@ -62,7 +63,16 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
             from adapters.builtin.spot import Spot, SpotConfig
 
             return Spot(SpotConfig(num_envs=num_envs, **kwargs))
-        raise ValueError(f"unknown built-in env {which!r}: use builtin:cartpole, builtin:spread or builtin:spot")
+        if which == "recall":
+            from adapters.builtin.recall import Recall, RecallConfig
+
+            return Recall(RecallConfig(num_envs=num_envs, **kwargs))
+        if which == "pick":
+            from adapters.builtin.pick import Pick, PickConfig
+
+            return Pick(PickConfig(num_envs=num_envs, **kwargs))
+        raise ValueError(f"unknown built-in env {which!r}: use builtin:cartpole, builtin:spread, builtin:spot, "
+                         f"builtin:recall or builtin:pick")
     if name.startswith("vmas:"):  # a VMAS scenario through torchrl's VmasEnv: the batch lives in torch
         require(name, "vmas")
         from torchrl.envs.libs.vmas import VmasEnv

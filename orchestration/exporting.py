@@ -77,7 +77,7 @@ def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list
             "version": state.get("learners", {}).get(pid, {}).get("version"),
             "observation_keys": [leaf_name("observation", k) for k in policy.actor_encoder.paths],
             "action_keys": [leaf_name("action", k) for k in policy.heads.paths],
-            "recurrent": policy.gru is not None,
+            "recurrent": policy.recurrent,
         }
     order = [a for spec in group_specs.values() for a in spec.agent_names]
     manifest["agents"] = {a: manifest["agents"][a] for a in order if a in manifest["agents"]}

@@ -168,10 +168,10 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
         for path, leaf in _leaves(shared, "shared"):
             _expect(pid, path, leaf, (n,), None)
     if state is not None or start is not None:
-        if policy.gru is None:
+        if not policy.recurrent:
             raise ValueError(f"policy {pid!r} is not recurrent: it takes no recurrent_state/episode_start")
         if state is not None:
-            _expect(pid, "recurrent_state", state, (n, a, policy.config.recurrent_size), 3)
+            _expect(pid, "recurrent_state", state, (n, a, policy.state_size), 3)
         if start is not None:
             if start.dtype != torch.bool or tuple(start.shape) not in ((n,), (n, a)):
                 raise ValueError(f"policy {pid!r}: episode_start must be bool [{n}] or [{n}, {a}], "
@@ -218,7 +218,7 @@ def concatenate(requests: list[Request], policy: GroupPolicy) -> tuple[dict, Any
                                      for p, r in zip(parts, requests)])
     shared = _cat([r.shared for r in requests]) if all(r.shared is not None for r in requests) else None
     state = start = None
-    a, h = policy.num_agents, policy.config.recurrent_size
+    a, h = policy.num_agents, policy.state_size
     if any(r.state is not None for r in requests):
         state = torch.cat([r.state if r.state is not None else torch.zeros(r.rows, a, h) for r in requests])
     if any(r.start is not None for r in requests):
@@ -280,7 +280,7 @@ def forward(policy: GroupPolicy, requests: list[Request], generator: torch.Gener
         out = to_device(out, torch.device("cpu"))  # blocking: the callers read it at once
     sizes = [r.rows for r in requests]
     actions, log_probs = split(out[ACTION], sizes), split(out[LOG_PROB], sizes)
-    if policy.gru is None:
+    if not policy.recurrent:
         return [InferenceResult(a, lp, version, index) for a, lp in zip(actions, log_probs)]
     used, nxt = split(out[RECURRENT_STATE], sizes), split(out[NEXT][RECURRENT_STATE], sizes)
     return [InferenceResult(a, lp, version, index, u, s) for a, lp, u, s in zip(actions, log_probs, used, nxt)]

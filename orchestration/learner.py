@@ -13,7 +13,8 @@ A learner never tracks actors. Weights are a detached TensorDict (``TensorDict.f
 that increases by one per training step. The staleness and reuse rules live in the learner's
 :class:`orchestration.inbox.Inbox` (core's rules), the same on every backend.
 
-- :class:`PPOLearner`: clipped PPO on every group mapped to its policy (core/losses).
+- :class:`PPOLearner`: clipped PPO on every group mapped to its policy (core/losses); ``for metrics in
+  learner.run(fragments): ...`` trains from any stream of fragments, without a Trainer.
 - :class:`FixedLearner`: a random, scripted or frozen policy; ignores experience; its version changes only
   when a league hands it other frozen weights.
 """
@@ -22,24 +23,22 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from core.buffers import concat_fragments, drop_trivial_masks, flatten_transitions
-from core.layout import FRAGMENT_ID, MASK, NEXT, OBSERVATION, POLICY_VERSION, SHARED, STATE_VALUE, WORKER_ID
+from core.buffers import concat_fragments
+from core.layout import FRAGMENT_ID, MASK, OBSERVATION, POLICY_VERSION, WORKER_ID
 from core.losses import PPOConfig, credit_absent_steps, ppo_update_, with_gae
 from core.policies import GroupPolicy
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
+from orchestration.curiosity import CuriosityConfig, curiosity_for
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
-
-
-#: Transitions per critic call when values are computed for a whole batch: the hidden activations of a large
-#: batch (64 floats per layer and transition) would otherwise outweigh the batch itself.
-_VALUE_CHUNK = 1 << 16
+from orchestration.train_batches import update_inputs, with_values
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,13 +106,15 @@ class PPOLearner:
         reuse_limit: times a fragment may be trained on (asynchronous mode tops batches up with reused data).
         max_skipped_updates: raise :class:`NonFiniteTraining` after this many consecutive updates whose every
             step was skipped (0: never).
+        curiosity: an RND curiosity bonus on the rewards (:mod:`orchestration.curiosity`); None or coef 0: none.
     """
 
     learns = True
 
     def __init__(self, policy: GroupPolicy, groups: Mapping[str, torch.Tensor | None], *, policy_id: str = "policy",
                  ppo: PPOConfig, lr: float, batch_steps: int, seed: int = 0, device: str | torch.device = "cpu",
-                 max_staleness: int | None = None, reuse_limit: int = 1, max_skipped_updates: int = 0) -> None:
+                 max_staleness: int | None = None, reuse_limit: int = 1, max_skipped_updates: int = 0,
+                 curiosity: CuriosityConfig | None = None) -> None:
         self.device = torch.device(device)
         self.max_skipped_updates = max_skipped_updates
         self._skipped_in_a_row = 0
@@ -131,6 +132,7 @@ class PPOLearner:
         """Fragment ids of the last training batch, in batch order."""
         scaler = getattr(policy, "reward_scaler", None)  # PolicyConfig.scale_rewards
         self.returns = None if scaler is None else ReturnStreams(ppo.gamma, self.groups, scaler)
+        self.curiosity = curiosity_for(curiosity, self.policy, list(self.groups), seed=seed, device=self.device)
         self._published = self._snapshot()
 
     def _snapshot(self) -> TensorDictBase:
@@ -167,23 +169,6 @@ class PPOLearner:
         return self.inbox.new_steps(self.version)
 
     # -- training ----------------------------------------------------------------------------------------
-    def _with_values(self, batch: TensorDictBase, group: str) -> TensorDictBase:
-        """Adds critic values at every observation and next observation, each in one batched call:
-        ``(group, "state_value")`` (unless the actor recorded them) and ``("next", group, "state_value")``."""
-        for root in (batch, batch.get(NEXT)):
-            g = root.get(group)
-            if root is batch and STATE_VALUE in g.keys():
-                continue
-            obs = {OBSERVATION: g.get(OBSERVATION)}
-            if MASK in g.keys():
-                obs[MASK] = g.get(MASK)
-            obs, shared = TensorDict(obs, batch_size=g.batch_size), root.get(SHARED, None)
-            rows = max(1, _VALUE_CHUNK // max(1, g.batch_size[1:].numel()))  # env rows per critic call
-            g.set(STATE_VALUE, self.policy.value(obs, shared) if g.batch_size[0] <= rows else torch.cat(
-                [self.policy.value(obs[i:i + rows], None if shared is None else shared[i:i + rows])
-                 for i in range(0, g.batch_size[0], rows)]))
-        return batch
-
     def _only_slots(self, batch: TensorDictBase, group: str) -> TensorDictBase:
         """Narrows ``(group, "mask")`` to this policy's slots (other policies' agents are not trained on)."""
         slots = self.groups[group]
@@ -217,17 +202,15 @@ class PPOLearner:
         for group in self.groups:
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step
+                if self.curiosity is not None:  # the RND bonus joins the env's reward (trains its predictor)
+                    batch = self.curiosity.add_bonus_(batch, group, self.groups[group], metrics)
                 if self.returns is not None:
                     batch = self.returns.scaled(batch, group)
                 batch = self._only_slots(batch, group)
-                batch = self._with_values(batch, group)
+                batch = with_values(self.policy, batch, group)
                 batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)
-            flat = drop_trivial_masks(flatten_transitions(batch), group)
-
-            def evaluate(mb, group=group):
-                return self.policy.evaluate_terms(mb.get(group), mb.get(SHARED, None))
-
-            out = ppo_update_(self.policy, self.optimizer, flat, evaluate, self.ppo, self.generator, group=group)
+            flat, evaluate, ppo = update_inputs(self.policy, batch, group, self.ppo)
+            out = ppo_update_(self.policy, self.optimizer, flat, evaluate, ppo, self.generator, group=group)
             for k, v in out.items():
                 metrics[f"{group}/{k}" if len(self.groups) > 1 else k] = float(v)
             self.counters["skipped_steps"] += int(out.get("skipped_steps", 0))
@@ -282,6 +265,20 @@ class PPOLearner:
         return Done({"metrics": metrics, "version": version, "weights": weights,
                      "fragment_ids": list(self.last_fragment_ids), "time_learn": time.perf_counter() - start})
 
+    def run(self, fragments: Iterable, until: Callable[[Mapping[str, float]], bool] | None = None
+            ) -> Iterator[dict[str, float]]:
+        """The continuous loop of a learner fed from a stream (seed 002's ``Learner.run``): receives every
+        ``fragment`` or ``(fragment, meta)`` of ``fragments`` and trains whenever a batch is ready. A generator
+        yielding each update's metrics plus ``version``; it stops when the stream ends or ``until(metrics)``."""
+        for item in fragments:
+            fragment, meta = item if isinstance(item, tuple) else (item, None)
+            self.receive(fragment, meta)
+            if self.ready():
+                metrics = {**self.train(), "version": float(self.version)}
+                yield metrics
+                if until is not None and until(metrics):
+                    return
+
     def set_lr(self, lr: float) -> None:
         """Sets the learning rate of every parameter group (annealing)."""
         for g in self.optimizer.param_groups:
@@ -313,7 +310,8 @@ class PPOLearner:
         return {"weights": {k: _numpy(v) for k, v in self.policy.state_dict().items()},
                 "optimizer": ({k: _numpy(v) for k, v in opt_tensors.items()}, opt_meta),
                 "generator": _numpy(self.generator.get_state()), "version": self.version,
-                "counters": dict(self.counters), "inbox": self.inbox.state(), **returns}
+                "counters": dict(self.counters), "inbox": self.inbox.state(), **returns,
+                **({} if self.curiosity is None else {"curiosity": self.curiosity.state()})}
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
         """Loads a :meth:`state` (mutates this learner) and republishes its weights."""
@@ -323,6 +321,8 @@ class PPOLearner:
         self.generator.set_state(_tensor(state["generator"]))
         self.version = int(state["version"])
         self.counters.update(state["counters"])
+        if self.curiosity is not None and "curiosity" in state:  # a state saved without the bonus keeps it fresh
+            self.curiosity.load_state_(state["curiosity"])
         if "inbox" in state:
             self.inbox.load_state_(state["inbox"])
             if self.returns is not None:  # per-stream, like the ledger: kept only when the streams go on

@@ -110,7 +110,7 @@ class PollingActor:
                                 torch.ones(n, 1, dtype=torch.bool)) for i, n in enumerate(pool.sizes)]
         self.env_steps = 0
         """Env steps recorded (each process step counts its ``n_k`` envs)."""
-        self._recurrent = any(p.gru is not None for p in self.core.policies.values())
+        self._recurrent = any(p.recurrent for p in self.core.policies.values())
         self._queue: deque[tuple[_Stream, TensorDict, dict, dict]] = deque()  # built, not yet collected
         self._episodes: list[dict[str, np.ndarray]] = []  # of the fragments collected since completed_episodes()
         self._last: tuple[_Stream, dict] | None = None  # the stream and meta of the fragment collected last

@@ -33,9 +33,9 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     """``(weights, tensors, json_state)`` of any trainer (:meth:`Trainer.state`), one format for every backend.
 
     weights: ``"<policy>/<param>"``; tensors: ``optimizer/<policy>/...``, ``rng/learner/<policy>``,
-    ``returns/<policy>/...`` (reward scaling), ``actor/<i>/...``, ``rng/collection``; JSON: counters, history,
-    config (with an env collection's document), tree, optimizer hyper-parameters, inbox ledgers, the
-    collection's state.
+    ``returns/<policy>/...`` (reward scaling), ``curiosity/<policy>/...`` (RND), ``actor/<i>/...``,
+    ``rng/collection``; JSON: counters, history, config (with an env collection's document), tree, optimizer
+    hyper-parameters, inbox ledgers, the collection's state.
     """
     raw = trainer.state()
     weights, tensors = {}, {}
@@ -53,6 +53,7 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
             tensors[f"rng/learner/{pid}"] = _tensor(learner["generator"])
             entry["inbox"] = learner["inbox"]
         tensors.update({f"returns/{pid}/{k}": _tensor(v) for k, v in learner.get("returns", {}).items()})
+        tensors.update({f"curiosity/{pid}/{k}": _tensor(v) for k, v in learner.get("curiosity", {}).items()})
         state["learners"][pid] = entry
     for i, actor in enumerate(raw["actors"]):
         tensors.update({f"actor/{i}/{k}": v for k, v in actor["tensors"].items()})
@@ -79,6 +80,9 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
                 learner["inbox"] = entry["inbox"]
             head = f"returns/{pid}/"  # reward scaling's return accumulators (orchestration.reward_scaling)
             learner["returns"] = {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
+        head = f"curiosity/{pid}/"  # the RND networks, optimizer and statistics (orchestration.curiosity)
+        if curiosity := {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}:
+            learner["curiosity"] = curiosity
         learners[pid] = learner
     actors = []
     for i, meta in enumerate(state["actors"]):
@@ -111,7 +115,7 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
 def _load_config(state: dict[str, Any]) -> TrainConfig:
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
-    from orchestration.config import ExternalConfig, PretrainConfig, RayConfig, RolloutConfig
+    from orchestration.config import CuriosityConfig, ExternalConfig, PretrainConfig, RayConfig, RolloutConfig
 
     raw = dict(state["config"])
     raw["rollout"] = RolloutConfig(**raw["rollout"])
@@ -130,6 +134,7 @@ def _load_config(state: dict[str, Any]) -> TrainConfig:
     raw["ray"] = RayConfig(**ray_raw)
     raw["external"] = ExternalConfig(**raw.get("external", {}))
     raw["pretrain"] = PretrainConfig(**raw.get("pretrain", {}))
+    raw["curiosity"] = CuriosityConfig(**raw.get("curiosity", {}))
     return TrainConfig(**raw)
 
 

@@ -56,7 +56,7 @@ class ServicePolicy:
     def __init__(self, policy_id: str, service: ActionService, like: GroupPolicy, *, timeout_s: float = 60.0) -> None:
         self.policy_id, self.service, self.timeout_s = policy_id, service, timeout_s
         self.num_agents = like.num_agents
-        self.gru = like.gru  # the Actor carries recurrent state only for recurrent policies
+        self.recurrent = like.recurrent  # the Actor carries recurrent state only for recurrent policies
         self.config = like.config
 
     def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,
@@ -71,7 +71,7 @@ class ServicePolicy:
                                   deterministic=deterministic, recurrent_state=recurrent_state,
                                   episode_start=episode_start)
         out = {ACTION: result.action, LOG_PROB: result.log_prob}
-        if self.gru is not None:
+        if self.recurrent:
             out[RECURRENT_STATE] = result.recurrent_state
             out[NEXT] = {RECURRENT_STATE: result.next_recurrent_state}
         return out

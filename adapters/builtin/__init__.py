@@ -1,10 +1,12 @@
 """Built-in batched envs in torch: CartPole (gymnasium CartPole-v1 dynamics), Spread (cooperative,
-agents join and leave) and Spot (a tiny image task for conv policies). Their gymnasium / PettingZoo views live in :mod:`adapters.builtin.views`, imported
+agents join and leave), Spot (a tiny image task for conv policies) and
+Pick (a structured two-stage action). Their gymnasium / PettingZoo views live in :mod:`adapters.builtin.views`, imported
 on demand so that the envs themselves need neither package."""
 
 from .cartpole import CARTPOLE_TREE, CartPole, CartPoleConfig, cartpole_dynamics
+from .pick import Pick, PickConfig, pick_tree
 from .spot import Spot, SpotConfig, spot_tree
 from .spread import Spread, SpreadConfig, spread_tree
 
-__all__ = ["CARTPOLE_TREE", "CartPole", "CartPoleConfig", "Spot", "SpotConfig", "Spread", "SpreadConfig",
-           "cartpole_dynamics", "spot_tree", "spread_tree"]
+__all__ = ["CARTPOLE_TREE", "CartPole", "CartPoleConfig", "Pick", "PickConfig", "Spot", "SpotConfig", "Spread",
+           "SpreadConfig", "cartpole_dynamics", "pick_tree", "spot_tree", "spread_tree"]

@@ -60,7 +60,7 @@ class LocalPolicy:
             self._upload(episode)
         for group, entry in self.client.get_policy().items():
             module = make_policies(self.codec.tree, policy_config_from_dict(entry["config"]))[group]
-            if module.gru is not None:
+            if module.recurrent:
                 raise ValueError(f"group {group!r}: a recurrent policy cannot act locally yet; use act requests")
             params = TensorDict.from_module(module)
             tensors = {tuple(k.split(".")): torch.from_numpy(np.ascontiguousarray(v)) for k, v in

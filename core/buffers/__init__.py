@@ -16,6 +16,7 @@ from core.buffers.episodes import (
 )
 from core.buffers.fragments import FragmentBuilder, bootstrap_step
 from core.buffers.rollout_buffer import MultiAgentRolloutBuffer
+from core.buffers.sequences import sequence_starts, split_sequences
 from core.buffers.staleness import is_fresh, is_ready, retired, select_batch, stale
 from core.buffers.tracking import EpisodeTracker
 
@@ -38,6 +39,8 @@ __all__ = [
     "retired",
     "scan_episodes",
     "select_batch",
+    "sequence_starts",
+    "split_sequences",
     "stale",
     "summarize_episodes",
 ]

@@ -14,6 +14,8 @@ from core.losses.config import PPOConfig
 if TYPE_CHECKING:
     from core.losses.advantages import gae, vtrace, with_gae, with_vtrace
     from core.losses.ppo import ENTROPY, ppo_loss
+    from core.losses.rnd import (intrinsic_returns, merged_observation_moments, normalized_observation,
+                                 prediction_error, rnd_loss, scaled_intrinsic_reward)
     from core.losses.turns import credit_absent_steps
     from core.losses.update import Evaluate, ppo_update_
 
@@ -21,6 +23,8 @@ _LAZY = {"gae": "advantages", "vtrace": "advantages", "with_gae": "advantages", 
          "ENTROPY": "ppo", "ppo_loss": "ppo", "credit_absent_steps": "turns", "Evaluate": "update",
          "ppo_update_": "update"}
 _LAZY.update(BCConfig="bc", bc_loss="bc")  # behaviour cloning (core/losses/bc.py)
+_LAZY.update(dict.fromkeys(("intrinsic_returns", "merged_observation_moments", "normalized_observation",
+                            "prediction_error", "rnd_loss", "scaled_intrinsic_reward"), "rnd"))  # curiosity (RND)
 
 
 def __getattr__(name: str):
@@ -39,8 +43,14 @@ __all__ = [
     "bc_loss",
     "credit_absent_steps",
     "gae",
+    "intrinsic_returns",
+    "merged_observation_moments",
+    "normalized_observation",
     "ppo_loss",
     "ppo_update_",
+    "prediction_error",
+    "rnd_loss",
+    "scaled_intrinsic_reward",
     "vtrace",
     "with_gae",
     "with_vtrace",

@@ -41,6 +41,13 @@ class PPOConfig:
     """Global gradient-norm clip over all trained parameters (detail 11); None disables clipping."""
     target_kl: float | None = None
     """Stop the update after an epoch whose mean ``approx_kl`` exceeds this (CleanRL); None never stops."""
+    sequence_length: int | None = None
+    """Recurrent policies: steps per training sequence (truncated BPTT; each starts from the state stored with
+    its first step); None: whole fragments. Minibatches then hold ``minibatch_size // sequence_length`` whole
+    sequences (at least one)."""
+    burn_in: int = 0
+    """Recurrent policies: steps before each sequence that only warm its state up (no gradient, no loss; from
+    the state stored ``burn_in`` steps earlier, as R2D2); a fragment's first sequence has none before it."""
 
     def __post_init__(self) -> None:
         _check(0.0 < self.clip_eps < 1.0, "clip_eps", "in (0, 1)", self.clip_eps)
@@ -57,6 +64,9 @@ class PPOConfig:
         _check(self.max_grad_norm is None or self.max_grad_norm > 0.0, "max_grad_norm", "> 0 or None",
                self.max_grad_norm)
         _check(self.target_kl is None or self.target_kl > 0.0, "target_kl", "> 0 or None", self.target_kl)
+        _check(self.sequence_length is None or (_is_int(self.sequence_length) and self.sequence_length >= 1),
+               "sequence_length", "an int >= 1 or None", self.sequence_length)
+        _check(_is_int(self.burn_in) and self.burn_in >= 0, "burn_in", "an int >= 0", self.burn_in)
         for name in ("clip_eps", "value_coef", "entropy_coef", "gamma", "gae_lambda", "advantage_eps"):
             _check(math.isfinite(getattr(self, name)), name, "finite", getattr(self, name))
 

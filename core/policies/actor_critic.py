@@ -3,18 +3,21 @@
 One forward pass serves every agent of every env: inputs are ``[*B, A, ...]`` (``A`` = group capacity),
 ``*B`` any leading dims (``[E]`` when acting, ``[N]`` or ``[E, T]`` when training). Layout (:mod:`core.layout`)::
 
-    actor input   encode(own observation, eval-only leaves dropped) [+ one-hot slot id]    [*B, A, F_a]
-    actor         MLP trunk [-> GRU cell] -> Linear -> action heads (one per action leaf)
+    actor input   encode(own observation, eval-only leaves dropped) [+ one-hot slot id]
+                  [+ the shared observations of its population and ancestors, eval-only dropped] [*B, A, F_a]
+    actor         MLP trunk [-> recurrent cell] -> Linear -> action heads (one per action leaf)
     critic input  local:   encode(own observation, eval-only included) [+ id]                 [*B, A, F_c]
                   central: [own, every agent's (absent ones zeroed, slot order), shared] [+ id]
-    critic        separate MLP trunk -> Linear -> state_value                                  [*B, A, 1]
+    critic        separate MLP trunk [-> recurrent cell] -> Linear -> state_value             [*B, A, 1]
 
-Recurrence (``config.recurrent``): a GRU cell between the actor trunk and the heads; the critic stays
-feed-forward. The caller carries the state ``[*B, A, H]``: :meth:`GroupPolicy.act` returns the state it
-used at ``RECURRENT_STATE`` (after zeroing rows where ``episode_start``; store it with the step) and the
-state for the next step at ``("next", RECURRENT_STATE)``. :meth:`GroupPolicy.evaluate` recomputes each
-step from its stored state: truncated BPTT of length 1 (gradients do not flow into earlier steps through
-the state). Sequence BPTT over fragments is future work.
+Recurrence (``config.recurrent``): a GRU or LSTM cell (:mod:`core.policies.recurrence`) between the actor
+trunk and the heads, and with ``config.recurrent_critic`` one between the critic trunk and its output. The
+caller carries one state ``[*B, A, S]`` (``S = state_size``: the actor cell's part, then the critic's):
+:meth:`GroupPolicy.act` returns the state it used at ``RECURRENT_STATE`` (after zeroing rows where
+``episode_start``; store it with the step) and the state for the next step at ``("next", RECURRENT_STATE)``.
+Learners train by truncated BPTT over sequences (:meth:`GroupPolicy.evaluate_sequence`: each sequence starts
+from its stored state, gradients flow through the carried state); :meth:`GroupPolicy.evaluate` recomputes one
+step from its stored state (no gradient into earlier steps).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from .composite import ActionHeads
 from .config import PolicyConfig
 from .distributions import CategoricalHead
 from .networks import ObservationEncoder, Path, SharedEncoder, init_linear_, mlp, read_path, run_layers
+from .recurrence import cell_step, make_cell, state_size
+from .sequences import SequenceEvaluation
 from .reward_scaling import RewardScaler
 
 
@@ -40,14 +45,15 @@ from .reward_scaling import RewardScaler
 _DEFER_MAX_PARAMS = 64
 
 
-class GroupPolicy(nn.Module):
+class GroupPolicy(SequenceEvaluation, nn.Module):
     """Actor-critic for one group (module docstring), built from its :class:`core.specs.GroupSpec`.
 
     Args:
         group: the group (``core.specs.groups(tree)[name]``).
         config: network configuration.
-        shared: shared observation nodes by path (``core.specs.shared_observations(tree)``); a central
-            critic reads those of the group's population and its ancestors. Ignored by a local critic.
+        shared: shared observation nodes by path (``core.specs.shared_observations(tree)``): the actor reads
+            those of the group's population and its ancestors (eval-only leaves dropped), a central critic all
+            of them.
 
     Raises:
         ValueError: every observation leaf is eval-only (the actor would see nothing), or an integer box action.
@@ -84,17 +90,21 @@ class GroupPolicy(nn.Module):
             self.register_buffer("agent_ids", torch.eye(a), persistent=False)
         hidden, act, gain = config.hidden_sizes, config.activation, config.hidden_gain
 
-        actor_in = self.actor_encoder.out_features + ids
+        actor_shared = SharedEncoder(shared, group.population_path, include_eval_only=False) if shared else None
+        #: the actor's encoder of shared observations (None: it reads none)
+        self.actor_shared_encoder = actor_shared if actor_shared is not None and actor_shared.paths else None
+        actor_in = self.actor_encoder.out_features + ids + (
+            self.actor_shared_encoder.out_features if self.actor_shared_encoder is not None else 0)
         self.actor_trunk = mlp(actor_in, hidden, act, gain)
         width = hidden[-1] if hidden else actor_in
-        self.gru = None
+        #: whether the policy carries a recurrent state (``config.recurrent``)
+        self.recurrent = config.recurrent
+        # Cells are registered as "gru"/"lstm" and "critic_gru"/"critic_lstm": a GRU policy's weights keep the
+        # names they had before LSTMs existed, so its checkpoints still load.
+        self._actor_cell = self._critic_cell = None
         if config.recurrent:
-            self.gru = nn.GRUCell(width, config.recurrent_size)
-            for name, p in self.gru.named_parameters():  # orthogonal weights, zero biases (as MAPPO's GRU)
-                if name.startswith("weight"):
-                    nn.init.orthogonal_(p)
-                else:
-                    nn.init.zeros_(p)
+            self._actor_cell = config.recurrent_cell
+            setattr(self, self._actor_cell, make_cell(config.recurrent_cell, width, config.recurrent_size))
             width = config.recurrent_size
         self.actor_out = init_linear_(nn.Linear(width, self.heads.num_params), config.actor_output_gain)
 
@@ -103,7 +113,16 @@ class GroupPolicy(nn.Module):
         if central:
             critic_in += a * f_c + (self.shared_encoder.out_features if self.shared_encoder is not None else 0)
         self.critic_trunk = mlp(critic_in, hidden, act, gain)
-        self.critic_out = init_linear_(nn.Linear(hidden[-1] if hidden else critic_in, 1), config.critic_output_gain)
+        width = hidden[-1] if hidden else critic_in
+        if config.recurrent_critic:
+            self._critic_cell = f"critic_{config.recurrent_cell}"
+            setattr(self, self._critic_cell, make_cell(config.recurrent_cell, width, config.recurrent_size))
+            width = config.recurrent_size
+        self.critic_out = init_linear_(nn.Linear(width, 1), config.critic_output_gain)
+        sizes = [state_size(getattr(self, c)) for c in (self._actor_cell, self._critic_cell) if c is not None]
+        #: width ``S`` of the carried state: the actor cell's part, then the critic cell's (0: feed-forward)
+        self.state_size = sum(sizes)
+        self._state_split = sizes
         #: running return statistics (config.scale_rewards): updated and applied by learners only
         self.reward_scaler = RewardScaler() if config.scale_rewards else None
         # The common acting case (one flat float observation leaf, feed-forward, no agent ids, one discrete action
@@ -116,7 +135,8 @@ class GroupPolicy(nn.Module):
         #: params of every step: ``[E, A, num_params]`` instead of ``[E, A, 1]``)
         self.defers_log_prob = self.heads.exact_log_prob and self.heads.num_params <= _DEFER_MAX_PARAMS
         head = self.heads.heads[0]
-        lean = (self.actor_encoder._plain is not None and self.gru is None and not ids
+        lean = (self.actor_encoder._plain is not None and not self.recurrent and not ids
+                and self.actor_shared_encoder is None
                 and self.heads.paths == [()] and isinstance(head, CategoricalHead))
         self._lean = (self.actor_encoder._plain, (*self.actor_trunk, self.actor_out), head) if lean else None
 
@@ -126,23 +146,44 @@ class GroupPolicy(nn.Module):
             return x
         return torch.cat([x, self.agent_ids.expand(*x.shape[:-1], self.num_agents)], -1)
 
-    def actor_params(self, features: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Action-head parameters ``[*B, A, num_params]`` and the next GRU state (None if not recurrent).
+    def actor_hidden(self, features: Tensor, shared=None) -> Tensor:
+        """The actor trunk's output ``[*B, A, F_h]`` (before the cell): ``features`` ``[*B, A, F]`` (the own
+        observation's encoding), the slot ids and the encoded ``shared`` entry ``[*B, ...]`` if the actor reads it."""
+        x = self._with_ids(features)
+        if self.actor_shared_encoder is not None:
+            if shared is None:
+                raise ValueError(f"group {self.group_name}: the actor reads the shared observations "
+                                 f"{['/'.join(p) for p in self.actor_shared_encoder.paths]}; pass the step's "
+                                 f"'shared' entry (or tag them eval_only)")
+            s = self.actor_shared_encoder(shared)
+            x = torch.cat([x, s.unsqueeze(-2).expand(*x.shape[:-1], -1)], -1)
+        return run_layers(self.actor_trunk, x)
+
+    def actor_params(self, features: Tensor, state: Tensor | None = None, shared=None) -> tuple[Tensor, Tensor | None]:
+        """Action-head parameters ``[*B, A, num_params]`` and the actor cell's next state (None if feed-forward).
 
         Args:
             features: ``self.actor_encoder(leaves)``, ``[*B, A, F]``.
-            state: GRU state ``[*B, A, H]`` (required when recurrent).
+            state: the actor cell's part of the state, ``[*B, A, S_actor]`` (required when recurrent).
+            shared: the step's ``"shared"`` entry ``[*B, ...]`` (required when the actor reads shared observations).
         """
-        h = run_layers(self.actor_trunk, self._with_ids(features))
-        if self.gru is not None:
+        h = self.actor_hidden(features, shared)
+        if self._actor_cell is not None:
             if state is None:
-                raise ValueError("a recurrent policy needs a recurrent_state [*B, A, H]")
-            lead = h.shape[:-1]
-            state = self.gru(h.reshape(-1, h.shape[-1]), state.reshape(-1, state.shape[-1])).reshape(*lead, -1)
-            h = state
+                raise ValueError(f"group {self.group_name}: a recurrent policy needs a recurrent_state [*B, A, S]")
+            h, state = cell_step(self.actor_cell, h, state)
         return self.actor_out.forward(h), state
 
-    def _value(self, obs, shared, actor_features: Tensor | None) -> Tensor:
+    def _value(self, obs, shared, actor_features: Tensor | None, state: Tensor | None = None
+               ) -> tuple[Tensor, Tensor | None]:
+        """``(value [*B, A, 1], the critic cell's next state or None)``; ``state``: its part of the state."""
+        h = run_layers(self.critic_trunk, self._critic_input(obs, shared, actor_features))
+        if self._critic_cell is not None:
+            h, state = cell_step(self.critic_cell, h, state)
+        return self.critic_out.forward(h), state
+
+    def _critic_input(self, obs, shared, actor_features: Tensor | None) -> Tensor:
+        """The critic trunk's input ``[*B, A, F_c]`` (module docstring)."""
         if actor_features is not None and self._critic_reuses_actor_input:
             own = actor_features
         else:
@@ -158,7 +199,7 @@ class GroupPolicy(nn.Module):
                 s = self.shared_encoder(shared)
                 parts.append(s.unsqueeze(-2).expand(*own.shape[:-1], -1))
         x = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
-        return self.critic_out.forward(run_layers(self.critic_trunk, self._with_ids(x)))
+        return self._with_ids(x)
 
     def _features(self, obs) -> Tensor:
         x = self.actor_encoder.encode(obs[OBSERVATION])
@@ -177,10 +218,6 @@ class GroupPolicy(nn.Module):
                 node = node.setdefault(key, {})
             node[path[-1]] = x
         return out
-
-    def initial_state(self, batch: Sequence[int]) -> Tensor:
-        """Zero GRU state ``[*batch, A, H]`` (``batch`` without the agent dim)."""
-        return torch.zeros(*batch, self.num_agents, self.config.recurrent_size, device=self.actor_out.weight.device)
 
     # ------------------------------------------------------------------------------------------ public API
     def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,
@@ -206,14 +243,15 @@ class GroupPolicy(nn.Module):
             if out is not None:
                 return out
         x = self._features(obs)
-        state = None
-        if self.gru is not None:
+        state = actor_state = critic_state = None
+        if self.recurrent:
             state = self.initial_state(x.shape[:-2]) if recurrent_state is None else recurrent_state
             if episode_start is not None:
                 keep = ~episode_start
                 keep = keep.reshape(*keep.shape, *(1,) * (state.dim() - keep.dim()))
                 state = torch.where(keep, state, torch.zeros((), dtype=state.dtype, device=state.device))
-        params, next_state = self.actor_params(x, state)
+            actor_state, critic_state = self.split_state(state)
+        params, next_state = self.actor_params(x, actor_state, shared)
         mask = obs.get(ACTION_MASK, None)
         defer = not with_log_prob and self.defers_log_prob
         if deterministic:
@@ -231,11 +269,13 @@ class GroupPolicy(nn.Module):
             out[ACTION_PARAMS] = params
         else:
             out[LOG_PROB] = log_prob
-        if with_value:
-            out[STATE_VALUE] = self._value(obs, shared, x)
-        if self.gru is not None:
+        if with_value or critic_state is not None:  # a recurrent critic advances its state at every step
+            value, critic_state = self._value(obs, shared, x, critic_state)
+            if with_value:
+                out[STATE_VALUE] = value
+        if self.recurrent:
             out[RECURRENT_STATE] = state
-            out[NEXT] = {RECURRENT_STATE: next_state}
+            out[NEXT] = {RECURRENT_STATE: next_state if critic_state is None else torch.cat((next_state, critic_state), -1)}
         return out
 
     def _lean_act(self, obs, generator, deterministic: bool, with_log_prob: bool) -> dict | None:
@@ -266,7 +306,8 @@ class GroupPolicy(nn.Module):
             obs: the group's entry of a step, batch ``[E, A]`` (any ``[*B, A]``): ``"observation"`` (leaf or
                 tree), optional ``"action_mask"`` ``[E, A, n]`` bool (illegal actions are never sampled),
                 optional ``"mask"`` ``[E, A]`` (read by a central critic: absent agents are zeroed).
-            shared: the step's ``"shared"`` entry ``[E, ...]``; required by a central critic with shared inputs.
+            shared: the step's ``"shared"`` entry ``[E, ...]``; required by an actor or a central critic that
+                reads shared observations.
             generator: the only source of randomness (unused when ``deterministic``).
             deterministic: act with the mode (masked argmax, Gaussian mean).
             recurrent_state: GRU state ``[E, A, H]`` from the previous step's ``("next", "recurrent_state")``;
@@ -299,15 +340,20 @@ class GroupPolicy(nn.Module):
     def evaluate_terms(self, batch, shared=None) -> dict[str, Tensor]:
         """:meth:`evaluate` as a plain dict (the learner's per-minibatch path: no container built)."""
         x = self._features(batch)
-        lead = x.shape[:-1]
-        state = batch.get(RECURRENT_STATE, None) if self.gru is not None else None
-        params, _ = self.actor_params(x, state)
+        actor_state = critic_state = None
+        if self.recurrent:
+            actor_state, critic_state = self.split_state(batch.get(RECURRENT_STATE))
+        params, _ = self.actor_params(x, actor_state, shared)
+        return self._terms(batch, params, self._value(batch, shared, x, critic_state)[0])
+
+    def _terms(self, batch, params: Tensor, value: Tensor) -> dict[str, Tensor]:
+        lead = params.shape[:-1]
         actions = [read_path(batch, (ACTION, *p)) for p in self.heads.paths]
         for path, a in zip(self.heads.paths, actions):
             if a.shape[: len(lead)] != lead:
                 raise ValueError(f"action {'/'.join(path) or '<leaf>'} {tuple(a.shape)} must start with {tuple(lead)}")
         log_prob, entropy = self.heads.log_prob_entropy(params, actions, batch.get(ACTION_MASK, None))
-        return {LOG_PROB: log_prob, ENTROPY: entropy, STATE_VALUE: self._value(batch, shared, x)}
+        return {LOG_PROB: log_prob, ENTROPY: entropy, STATE_VALUE: value}
 
     @torch.no_grad()
     def log_prob_from_params(self, params: Tensor, action, action_mask: Tensor | None = None) -> Tensor:
@@ -334,8 +380,11 @@ class GroupPolicy(nn.Module):
 
     @torch.no_grad()
     def value(self, obs, shared=None) -> Tensor:
-        """Critic value ``[*B, A, 1]`` without gradients (bootstrapping ``("next", group)`` observations)."""
-        return self._value(obs, shared, None)
+        """Critic value ``[*B, A, 1]`` without gradients (bootstrapping ``("next", group)`` observations) of a
+        feed-forward critic (a recurrent one needs its state: :meth:`sequence_values`)."""
+        if self._critic_cell is not None:
+            raise ValueError(f"group {self.group_name}: a recurrent critic's values need its state; use sequence_values")
+        return self._value(obs, shared, None)[0]
 
 
 def make_policies(tree: Tree, config: PolicyConfig | None = None) -> dict[str, GroupPolicy]:

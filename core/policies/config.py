@@ -31,9 +31,15 @@ class PolicyConfig:
     (MAPPO): it also reads every agent's observation in the group (absent agents zeroed) and the shared
     observations of the group's population and its ancestors, eval-only leaves included."""
     recurrent: bool = False
-    """Put a GRU cell between the actor trunk and the action heads; the caller carries its state."""
+    """Put a recurrent cell (``recurrent_cell``) between the actor trunk and the action heads; the caller
+    carries its state, learners train it by truncated BPTT over sequences (``PPOConfig.sequence_length``)."""
+    recurrent_cell: Literal["gru", "lstm"] = "gru"
+    """The cell of a recurrent policy: a GRU (state ``H`` wide) or an LSTM (state ``2H``: ``h`` then ``c``)."""
     recurrent_size: int = 64
-    """Width ``H`` of the GRU state ``[*B, A, H]`` (used when ``recurrent``)."""
+    """Width ``H`` of the cell's hidden state (used when ``recurrent``)."""
+    recurrent_critic: bool = False
+    """Give the critic a cell of its own between its trunk and its output (needs ``recurrent``); its state is
+    carried with the actor's, in the same ``recurrent_state`` leaf (actor part first)."""
     squash_bounded_actions: bool = True
     """Bounded box actions use a tanh-squashed Gaussian scaled to the bounds; False: a plain Gaussian
     (the env must clip, as CleanRL's continuous PPO does)."""
@@ -68,8 +74,12 @@ class PolicyConfig:
         _check(isinstance(self.agent_id_input, bool), "agent_id_input", "a bool", self.agent_id_input)
         _check(self.critic in ("local", "central"), "critic", "'local' or 'central'", self.critic)
         _check(isinstance(self.recurrent, bool), "recurrent", "a bool", self.recurrent)
+        _check(self.recurrent_cell in ("gru", "lstm"), "recurrent_cell", "'gru' or 'lstm'", self.recurrent_cell)
         _check(_is_int(self.recurrent_size) and self.recurrent_size >= 1, "recurrent_size", "an int >= 1",
                self.recurrent_size)
+        _check(isinstance(self.recurrent_critic, bool), "recurrent_critic", "a bool", self.recurrent_critic)
+        _check(self.recurrent or not self.recurrent_critic, "recurrent_critic",
+               "False unless recurrent is True (set recurrent=True too)", self.recurrent_critic)
         _check(isinstance(self.squash_bounded_actions, bool), "squash_bounded_actions", "a bool",
                self.squash_bounded_actions)
         for name in ("log_std_init", "hidden_gain", "actor_output_gain", "critic_output_gain"):

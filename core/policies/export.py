@@ -4,12 +4,14 @@ Inputs of :class:`DeployablePolicy`, all with batch ``[B, A]`` (``A`` = group ca
 
     *observation      one tensor per non-eval-only observation leaf, [B, A, *leaf.shape] in the leaf dtype,
                       in core.specs.iter_leaves order of the agent's observation node (``observation_keys``)
-    action_mask=      optional [B, A, n] bool, for a single discrete / multi-discrete action leaf
-    recurrent_state=  [B, A, H] (recurrent policies only)
+    action_mask=      optional [B, A, n] bool, for a single discrete / multi-discrete action leaf; for a
+                      structured action a nested dict of masks keyed like the action (core.specs.structure)
+    recurrent_state=  [B, A, S] the actor cell's part of the state (recurrent policies only; a recurrent
+                      critic's part is not needed to act, so it is neither an input nor an output)
 
 Output: the action (masked argmax, Gaussian mean, squashed mean, ``logit > 0``): one tensor
 ``[B, A, *leaf.shape]`` for a bare action leaf, else a tuple in ``action_keys`` order; a recurrent policy
-appends the next state ``[B, A, H]``. The same computation as ``GroupPolicy.act(..., deterministic=True)``.
+appends the actor cell's next state ``[B, A, S]``. The same computation as ``GroupPolicy.act(..., deterministic=True)``.
 :func:`deployment_signature` writes these inputs and outputs down (names, dtypes, shapes) for a manifest.
 Critic and eval-only leaves are not part of it (notes/tensordict-hot-paths.md section 5, pattern 10: no
 ``torch.distributions``, a masked argmax, a dynamic batch ``Dim``). Saving to disk belongs to orchestration
@@ -25,6 +27,7 @@ from torch.export import Dim, ExportedProgram
 from core.layout import ACTION, ACTION_MASK, OBSERVATION, RECURRENT_STATE
 
 from .actor_critic import GroupPolicy
+from .recurrence import cell_step
 
 
 class DeployablePolicy(nn.Module):
@@ -38,13 +41,17 @@ class DeployablePolicy(nn.Module):
 
     def __init__(self, policy: GroupPolicy) -> None:
         super().__init__()
-        self.encoder, self.trunk, self.gru, self.out, self.heads = (
-            policy.actor_encoder, policy.actor_trunk, policy.gru, policy.actor_out, policy.heads)
+        if policy.actor_shared_encoder is not None:
+            raise ValueError(f"group {policy.group_name}: its actor reads shared observations "
+                             f"{['/'.join(p) for p in policy.actor_shared_encoder.paths]}, which exported programs "
+                             f"do not take yet; tag them eval_only to export the policy")
+        self.encoder, self.trunk, self.cell, self.out, self.heads = (
+            policy.actor_encoder, policy.actor_trunk, policy.actor_cell, policy.actor_out, policy.heads)
         self.register_buffer("agent_ids", policy.agent_ids if policy.config.agent_id_input else None,
                              persistent=False)
         self.observation_keys = list(policy.actor_encoder.paths)
         self.action_keys = list(policy.heads.paths)
-        self.recurrent = policy.gru is not None
+        self.recurrent = policy.recurrent
 
     def forward(self, *observation: Tensor, action_mask: Tensor | None = None,
                 recurrent_state: Tensor | None = None):
@@ -53,11 +60,8 @@ class DeployablePolicy(nn.Module):
         if self.agent_ids is not None:
             x = torch.cat([x, self.agent_ids.expand(*x.shape[:-1], self.agent_ids.shape[0])], -1)
         h = self.trunk(x)
-        if self.gru is not None:
-            lead = h.shape[:-1]
-            recurrent_state = self.gru(h.reshape(-1, h.shape[-1]),
-                                       recurrent_state.reshape(-1, recurrent_state.shape[-1])).reshape(*lead, -1)
-            h = recurrent_state
+        if self.cell is not None:
+            h, recurrent_state = cell_step(self.cell, h, recurrent_state)
         actions = self.heads.mode(self.out(h), action_mask)
         if self.recurrent:
             return (*actions, recurrent_state)
@@ -78,11 +82,12 @@ def deployment_inputs(policy: GroupPolicy, batch) -> tuple[tuple[Tensor, ...], d
     args = tuple(policy.actor_encoder.read(batch[OBSERVATION]))
     kwargs = {}
     mask = batch.get(ACTION_MASK, None)
-    if mask is not None:
-        kwargs["action_mask"] = mask
-    if policy.gru is not None:
+    if mask is not None:  # a tensor, or a tree of them for structured actions (core.specs.structure)
+        kwargs["action_mask"] = mask if isinstance(mask, Tensor) else _plain(mask)
+    if policy.recurrent:
         state = batch.get(RECURRENT_STATE, None)
-        kwargs["recurrent_state"] = state if state is not None else policy.initial_state(args[0].shape[:1])
+        state = state if state is not None else policy.initial_state(args[0].shape[:1])
+        kwargs["recurrent_state"] = policy.split_state(state)[0]
     return args, kwargs
 
 
@@ -101,12 +106,30 @@ def export_policy(policy: GroupPolicy, example_batch) -> ExportedProgram:
     args, kwargs = deployment_inputs(policy, example_batch)
     if args[0].shape[0] == 1:
         args = tuple(a.expand(2, *a.shape[1:]).clone() for a in args)
-        kwargs = {k: v.expand(2, *v.shape[1:]).clone() for k, v in kwargs.items()}
+        kwargs = {k: _map(lambda v: v.expand(2, *v.shape[1:]).clone(), v) for k, v in kwargs.items()}
     batch = Dim("batch", min=1)
-    dynamic_shapes = {"observation": tuple({0: batch} for _ in args), **{k: {0: batch} for k in kwargs}}
+    dynamic_shapes = {"observation": tuple({0: batch} for _ in args),
+                      **{k: _map(lambda _: {0: batch}, v) for k, v in kwargs.items()}}
     module = deployable(policy).eval()
     with torch.no_grad():
         return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
+
+
+def _plain(tree) -> dict:
+    """A TensorDict or mapping of tensors as nested plain dicts (what ``torch.export`` takes as an input tree)."""
+    return {k: v if isinstance(v, Tensor) else _plain(v) for k, v in tree.items()}
+
+
+def _map(fn, tree):
+    """``fn`` applied to every tensor of a tensor or nested dict of them, in the same structure."""
+    return fn(tree) if isinstance(tree, Tensor) else {k: _map(fn, v) for k, v in tree.items()}
+
+
+def _named(name: str, tree) -> list[tuple[str, Tensor]]:
+    """``(name/key path, tensor)`` for every tensor of ``tree`` (``(name, tree)`` for a tensor)."""
+    if isinstance(tree, Tensor):
+        return [(name, tree)]
+    return [pair for k, v in tree.items() for pair in _named(f"{name}/{k}", v)]
 
 
 def _entry(name: str, value: Tensor, **extra) -> dict:
@@ -141,7 +164,8 @@ def deployment_signature(policy: GroupPolicy, example_batch) -> dict:
     outs = list(out) if isinstance(out, tuple) else [out]
     inputs = [_entry(leaf_name(OBSERVATION, path), a, kind="positional", position=i)
               for i, (path, a) in enumerate(zip(module.observation_keys, args))]
-    inputs += [_entry(name, v, kind="keyword", required=True) for name, v in kwargs.items()]
+    inputs += [_entry(leaf, v, kind="keyword", required=True) for name, tree in kwargs.items()
+               for leaf, v in _named(name, tree)]
     names = [leaf_name(ACTION, path) for path in module.action_keys] + ([RECURRENT_STATE] if module.recurrent else [])
     return {"inputs": inputs, "outputs": [_entry(name, v) for name, v in zip(names, outs)],
             "returns": "tuple" if isinstance(out, tuple) else "tensor"}

@@ -242,18 +242,21 @@ class ObservationEncoder(nn.Module):
 
 
 class SharedEncoder(nn.Module):
-    """Encodes the shared observations a group's central critic reads: ``[*B, out_features]``.
+    """Encodes the shared observations a group reads: ``[*B, out_features]``.
 
     ``shared`` maps key paths under ``"shared"`` to nodes (:func:`core.specs.shared_observations`); the
     encoder keeps the nodes on ``population_path`` (the root's and every ancestor population's), in that
-    order, eval-only leaves included.
+    order: for a central critic eval-only leaves included, for the actor (``include_eval_only=False``) without
+    them (a node with only eval-only leaves is left out).
     """
 
-    def __init__(self, shared: Mapping[Path, Node], population_path: str) -> None:
+    def __init__(self, shared: Mapping[Path, Node], population_path: str, *, include_eval_only: bool = True) -> None:
         super().__init__()
         parts = tuple(population_path.split("/")) if population_path else ()
-        self.paths: list[Path] = [p for p in shared if p == parts[: len(p)]]
-        self.encoders = nn.ModuleList(ObservationEncoder(shared[p], include_eval_only=True) for p in self.paths)
+        self.paths: list[Path] = [p for p in shared if p == parts[: len(p)] and (
+            include_eval_only or any(not leaf.eval_only for _, leaf in iter_leaves(shared[p])))]
+        self.encoders = nn.ModuleList(ObservationEncoder(shared[p], include_eval_only=include_eval_only)
+                                      for p in self.paths)
         self.out_features = sum(e.out_features for e in self.encoders)
 
     def forward(self, shared) -> Tensor:

@@ -126,24 +126,43 @@ class Leaf:
             raise TreeError(path, f"{self.kind} leaf needs an integer or bool dtype, got {self.dtype}")
 
 
+class StructuredActionError(TreeError):
+    """An action structure Shoal cannot act on (e.g. a leaf conditioned on a box leaf); ``path`` names the leaf,
+    the message the nearest valid choice."""
+
+
 @dataclass(frozen=True, slots=True)
 class DictNode:
-    """Fixed, named children (a gymnasium ``Dict``; a ``Tuple`` becomes children ``"0"``, ``"1"``, ...)."""
+    """Fixed, named children (a gymnasium ``Dict``; a ``Tuple`` becomes children ``"0"``, ``"1"``, ...).
+
+    Two action tags (:mod:`core.specs.structure`):
+
+    - ``atomic=False``: each child is an *element* the env may execute or skip at a step; it says which, per
+      agent and step, in ``(group, "action_mask", "@present", *element)`` ``[*B, A]`` bool, and the log-prob and
+      entropy count only the elements executed.
+    - ``conditional={"transform": "node"}``: discrete child ``transform`` is drawn after, and given, the earlier
+      discrete sibling ``node`` (an autoregressive head); its legal values per value of ``node`` come as a
+      table ``(group, "action_mask", "transform")`` ``[*B, A, n_node, n_transform]`` bool.
+    """
 
     children: Mapping[str, "Node"]
     """The children, in order."""
     atomic: bool = True
     """Action tag: ``False`` means the parts of this action may execute separately (seed 002)."""
+    conditional: Mapping[str, str] | None = None
+    """Action tag: child name -> name of the earlier discrete sibling it is conditioned on (both discrete)."""
 
     def __post_init__(self) -> None:
         # A private plain-dict copy: picklable (Ray ships trees), and the caller's dict can't change it.
         object.__setattr__(self, "children", dict(self.children))
+        object.__setattr__(self, "conditional", dict(self.conditional or {}))
 
     def __hash__(self) -> int:
-        return hash((tuple(self.children.items()), self.atomic))
+        return hash((tuple(self.children.items()), self.atomic, tuple(self.conditional.items())))
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, DictNode) and self.atomic == other.atomic
+                and self.conditional == other.conditional
                 and list(self.children.items()) == list(other.children.items()))
 
 
@@ -161,11 +180,43 @@ def check_node(node: Node, path: str, *, role: Literal["observation", "action"])
             raise TreeError(path, "a dict node needs at least one child")
         if role == "observation" and not node.atomic:
             raise TreeError(path, "atomic=False is an action tag; observation nodes cannot carry it")
+        if role == "observation" and node.conditional:
+            raise TreeError(path, "conditional is an action tag; observation nodes cannot carry it")
         for name, child in node.children.items():
             _check_name(path, name)
             check_node(child, f"{path}/{name}", role=role)
+        _check_conditional(node, path)
     else:
         raise TreeError(path, f"expected a Leaf or DictNode, got {type(node).__name__}")
+
+
+def _check_conditional(node: DictNode, path: str) -> None:
+    """Each conditioned child and what it is conditioned on: discrete leaves, the condition earlier in order."""
+    names = list(node.children)
+    for name, given in node.conditional.items():
+        where = f"{path}/{name}"
+        discrete = [k for k in names if k != name and isinstance(node.children[k], Leaf)
+                    and node.children[k].kind == "discrete"]
+        before = [k for k in discrete if names.index(k) < names.index(name)] if name in names else discrete
+        hint = (f"condition it on a discrete sibling that comes before it: {before}" if before else
+                "put a discrete leaf before it in the same dict to condition it on")
+        if name not in node.children:
+            raise StructuredActionError(where, f"conditional names no child of this dict (children: {names})")
+        child = node.children[name]
+        if not (isinstance(child, Leaf) and child.kind == "discrete"):
+            kind = child.kind if isinstance(child, Leaf) else "dict"
+            raise StructuredActionError(where, f"only a discrete leaf can be conditioned, this is a {kind} node; "
+                                               "make it Leaf.discrete, or drop it from conditional")
+        if given not in node.children:
+            raise StructuredActionError(where, f"is conditioned on {given!r}, not a sibling; {hint}")
+        target = node.children[given]
+        if not (isinstance(target, Leaf) and target.kind == "discrete"):
+            kind = target.kind if isinstance(target, Leaf) else "dict"
+            raise StructuredActionError(where, f"is conditioned on {path}/{given}, a {kind} node (only a discrete "
+                                               f"leaf can condition another); {hint}")
+        if names.index(given) >= names.index(name):
+            raise StructuredActionError(where, f"is conditioned on {path}/{given}, which does not come before it "
+                                               f"(sampling follows the children's order); {hint}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,5 +313,5 @@ def population(tree: Tree) -> Population:
 
 __all__ = [
     "AgentNode", "ArrayPopulation", "DictNode", "DictPopulation", "Leaf", "LeafKind", "Node", "Payoff",
-    "Population", "Tree", "TreeError", "check_node", "iter_leaves", "population",
+    "Population", "StructuredActionError", "Tree", "TreeError", "check_node", "iter_leaves", "population",
 ]

@@ -56,6 +56,8 @@ def node_to_dict(node: Node | None) -> dict[str, Any] | None:
     out = {"dict": {k: node_to_dict(c) for k, c in node.children.items()}}
     if not node.atomic:
         out["atomic"] = False
+    if node.conditional:
+        out["conditional"] = dict(node.conditional)
     return out
 
 
@@ -65,7 +67,7 @@ def node_from_dict(data: dict[str, Any] | None, path: str = "") -> Node | None:
         return None
     if "dict" in data:
         return DictNode({k: node_from_dict(c, f"{path}/{k}") for k, c in data["dict"].items()},
-                        atomic=bool(data.get("atomic", True)))
+                        atomic=bool(data.get("atomic", True)), conditional=data.get("conditional"))
     if data.get("dtype") not in _DTYPES:
         raise TreeError(path, f"unknown dtype {data.get('dtype')!r}")
     try:

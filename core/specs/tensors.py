@@ -5,7 +5,10 @@ A *step* of a tree with batch ``B`` (e.g. ``(env,)`` or ``(env, time)``) is::
     td[group]["observation"...]   [*B, capacity, *leaf.shape]
     td[group]["action"...]        [*B, capacity, *leaf.shape]
     td[group]["mask"]             [*B, capacity] bool
-    td[group]["action_mask"]      [*B, capacity, n] bool     (only for a single discrete action leaf)
+    td[group]["action_mask"]      [*B, capacity, n] bool     (a single discrete action leaf)
+    td[group]["action_mask", ...] [*B, capacity, ...] bool   (a structured action: a mask tree keyed like the
+                                                              action, plus "@present" per non-atomic element;
+                                                              :mod:`core.specs.structure`)
     td["shared"...]               [*B, *leaf.shape]           (shared observations, when the tree has any)
 """
 
@@ -21,6 +24,7 @@ from core.layout import ACTION, ACTION_MASK, MASK, OBSERVATION, SHARED
 
 from .grouping import groups, shared_observations
 from .nodes import AgentNode, ArrayPopulation, DictNode, DictPopulation, Leaf, Node, Tree, TreeError
+from .structure import action_mask_shapes
 
 
 def _bound_tensor(value, shape: tuple[int, ...]) -> torch.Tensor:
@@ -104,11 +108,36 @@ def to_composite(tree: Tree, batch: Iterable[int] = ()) -> Composite:
         n = _action_mask_size(g.agent.action)
         if n is not None:
             group[ACTION_MASK] = Binary(n=n, shape=(*gb, n), dtype=torch.bool)
+        elif (tree_mask := _mask_tree_spec(g.agent.action, gb)) is not None:
+            group[ACTION_MASK] = tree_mask
         entries[name] = Composite(group, shape=gb)
     shared = shared_observations(tree)
     if shared:
         entries[SHARED] = _shared_spec(shared, batch)
     return Composite(entries, shape=batch)
+
+
+def _mask_tree_spec(action: Node, gb: tuple[int, ...]) -> Composite | None:
+    """The spec of a structured action's mask tree (:func:`core.specs.structure.action_mask_shapes`)."""
+    shapes = action_mask_shapes(action)
+    if shapes is None:
+        return None
+    out = Composite(shape=gb)
+    for path, shape in shapes.items():
+        full = (*gb, *shape)
+        out[path] = Binary(n=full[-1], shape=full, dtype=torch.bool)
+    return out
+
+
+def _mask_tree(action: Node, gb: tuple[int, ...]) -> TensorDict | None:
+    """All-True (everything legal, every element present) mask tree of a structured action, or None."""
+    shapes = action_mask_shapes(action)
+    if shapes is None:
+        return None
+    out = TensorDict(batch_size=gb)
+    for path, shape in shapes.items():
+        out.set(path, torch.ones(*gb, *shape, dtype=torch.bool))
+    return out
 
 
 def _shared_spec(shared: dict[tuple[str, ...], Node], batch: tuple[int, ...]) -> TensorSpec:
@@ -167,6 +196,8 @@ def _fill(tree: Tree, batch: Iterable[int], fill, generator, present: bool) -> T
         n = _action_mask_size(g.agent.action)
         if n is not None:
             group.set(ACTION_MASK, torch.ones(*gb, n, dtype=torch.bool))
+        elif (tree_mask := _mask_tree(g.agent.action, gb)) is not None:
+            group.set(ACTION_MASK, tree_mask)
         out.set(name, group)
     for path, node in shared_observations(tree).items():
         out.set((SHARED, *path), _node_tensors(node, batch, fill, generator))

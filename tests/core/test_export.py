@@ -28,6 +28,9 @@ CASES = {
                        PolicyConfig(activation="relu")),
     "recurrent_binary": (_array(Leaf.box((2,)), Leaf.binary(3), capacity=2),
                          PolicyConfig(recurrent=True, recurrent_size=8, hidden_sizes=(16,))),
+    "recurrent_lstm_critic": (_array(Leaf.box((2,)), Leaf.discrete(3), capacity=2),
+                              PolicyConfig(recurrent=True, recurrent_cell="lstm", recurrent_critic=True,
+                                           recurrent_size=8, hidden_sizes=(16,))),
 }
 
 
@@ -66,16 +69,16 @@ def _flat_actions(out) -> list[torch.Tensor]:
 def test_loaded_program_matches_deterministic_act(exported, batch):
     tree, policy, program = exported
     step = _step(tree, batch, seed=10 + batch)
-    if policy.gru is not None:  # a carried, non-zero state
-        step[RECURRENT_STATE] = torch.randn(batch, policy.num_agents, policy.config.recurrent_size)
+    if policy.recurrent:  # a carried, non-zero state
+        step[RECURRENT_STATE] = torch.randn(batch, policy.num_agents, policy.state_size)
     args, kwargs = deployment_inputs(policy, step)
     with torch.no_grad():
         got = _flat_actions(program.module()(*args, **kwargs))
         ref = policy.act(step, deterministic=True, recurrent_state=step.get(RECURRENT_STATE, None))
         eager = _flat_actions(deployable(policy)(*args, **kwargs))
     expected = [ref.get((ACTION, *path)) for path in policy.heads.paths]
-    if policy.gru is not None:
-        expected.append(ref[NEXT, RECURRENT_STATE])
+    if policy.recurrent:
+        expected.append(policy.split_state(ref[NEXT, RECURRENT_STATE])[0])  # the actor cell's part
     assert len(got) == len(expected) == len(eager)
     for g, e, d in zip(got, expected, eager):
         assert g.shape == e.shape and g.dtype == e.dtype
@@ -94,3 +97,26 @@ def test_inputs_exclude_eval_only_leaves_in_documented_order(exported):
     args, _ = deployment_inputs(policy, _step(tree, 2, seed=3))
     assert len(args) == len(expected)
     assert not any(name.startswith("critic") for name, _ in module.named_parameters())
+
+
+def test_a_structured_action_exports_with_its_mask_tree():
+    """A conditional, non-atomic action (builtin:pick's) takes its masks as a nested dict; the program's greedy
+    pair equals act(deterministic=True)'s and is legal under the table of the chosen node."""
+    from adapters.builtin.pick import Pick, PickConfig
+    from core.policies.export import deployment_signature
+
+    env = Pick(PickConfig(num_envs=5))
+    step = env.reset(seed=3)["agent"]
+    torch.manual_seed(0)
+    policy = make_policies(env.tree)["agent"]
+    args, kwargs = deployment_inputs(policy, step)
+    assert isinstance(kwargs[ACTION_MASK], dict) and set(kwargs[ACTION_MASK]) >= {"node", "transform"}
+    program = _round_trip(export_policy(policy, step))
+    node, transform = program.module()(*args, **kwargs)
+    ref = policy.act(step, deterministic=True)
+    assert torch.equal(node, ref[ACTION, "node"]) and torch.equal(transform, ref[ACTION, "transform"])
+    table = step[ACTION_MASK, "transform"]  # [E, 1, nodes, T]
+    legal = table.gather(2, node[..., None, None].expand(*node.shape, 1, table.shape[-1])).squeeze(2)
+    assert bool(legal.gather(-1, transform.unsqueeze(-1)).all())
+    names = [i["name"] for i in deployment_signature(policy, step)["inputs"]]
+    assert "action_mask/node" in names and "action_mask/transform" in names

@@ -38,7 +38,9 @@ TREES = {
     "bounded_tanh": _array(Leaf.box((3,)), Leaf.box((2,), low=-2.0, high=(1.0, 3.0))),
 }
 CONFIGS = [PolicyConfig(), PolicyConfig(critic="central", agent_id_input=True),
-           PolicyConfig(recurrent=True, recurrent_size=8, hidden_sizes=(16,))]
+           PolicyConfig(recurrent=True, recurrent_size=8, hidden_sizes=(16,)),
+           PolicyConfig(recurrent=True, recurrent_cell="lstm", recurrent_critic=True, recurrent_size=8,
+                        hidden_sizes=(16,), critic="central")]
 
 
 def _setup(tree, config, seed=0):
@@ -51,7 +53,7 @@ def _setup(tree, config, seed=0):
 _SYMMETRIC = _setup(TREES["composite_discrete_box"], PolicyConfig())
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["local", "central_ids", "recurrent"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["local", "central_ids", "recurrent", "lstm_recurrent_critic"])
 @pytest.mark.parametrize("name", list(TREES))
 def test_act_and_evaluate_shapes_and_agreement(name, config):
     tree = TREES[name]
@@ -74,11 +76,15 @@ def test_act_and_evaluate_shapes_and_agreement(name, config):
         assert ev[key].shape == (E, a, 1) and ev[key].requires_grad
     torch.testing.assert_close(ev[LOG_PROB], out[LOG_PROB], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ev[STATE_VALUE], out[STATE_VALUE])
-    torch.testing.assert_close(policy.value(obs, shared), out[STATE_VALUE])
+    if policy.critic_cell is None:
+        torch.testing.assert_close(policy.value(obs, shared), out[STATE_VALUE])
+    else:
+        with pytest.raises(ValueError, match="sequence_values"):
+            policy.value(obs, shared)
     (ev[LOG_PROB].sum() + ev[ENTROPY].sum() + ev[STATE_VALUE].sum()).backward()
     assert policy.actor_out.weight.grad.abs().sum() > 0 and policy.critic_out.weight.grad.abs().sum() > 0
     if config.recurrent:
-        assert out[RECURRENT_STATE].shape == out[NEXT, RECURRENT_STATE].shape == (E, a, config.recurrent_size)
+        assert out[RECURRENT_STATE].shape == out[NEXT, RECURRENT_STATE].shape == (E, a, policy.state_size)
         assert not torch.equal(out[NEXT, RECURRENT_STATE], out[RECURRENT_STATE])
 
 
@@ -117,7 +123,14 @@ def test_eval_only_leaves_reach_the_central_critic_but_not_the_actor():
     changed[OBSERVATION, "secret"] = changed[OBSERVATION, "secret"] + 5.0
     x1 = policy.actor_encoder(policy.actor_encoder.read(obs[OBSERVATION]))
     x2 = policy.actor_encoder(policy.actor_encoder.read(changed[OBSERVATION]))
-    assert torch.equal(policy.actor_params(x1)[0], policy.actor_params(x2)[0])
+    assert torch.equal(policy.actor_params(x1, shared=shared)[0], policy.actor_params(x2, shared=shared)[0])
+    # the shared leaf that is not eval-only reaches the actor; without the shared entry it is a named error
+    moved = shared.clone()
+    moved["state"] = moved["state"] + 5.0
+    assert not torch.allclose(policy.actor_params(x1, shared=shared)[0], policy.actor_params(x1, shared=moved)[0])
+    assert policy.actor_shared_encoder.paths == [()] and policy.actor_shared_encoder.out_features == 5
+    with pytest.raises(ValueError, match="actor reads the shared observations"):
+        policy.actor_params(x1)
     a1, a2 = policy.act(obs, shared, _gen(3)), policy.act(changed, shared, _gen(3))
     assert torch.equal(a1[ACTION], a2[ACTION]) and torch.equal(a1[LOG_PROB], a2[LOG_PROB])
     assert not torch.allclose(a1[STATE_VALUE], a2[STATE_VALUE])
@@ -282,15 +295,17 @@ def test_log_probs_recomputed_for_a_fragment_equal_the_per_step_ones_bit_for_bit
     torch.manual_seed(seed)
     policy = make_policies(tree)["agents"]
     assert policy.defers_log_prob
-    obs_steps = [rand(tree, (envs,), _gen(seed + 1 + t))["agents"] for t in range(steps)]
+    roots = [rand(tree, (envs,), _gen(seed + 1 + t)) for t in range(steps)]
+    obs_steps = [r["agents"] for r in roots]
+    shared = [r.get(SHARED, None) for r in roots]  # the actor reads non-eval-only shared observations
     has_mask = ACTION_MASK in obs_steps[0].keys()
     if masked and has_mask:
         for o in obs_steps:
             o[ACTION_MASK] = _random_mask(tree.template.action, (envs, 3), _gen(seed))
     direct_gen, deferred_gen = _gen(seed + 100), _gen(seed + 100)
-    direct = [policy.act_step(o, None, direct_gen, deterministic, with_value=False) for o in obs_steps]
-    deferred = [policy.act_step(o, None, deferred_gen, deterministic, with_value=False, with_log_prob=False)
-                for o in obs_steps]
+    direct = [policy.act_step(o, sh, direct_gen, deterministic, with_value=False) for o, sh in zip(obs_steps, shared)]
+    deferred = [policy.act_step(o, sh, deferred_gen, deterministic, with_value=False, with_log_prob=False)
+                for o, sh in zip(obs_steps, shared)]
     assert all(LOG_PROB not in d and ACTION_PARAMS in d for d in deferred)
     actions = _stack_steps(deferred, ACTION, [envs, 3])
     assert (actions == _stack_steps(direct, ACTION, [envs, 3])).all()  # the same random draws

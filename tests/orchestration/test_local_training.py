@@ -130,12 +130,12 @@ def test_values_of_a_large_batch_are_computed_in_chunks_with_the_same_result(mon
     """The learner evaluates the critic over a big batch in chunks of env rows (bounded activations): an
     update with 3-row chunks trains the same weights as one critic call over the batch (up to float
     rounding)."""
-    import orchestration.learner as learner_module
+    import orchestration.train_batches as batches_module
 
     config = TrainConfig(env="builtin:cartpole", seed=2, rollout=RolloutConfig(num_envs=8, fragment_length=16))
     weights = []
     for chunk in (1 << 16, 3 * 16):  # one call; then chunks of 3 env rows of 16 steps (the last one 2 rows)
-        monkeypatch.setattr(learner_module, "_VALUE_CHUNK", chunk)
+        monkeypatch.setattr(batches_module, "VALUE_CHUNK", chunk)
         trainer = build_trainer(config)
         trainer.train()
         weights.append(trainer.learners["agent"].weights()[1])

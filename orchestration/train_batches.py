@@ -1,0 +1,86 @@
+"""From a learner's ``[E, T]`` batch (GAE inputs) to what :func:`core.losses.ppo_update_` trains on.
+
+- :func:`with_values`: the critic's values at every observation and next observation, the GAE inputs. A
+  feed-forward critic evaluates them in a few batched calls; a recurrent critic carries its state along time
+  (:meth:`core.policies.GroupPolicy.sequence_values`).
+- :func:`update_inputs`: a feed-forward policy trains on shuffled transitions ``[N]``; a recurrent one on
+  whole sequences ``[S]`` (groups ``[S, W, A]``, :func:`core.buffers.split_sequences`), minibatches of
+  ``minibatch_size // sequence_length`` sequences, evaluated by truncated BPTT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from core.buffers import drop_trivial_masks, flatten_transitions, sequence_starts, split_sequences
+from core.layout import EPISODE_ID, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SEQUENCE_START, SHARED, STATE_VALUE
+from core.losses import PPOConfig
+from core.policies import GroupPolicy
+
+#: Transitions per critic call when values are computed for a whole batch: the hidden activations of a large
+#: batch (64 floats per layer and transition) would otherwise outweigh the batch itself.
+VALUE_CHUNK = 1 << 16
+
+
+def with_values(policy: GroupPolicy, batch: TensorDictBase, group: str) -> TensorDictBase:
+    """Adds ``(group, "state_value")`` (unless the actor recorded them and the critic is feed-forward) and
+    ``("next", group, "state_value")`` to ``batch`` ``[E, T]`` (in place; returns it)."""
+    if policy.critic_cell is not None:
+        return _recurrent_values(policy, batch, group)
+    for root in (batch, batch.get(NEXT)):
+        g = root.get(group)
+        if root is batch and STATE_VALUE in g.keys():
+            continue
+        obs, shared = _critic_inputs(g), root.get(SHARED, None)
+        rows = max(1, VALUE_CHUNK // max(1, g.batch_size[1:].numel()))  # env rows per critic call
+        g.set(STATE_VALUE, policy.value(obs, shared) if g.batch_size[0] <= rows else torch.cat(
+            [policy.value(obs[i:i + rows], None if shared is None else shared[i:i + rows])
+             for i in range(0, g.batch_size[0], rows)]))
+    return batch
+
+
+def _critic_inputs(g: TensorDictBase, *extra: str) -> TensorDict:
+    keys = [k for k in (OBSERVATION, MASK, *extra) if k in g.keys()]
+    return TensorDict({k: g.get(k) for k in keys}, batch_size=g.batch_size)
+
+
+def _recurrent_values(policy: GroupPolicy, batch: TensorDictBase, group: str) -> TensorDictBase:
+    nxt = batch.get(NEXT)
+    values, next_values = policy.sequence_values(
+        _critic_inputs(batch.get(group), RECURRENT_STATE), batch.get(SHARED, None),
+        _critic_inputs(nxt.get(group)), nxt.get(SHARED, None), sequence_starts(batch.get(EPISODE_ID)))
+    batch.get(group).set(STATE_VALUE, values)
+    nxt.get(group).set(STATE_VALUE, next_values)
+    return batch
+
+
+def update_inputs(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: PPOConfig
+                  ) -> tuple[TensorDictBase, Callable[[TensorDictBase], Mapping[str, torch.Tensor]], PPOConfig]:
+    """``(data, evaluate, config)`` for ``ppo_update_(policy, optimizer, data, evaluate, config, ...)``.
+
+    Args:
+        policy: the trained policy.
+        batch: ``[E, T]`` with advantages and value targets of ``group``.
+        group: the group trained.
+        ppo: the learner's PPO settings (``sequence_length`` and ``burn_in`` shape a recurrent policy's data).
+    """
+    if not policy.recurrent:
+        def evaluate(mb):
+            return policy.evaluate_terms(mb.get(group), mb.get(SHARED, None))
+
+        return drop_trivial_masks(flatten_transitions(batch), group), evaluate, ppo
+    length = min(ppo.sequence_length or batch.batch_size[1], batch.batch_size[1])
+    sequences = split_sequences(batch.exclude(NEXT), length, ppo.burn_in, group)
+
+    def evaluate_sequences(mb):
+        return policy.evaluate_sequence(mb.get(group), mb.get(SHARED, None), mb.get(SEQUENCE_START))
+
+    config = dataclasses.replace(ppo, minibatch_size=max(1, ppo.minibatch_size // length))
+    return drop_trivial_masks(sequences, group), evaluate_sequences, config
+
+
+__all__ = ["VALUE_CHUNK", "update_inputs", "with_values"]
