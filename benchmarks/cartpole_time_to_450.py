@@ -1,8 +1,9 @@
 """Time to solve CartPole-v1: Shoal's local trainer against a hand-written CleanRL-style PPO, same settings.
 
-Ours: ``build_trainer(TrainConfig(seed=s))`` (all defaults: gymnasium CartPole-v1, 16 envs x 64 steps, lr 2.5e-3
-annealed over 100 iterations, 4 epochs of minibatch 256, ...), then ``trainer.train()`` until the criterion
-holds. Hand: :func:`handwritten_ppo.run` with the hyper-parameters read from the same ``TrainConfig()``.
+Ours: ``build_trainer(replace(load_preset("cartpole"), seed=s))`` (the ``cartpole`` preset, the settings this was
+measured with: gymnasium CartPole-v1, 16 envs x 64 steps, lr 2.5e-3 annealed over 100 iterations, 4 epochs of
+minibatch 256, no entropy bonus, ...), then ``trainer.train()`` until the criterion holds. Hand:
+:func:`handwritten_ppo.run` with the hyper-parameters read from the same config.
 
 Paired runs: with one seed, both sides build the same initial weights, draw the same Gumbel-max action noise
 from generators seeded alike and minibatch in the same (env-major) order, and their arithmetic agrees bit for bit
@@ -45,6 +46,7 @@ import torch
 
 from orchestration.config import TrainConfig
 from orchestration.builder import build_trainer
+from orchestration.presets import load_preset
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module from the repository root
     from handwritten_ppo import hparams_from_config, run as hand_run
@@ -152,13 +154,14 @@ def main() -> None:
     parser.add_argument("--stop-return", type=float, default=450.0)
     parser.add_argument("--max-steps", type=int, default=300_000)
     parser.add_argument("--iterations", type=int, default=None,
-                        help="annealing horizon of both sides (default: TrainConfig's, 100)")
+                        help="annealing horizon of both sides (default: the cartpole preset's, 100)")
     parser.add_argument("--deadline", type=float, default=600.0, help="wall-clock cap per run, s")
     args = parser.parse_args()
     torch.set_num_threads(1)
     seeds, stop, max_steps = (args.seeds[:1], 100.0, 60_000) if args.quick else (args.seeds, args.stop_return,
                                                                                   args.max_steps)
-    base = TrainConfig() if args.iterations is None else TrainConfig(iterations=args.iterations)
+    base = load_preset("cartpole")
+    base = base if args.iterations is None else replace(base, iterations=args.iterations)
     cap = min(max_steps, base.iterations * base.steps_per_iteration) if base.anneal_lr else max_steps
     hp = hparams_from_config(base)
 

@@ -43,7 +43,7 @@ DEFAULT_HPARAMS: dict[str, Any] = {
     "env_id": "CartPole-v1",
     "num_envs": 16,  # RolloutConfig.num_envs
     "fragment_length": 64,  # RolloutConfig.fragment_length (steps per env per iteration)
-    "lr": 2.5e-3,  # TrainConfig.lr
+    "lr": 2.5e-3,  # TrainConfig.lr of the cartpole preset (orchestration/presets/cartpole.yaml)
     "anneal_lr": True,  # TrainConfig.anneal_lr
     "iterations": 100,  # TrainConfig.iterations: the annealing horizon
     "num_epochs": 4,

@@ -47,6 +47,7 @@ def run_case(encoder: str, args: dict) -> dict:
 
     torch.set_num_threads(args["threads"])
     config = TrainConfig(env="builtin:spot", seed=0, iterations=args["iterations"] + 1, device=args["device"],
+                         lr=2.5e-3,
                          env_kwargs=(("size", str(args["size"])), ("channels", str(args["channels"]))),
                          policy=PolicyConfig(image_encoder=encoder, image_features=args["features"]),
                          rollout=RolloutConfig(num_envs=args["num_envs"], fragment_length=args["fragment_length"]),

@@ -34,6 +34,7 @@ from core.policies import GroupPolicy
 from core.specs import groups
 from core.tensordicts import make_td, nested_td
 from orchestration.assignment import GroupAssignment
+from orchestration.episode_records import episode_records
 
 
 def _plain(td: TensorDictBase) -> dict:
@@ -121,7 +122,8 @@ class Actor:
                 inputs[ACTION_MASK] = action_mask
             out = self._forward(group, assigned, inputs, shared, done, rnn)
             action = out[ACTION]
-            entry = {OBSERVATION: _maybe_plain(observation), MASK: mask, ACTION: action}
+            # a policy may take agents out of training (orchestration.past_selves: seats a past self played)
+            entry = {OBSERVATION: _maybe_plain(observation), MASK: out.get(MASK, mask), ACTION: action}
             if LOG_PROB in out:
                 entry[LOG_PROB] = out[LOG_PROB]
             else:  # filled in for the whole fragment by build_fragment()
@@ -147,14 +149,14 @@ class Actor:
         """
         single = assigned.single
         # No critic here: the learner evaluates state values for the whole batch in one call.
-        if single is not None and not self.policies[single].recurrent:  # the common case: nothing to merge or carry
+        if single is not None and not self.policies[single].reads_episode_starts:  # the common case: nothing to carry
             return self.policies[single].act_step(g_obs, shared, self.generator, single in self.deterministic,
                                                   with_value=False, with_log_prob=False)
         outs = {}
         with_log_prob = self.record and single is None
         for pid in assigned.policies:
             policy = self.policies[pid]
-            start = done.reshape(-1) if policy.recurrent else None  # read by recurrent policies only
+            start = done.reshape(-1) if policy.reads_episode_starts else None  # recurrent policies, past selves
             out = policy.act_step(g_obs, shared, self.generator, pid in self.deterministic,
                                   rnn.get((group, pid)), start, with_value=False, with_log_prob=with_log_prob)
             if RECURRENT_STATE in out:
@@ -306,6 +308,9 @@ class Actor:
                 meta["rnn"].append([group, pid])
         if meta["env_state"]:
             tensors.update({f"env/{k}": v for k, v in self.env.state_dict().items()})
+        meta["policies"] = {pid: p.state()["json"] for pid, p in self.policies.items() if hasattr(p, "state")}
+        tensors.update({f"policy/{pid}/{k}": v for pid, p in self.policies.items() if hasattr(p, "state")
+                        for k, v in p.state()["tensors"].items()})
         return {"tensors": tensors, "json": meta}
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
@@ -323,35 +328,14 @@ class Actor:
         if meta["carry"] is not None:
             self.builder.tracker.carry = _unflat("carry", tensors, meta["carry"])
         self._rnn = {(g, p): tensors[f"rnn/{g}/{p}"] for g, p in meta.get("rnn", [])}
+        for pid, saved in meta.get("policies", {}).items():  # e.g. a pool of past selves
+            head = f"policy/{pid}/"
+            self.policies[pid].load_state_({"json": saved, "tensors": {k[len(head):]: v for k, v in tensors.items()
+                                                                       if k.startswith(head)}})
         if meta["env_state"] and hasattr(self.env, "load_state_dict"):
             self.env.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("env/")})
             self._obs = _unflat("obs", tensors, meta["obs"])
             self._done = tensors["episode_start"].clone().reshape(-1, 1)  # [E]: envs starting an episode
-
-
-def episode_records(records: Mapping[str, TensorDictBase],
-                    assignment: Mapping[str, GroupAssignment]) -> dict[str, np.ndarray]:
-    """Completed-episode records (``FragmentBuilder.pop_completed_episodes``) as float64 ``[K]`` arrays each,
-    in env-then-time order.
-
-    ``"return"``: the sum of every agent's return (the usual score of a single-agent or cooperative env);
-    ``"return/<policy>"``: the summed return of the agents that policy acts for; ``"length"``;
-    ``"agents/<group>"`` ``[K, A]``: every agent's own return. ``{}`` when nothing was recorded.
-    """
-    if not records:
-        return {}
-    per_policy: dict[str, torch.Tensor] = {}
-    agents = {}
-    for group, r in records.items():
-        agent_return = r.get("agent_return").squeeze(-1)  # [K, A]
-        agents[f"agents/{group}"] = agent_return.double().numpy()
-        for pid, slots in assignment[group].slots.items():
-            part = (agent_return * slots).sum(-1)
-            per_policy[pid] = per_policy[pid] + part if pid in per_policy else part
-    out = {f"return/{pid}": v.double().numpy() for pid, v in per_policy.items()}
-    out["return"] = torch.stack(list(per_policy.values())).sum(0).double().numpy()
-    out["length"] = next(iter(records.values())).get("length").reshape(-1).double().numpy()
-    return {**out, **agents}
 
 
 def _flat(prefix: str, td: TensorDictBase) -> dict[str, torch.Tensor]:

@@ -146,8 +146,28 @@ def build_actor(config: TrainConfig, env, policies: Mapping[str, GroupPolicy],
                             seed=worker_seed(config.seed, slot, incarnation),
                             worker_id=worker_id_of(slot, incarnation),
                             worker_ids=stream_worker_ids(config, slot, incarnation))
-    return Actor(env, policies, assignment, fragment_length=config.rollout.fragment_length,
-                 seed=worker_seed(config.seed, slot, incarnation), worker_id=worker_id_of(slot, incarnation))
+    seed = worker_seed(config.seed, slot, incarnation)
+    return Actor(env, with_past_selves(config, env.tree, policies, assignment, seed), assignment,
+                 fragment_length=config.rollout.fragment_length, seed=seed, worker_id=worker_id_of(slot, incarnation))
+
+
+def with_past_selves(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
+                     assignment: Mapping[str, GroupAssignment], seed: int) -> dict[str, Any]:
+    """``policies`` with :class:`orchestration.past_selves.PastSelves` stand-ins for the learning, feed-forward
+    policies that play every seat (>= 2) of one zero-sum group and no other group (``config.past_selves``)."""
+    if config.past_selves.fraction == 0.0:
+        return dict(policies)
+    from orchestration.past_selves import PastSelves
+
+    specs, out = groups(tree), dict(policies)
+    for group, assigned in assignment.items():
+        pid = assigned.single
+        if (pid is None or is_fixed(config, pid) or specs[group].payoff != "zero_sum" or specs[group].capacity < 2
+                or not isinstance(policies[pid], GroupPolicy) or policies[pid].recurrent
+                or sum(pid in a.policies for a in assignment.values()) != 1):
+            continue
+        out[pid] = PastSelves(policies[pid], config.past_selves, seed=seed + 7)
+    return out
 
 
 def build_evaluator(config: TrainConfig, policies: Mapping[str, GroupPolicy], assignment: Mapping[str, GroupAssignment],

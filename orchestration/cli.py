@@ -1,6 +1,7 @@
 """The ``shoal`` command: ``train``, ``serve``, ``evaluate``, ``export``, ``plot``, ``tune`` and ``conformance``.
 
     shoal train CartPole-v1 --iterations 40                 # flags map onto TrainConfig (see --help)
+    shoal train --preset pendulum                           # a tuned config shipped with Shoal, flags override it
     shoal train --config-file run.yaml                      # a YAML or JSON config file, flags override it
     shoal train --resume --run-dir runs/RUN                 # continue a run from its latest checkpoint
     shoal evaluate runs/RUN/checkpoints --episodes 20
@@ -38,53 +39,33 @@ import tyro
 from orchestration.config import TrainConfig
 
 
-def _check_keys(raw: dict, config, where: str) -> None:
-    """Refuses a key that is no field of ``config`` (a dataclass), naming it and its nearest valid spelling."""
-    import difflib
+def _config_from_file(path: str, base: TrainConfig | None = None) -> TrainConfig:
+    """A TrainConfig from a YAML or JSON file over ``base`` (strict keys; ``orchestration.presets``)."""
+    from orchestration.presets import config_from_file
 
-    names = [f.name for f in dataclasses.fields(config)]
-    for key, value in raw.items():
-        if key not in names:
-            near = difflib.get_close_matches(key, names, n=1)
-            raise ValueError(f"config file: unknown key '{where}{key}'" + (f" (did you mean '{where}{near[0]}'?)"
-                             if near else f"; valid keys: {', '.join(names)}"))
-        field = getattr(config, key)
-        if isinstance(value, dict) and dataclasses.is_dataclass(field):
-            _check_keys(value, field, f"{where}{key}.")
-
-
-def _config_from_file(path: str) -> TrainConfig:
-    """A TrainConfig from a YAML or JSON file (any subset of the fields, nested as the dataclasses are);
-    strict: an unknown key is an error naming it and its nearest valid spelling."""
-    import yaml
-
-    with open(path) as f:
-        raw = yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)
-    if not isinstance(raw, dict):
-        raise ValueError(f"config file {path}: expected a mapping of TrainConfig fields, got {type(raw).__name__}")
-    from orchestration.sweeps import config_from_params
-
-    _check_keys(raw, TrainConfig(), "")
-    if isinstance(raw.get("collection"), dict):  # an env collection written out in the file: its JSON document
-        raw["collection"] = json.dumps(raw["collection"])
-    return config_from_params(TrainConfig(), raw)  # YAML's ``1e-3`` (a string to YAML 1.1) becomes a float
+    return config_from_file(path, base)
 
 
 _TRAIN_HELP = """Train with PPO. Besides the flags below: ENV may be given as the first argument;
---config-file F reads a YAML or JSON config (strict keys; flags override it); --resume continues the run
-that --run-dir names from its latest checkpoint; --seeds S1 S2 ... trains one run per seed; --no-progress
-hides the progress bar."""
+--preset NAME starts from a tuned config shipped with Shoal ({presets}; flags override it);
+--config-file F reads a YAML or JSON config (strict keys; over the preset if any; flags override it);
+--resume continues the run that --run-dir names from its latest checkpoint; --seeds S1 S2 ... trains one run
+per seed; --no-progress hides the progress bar."""
 
 
-def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool, bool]:
-    """Pulls out the positional env, ``--config-file``, ``--resume`` and ``--no-progress`` before tyro."""
-    rest, config_file, resume, progress = [], None, False, True
+def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool, bool, str | None]:
+    """Pulls out the positional env, ``--config-file``, ``--resume``, ``--no-progress`` and ``--preset``."""
+    rest, config_file, resume, progress, preset = [], None, False, True, None
     it = iter(argv)
     for arg in it:
-        if arg == "--config-file":
-            config_file = next(it)
-        elif arg.startswith("--config-file="):
-            config_file = arg.split("=", 1)[1]
+        if arg in ("--config-file", "--preset"):
+            value = next(it, None)
+            if value is None:
+                raise ValueError(f"{arg} needs a value")
+            config_file, preset = (value, preset) if arg == "--config-file" else (config_file, value)
+        elif arg.startswith(("--config-file=", "--preset=")):
+            name, value = arg.split("=", 1)
+            config_file, preset = (value, preset) if name == "--config-file" else (config_file, value)
         elif arg == "--resume":
             resume = True
         elif arg == "--no-progress":
@@ -93,7 +74,7 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool, boo
             rest += ["--env", arg]
         else:
             rest.append(arg)
-    return rest, config_file, resume, progress
+    return rest, config_file, resume, progress, preset
 
 
 def _seeds(argv: list[str]) -> tuple[list[str], list[int]]:
@@ -149,8 +130,11 @@ def _setup_training(argv: list[str]):
     """Config, trainer and restored state of ``shoal train``: every user error surfaces here."""
     from orchestration.envs import imports_code
 
-    rest, config_file, resume, progress = _split_train_args(argv)
-    default = _config_from_file(config_file) if config_file else TrainConfig()
+    from orchestration.presets import load_preset, preset_names
+
+    rest, config_file, resume, progress, preset = _split_train_args(argv)
+    default = load_preset(preset) if preset else TrainConfig()
+    default = _config_from_file(config_file, default) if config_file else default
     ckpt_root = None
     if resume:
         named = _run_dir_from(rest, default)
@@ -167,7 +151,8 @@ def _setup_training(argv: list[str]):
             raise SystemExit(f"shoal train --resume: the checkpoint names env {saved.env!r}; {why}, and an env "
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
-    config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train", description=_TRAIN_HELP)
+    config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train",
+                      description=_TRAIN_HELP.format(presets=", ".join(preset_names())))
     if config.backend == "local":
         _import_torchrl_without_ray()
     import torch  # the first heavy import of a training run: after parsing, so --help stays fast

@@ -242,6 +242,24 @@ class CuriosityConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PastSelvesConfig:
+    """Self-play against past selves (:mod:`orchestration.past_selves`)."""
+
+    fraction: float = 0.5
+    """Fraction of the games in which a past self plays one seat (0: plain self-play). It applies to groups of
+    a zero-sum population whose every seat one learning, feed-forward policy plays (connect four's players)."""
+    snapshot_every: int = 5
+    """Policy versions between two snapshots added to the pool (the initial weights are the first)."""
+    pool_size: int = 8
+    """Snapshots kept: the oldest (but the initial one) leaves when a new one comes."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0 or self.snapshot_every < 1 or self.pool_size < 1:
+            raise ValueError(f"PastSelvesConfig: fraction must be in [0, 1], snapshot_every and pool_size >= 1; "
+                             f"got {self.fraction}, {self.snapshot_every}, {self.pool_size}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """A whole training run: environment, rollout, PPO, policy, budget, evaluation, outputs."""
 
@@ -262,8 +280,9 @@ class TrainConfig:
     """Training iterations (each: ``train_batch_size`` env steps, then ``num_epochs`` of SGD, then sync)."""
     train_batch_size: int = 0
     """Env steps per iteration; 0 means one round of fragments (``num_envs * fragment_length * num_workers``)."""
-    lr: float = 2.5e-3
-    """Adam learning rate."""
+    lr: float = 2.5e-4
+    """Adam learning rate (CleanRL ``ppo.py``'s 2.5e-4; SB3's PPO uses 3e-4). Tuned values per task are in the
+    presets (``shoal train --preset cartpole`` trains CartPole-v1 with 2.5e-3: ``orchestration/presets/``)."""
     anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over ``anneal_iterations`` (37 details, detail 4)."""
     anneal_iterations: int = 0
@@ -271,8 +290,11 @@ class TrainConfig:
     horizon it started with, whatever ``--iterations`` says, so its schedule continues unchanged."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Experience collection."""
-    ppo: PPOConfig = field(default_factory=lambda: PPOConfig(minibatch_size=256))
-    """Loss, estimator and update."""
+    ppo: PPOConfig = field(default_factory=lambda: PPOConfig(minibatch_size=256, entropy_coef=0.01))
+    """Loss, estimator and update. Defaults of a run follow CleanRL's ``ppo.py``
+    (https://github.com/vwxyzjn/cleanrl/blob/master/cleanrl/ppo.py): 4 epochs of 4 minibatches (256 of the
+    1,024 steps of a round), entropy bonus 0.01, clip 0.2, gamma 0.99, GAE lambda 0.95, value weight 0.5,
+    gradient norm 0.5; PPOConfig's own ``entropy_coef`` default is 0 (MAPPO/BenchMARL)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Networks built from the tree spec."""
     policy_mapping: tuple[tuple[str, str], ...] = ()
@@ -330,6 +352,8 @@ class TrainConfig:
     """The server and simulator launcher of ``--env external`` (docs/external-protocol.md)."""
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     """Behaviour cloning on a recorded dataset before PPO starts (``--pretrain.dataset PATH``)."""
+    past_selves: PastSelvesConfig = field(default_factory=PastSelvesConfig)
+    """Self-play against past selves in a fraction of the games (``--past-selves.fraction 0``: plain self-play)."""
     curiosity: CuriosityConfig = field(default_factory=CuriosityConfig)
     """A random-network-distillation curiosity bonus on every learning policy's rewards (``--curiosity.coef``)."""
 

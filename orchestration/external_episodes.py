@@ -32,7 +32,7 @@ from adapters.external.codec import Request, TreeCodec, where_slots
 from core.buffers import FragmentBuilder
 from core.layout import (ACTION, ACTION_MASK, DONE, LOG_PROB, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED,
                          TRUNCATED)
-from orchestration.actor import episode_records
+from orchestration.episode_records import episode_records
 from orchestration.assignment import GroupAssignment
 from orchestration.builder import worker_id_of
 
@@ -124,6 +124,7 @@ class Episode:
         self.lane = lanes.take()
         self.open: dict | None = None
         self.open_versions: dict[str, int] = {}
+        self.open_slots: dict[str, set[int]] = {}  # group -> slots of the agents that acted at the open step
         self.held: tuple[dict, dict[str, int]] | None = None
         self.waiting = False  # an answer is owed for this episode's last request
 
@@ -134,12 +135,17 @@ class Episode:
             return
         nxt: dict[str, Any] = {}
         approx = 0
-        for g, (term, trunc) in request.left.items():
+        now_slots = request.slots()
+        for g, (term, trunc, done) in request.left.items():
             entry = self.open[g]
-            was, now = entry[MASK], request.mask[g]
-            approx += int((was & ~now & ~term.squeeze(-1)).sum())
-            nxt[g] = {OBSERVATION: where_slots(now, request.observation[g], entry[OBSERVATION]),
-                      REWARD: request.reward[g], TERMINATED: term, TRUNCATED: trunc, DONE: term | trunc, MASK: was}
+            was, obs = entry[MASK], request.observation[g]
+            if not self.open_slots[g] <= now_slots[g]:  # an agent of the open step is silent now (rare)
+                now = request.mask[g]
+                approx += int((was & ~now & ~term.squeeze(-1)).sum())
+                obs = where_slots(now, obs, entry[OBSERVATION])
+            # else: the request's observation already is the next one everywhere (zeros where nobody was)
+            nxt[g] = {OBSERVATION: obs, REWARD: request.reward[g], TERMINATED: term, TRUNCATED: trunc, DONE: done,
+                      MASK: was}
         if approx:
             self.lanes.count("approx_bootstraps", approx)
         self._complete(nxt, request.shared, False, False)
@@ -155,7 +161,7 @@ class Episode:
             step[g] = entry
         if request.shared is not None:
             step[SHARED] = request.shared
-        self.open, self.open_versions = step, dict(versions)
+        self.open, self.open_versions, self.open_slots = step, dict(versions), request.slots()
 
     def end(self, outcome: str, reward: Mapping[str, torch.Tensor],
             final: Mapping[str, tuple[Any, torch.Tensor]]) -> None:
@@ -193,8 +199,8 @@ class Episode:
 
     def _complete(self, nxt: dict, shared_next: Any, terminated: bool, truncated: bool) -> None:
         step = self.open
-        step[NEXT] = {**nxt, DONE: torch.tensor([[terminated or truncated]]), TERMINATED: torch.tensor([[terminated]]),
-                      TRUNCATED: torch.tensor([[truncated]])}
+        step[NEXT] = {**nxt, DONE: _FLAG[terminated or truncated], TERMINATED: _FLAG[terminated],
+                      TRUNCATED: _FLAG[truncated]}
         if SHARED in step:
             step[NEXT][SHARED] = shared_next if shared_next is not None else step[SHARED]
         if self.held is not None:
@@ -205,6 +211,11 @@ class Episode:
         if self.held is not None:
             self.lanes.push(self.lane, *self.held)
             self.held = None
+
+
+_FLAG = {b: torch.full((1, 1), b) for b in (False, True)}
+"""Env-level flags ``[1, 1]``, shared by every step (a step's leaves are never changed in place, and
+:class:`core.buffers.FragmentBuilder` stacks a leaf shared across steps into a fresh tensor)."""
 
 
 def _truncate_(step: dict) -> None:

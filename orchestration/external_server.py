@@ -4,7 +4,8 @@ run becomes fragments for the learners (:mod:`orchestration.external_episodes`).
 
 One thread per connection (``websockets.sync``). A connection's thread reads every frame already queued,
 sends all of its ``act`` requests to the inference service at once (one batch serves many connections), then
-answers them. Usage::
+answers them; a lone request is served at once when the service is idle (``InferenceService.serve_alone``).
+Each answer leaves before its step is recorded. Usage::
 
     server = ExternalServer(config.external).start()       # binds; simulators may connect now
     tree = server.wait_for_tree(timeout_s)                  # the first simulator's tree (or config.tree)
@@ -36,7 +37,7 @@ from adapters.external.messages import PROTOCOL_VERSION, ProtocolError, decode, 
 from core.layout import ACTION, LOG_PROB
 from core.specs import Tree, from_json, to_json
 from orchestration.config import ExternalConfig
-from adapters.external.codec import TreeCodec, action_value
+from adapters.external.codec import TreeCodec, action_maps
 from orchestration.external_episodes import Episode, Lanes
 from orchestration.external_uploads import LocalPolicyHandlers
 
@@ -248,7 +249,11 @@ class ExternalServer(LocalPolicyHandlers):
         limit = self.config.max_message_bytes
         while not self._closed:
             frames = [ws.recv(timeout=self.config.idle_timeout_s)]
+            # websockets' queue of frames received (an internal: without it, recv(timeout=0) tells)
+            empty = getattr(getattr(getattr(ws, "recv_messages", None), "frames", None), "empty", None)
             while len(frames) < _DRAIN:
+                if empty is not None and empty():
+                    break  # nothing more has arrived (recv(timeout=0) would raise TimeoutError: ~8 us)
                 try:
                     frames.append(ws.recv(timeout=0))
                 except TimeoutError:
@@ -289,21 +294,31 @@ class ExternalServer(LocalPolicyHandlers):
                     raise ProtocolError("busy", f"{what}: a connection runs at most {self.config.max_episodes} "
                                                 f"episodes at once", fatal=False)
                 episode = episodes[name] = Episode(self._lanes, name)
-            futures = {g: self._service.submit(self._lanes.policy_of[g], _inputs(request, g), shared=request.shared,
-                                               timeout_s=self.config.heartbeat_s)
-                       for g in self._codec.groups if bool(request.mask[g].any())}
             episode.waiting = True
             with self._lock:
                 self.counters["requests"] += 1
-            pending.append((request_id, episode, request, futures))
+            pending.append((request_id, episode, request, request.groups_asking()))
         except ProtocolError as error:
             error.request, error.episode = request_id, name
             self._episode_error(ws, error, episodes, name)
 
+    def _submit(self, pending: list) -> list[dict]:
+        """Each pending request's futures (group -> ``.result()``): one request of one group is served at once
+        when the service is idle; otherwise all are queued together and served here if no batch is running."""
+        service, policy_of, timeout = self._service, self._lanes.policy_of, self.config.heartbeat_s
+        if len(pending) == 1 and len(pending[0][3]) == 1:
+            request, (g,) = pending[0][2], pending[0][3]
+            done = service.serve_alone(policy_of[g], _inputs(request, g), shared=request.shared)
+            if done is not None:
+                return [{g: done}]
+        out = [{g: service.submit(policy_of[g], _inputs(request, g), shared=request.shared, timeout_s=timeout)
+                for g in groups} for _, _, request, groups in pending]
+        if out:
+            service.serve_queued()  # serve them here if no batch is running (no hand-off)
+        return out
+
     def _answer(self, ws, pending: list, episodes: dict[str, Episode]) -> None:
-        if pending:
-            self._service.serve_queued()  # serve them here if no batch is running (no hand-off)
-        for request_id, episode, request, futures in pending:
+        for (request_id, episode, request, _), futures in zip(pending, self._submit(pending)):
             try:
                 results = {g: f.result() for g, f in futures.items()}
             except Exception as error:  # noqa: BLE001 - expired or failed: only this episode ends
@@ -319,7 +334,7 @@ class ExternalServer(LocalPolicyHandlers):
                     versions[g] = results[g].version
                 else:  # nobody of this group asked: zeros, masked out everywhere
                     outputs[g] = self._codec.empty_outputs(g)
-            actions = {agent: action_value(outputs[g][ACTION], slot) for agent, g, slot in request.agents}
+            actions = action_maps({g: out[ACTION] for g, out in outputs.items()}, request.agents)
             ws.send(encode({"type": "actions", "id": request_id, "episode": episode.name, "actions": actions,
                             "version": min(versions.values()) if versions else 0}))
             # recorded after the answer left: the simulator does not wait for the bookkeeping

@@ -31,9 +31,9 @@ callers leave the threshold follows within a few batches. Never a barrier over a
 Callers help (leader/follower): :meth:`InferenceService.act`, and any caller that calls
 :meth:`InferenceService.serve_queued` before it waits, serves one batch of whatever is queued in its own thread
 when no batch is being served at that moment and the queue is not nearly empty (a request that does not fit
-goes back to the queue). A lone caller so pays no hand-off to the service thread and back; many callers are not
-served in small batches by whichever of them comes first, but wait for the service thread's batch.
-One batch is served at a time, whoever serves it, so weights still swap only between batches.
+goes back to the queue; :meth:`InferenceService.serve_alone` does not even queue a lone one): a lone caller pays
+no hand-off to the service thread, while many wait for its batch instead of being served in small ones by
+whoever comes first. One batch is served at a time, whoever serves it, so weights swap only between batches.
 
 Deadlines: a request whose deadline passed before it was batched is dropped (its future raises
 :class:`RequestExpired`, a ``TimeoutError``) and never holds up a batch; a caller that cancels its future
@@ -61,7 +61,7 @@ from torch import Tensor
 
 from core.policies import GroupPolicy
 from orchestration.inference_requests import (InferenceConfig, InferenceResult, Request, RequestExpired, ServiceClosed,
-                                              check_weights, forward, make_request)
+                                              check_weights, forward, make_request, refuse_all)
 from orchestration.learner import resolve_device
 
 #: Batches whose size sets the "nearly empty" threshold (three quarters of the largest of them).
@@ -145,6 +145,22 @@ class InferenceService:
         answer = self._enqueue(self._request(policy_id, obs, **kwargs, answer=True))
         self.serve_queued()
         return answer.result()
+
+    def serve_alone(self, policy_id: str, obs: Mapping, *, shared: Any = None, deterministic: bool = False):
+        """:meth:`act` for a lone caller, without the queue: served at once in this thread if the service is idle
+        (nothing queued or being served) and ``obs`` is not "nearly empty"; its resolved answer, or None (then
+        :meth:`submit` it). Runs under ``torch.inference_mode``: never change the results in place."""
+        if self._queued_rows or self._carry is not None or self._closed or not self._serving.acquire(blocking=False):
+            return None
+        try:
+            request = self._request(policy_id, obs, shared=shared, deterministic=deterministic, answer=True)
+            if request.rows < self._enough or self._queued_rows or not self._queue.empty():
+                return None  # others are queued, or callers come in company: batching serves them better
+            with torch.inference_mode():
+                self._serve_locked([request])
+            return request.future
+        finally:
+            self._serving.release()
 
     def serve_queued(self) -> bool:
         """Serves, in the calling thread, one batch of whatever is queued, if no batch is being served now
@@ -234,15 +250,7 @@ class InferenceService:
             self._thread.join(timeout_s)
             if self._thread.is_alive():  # stuck in a forward: it still answers its queue when it returns
                 return
-        leftovers = [self._carry] if self._carry is not None else []
-        while True:
-            try:
-                leftovers.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        for r in leftovers:
-            if isinstance(r, Request) and r.future.set_running_or_notify_cancel():
-                r.future.set_exception(ServiceClosed(f"policy {r.policy_id!r}: the service closed first"))
+        refuse_all([self._carry], self._queue)
 
     def __enter__(self) -> InferenceService:
         return self.start()
@@ -382,12 +390,9 @@ class InferenceService:
 
     def _request(self, pid, obs, *, shared=None, timeout_s=10.0, deterministic=False, recurrent_state=None,
                  episode_start=None, answer: bool) -> Request:
-        if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
-            raise ValueError(f"policy {pid!r}: timeout_s must be a number >= 0 (every request has a deadline), "
-                             f"got {timeout_s!r}")
         self._template(pid)  # a known policy id
         return make_request(pid, self._policies[pid], obs, shared, recurrent_state, episode_start,
-                            max_rows=self.config.max_batch_rows, deadline=self._clock() + timeout_s,
+                            max_rows=self.config.max_batch_rows, now=self._clock(), timeout_s=timeout_s,
                             deterministic=deterministic, answer=answer)
 
 

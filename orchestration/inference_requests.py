@@ -17,6 +17,7 @@ Shapes (``n`` rows of one request, ``A`` agents of the policy's group, ``N`` row
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -132,7 +133,7 @@ class Request:
 
 
 def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state: Tensor | None,
-                 start: Tensor | None, *, max_rows: int, deadline: float, deterministic: bool,
+                 start: Tensor | None, *, max_rows: int, now: float, timeout_s: Any, deterministic: bool,
                  answer: bool = False) -> Request:
     """A :class:`Request` once its entries have the shapes of the module docstring (a few µs: it runs for
     every request, in the caller's thread, so that a malformed one never reaches a batch).
@@ -140,6 +141,9 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
     Raises:
         ValueError / TypeError: naming the policy id and the entry at fault.
     """
+    if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+        raise ValueError(f"policy {pid!r}: timeout_s must be a number >= 0 (every request has a deadline), "
+                         f"got {timeout_s!r}")
     inputs = dict(obs) if type(obs) is dict else _as_tree(obs)  # ours: the caller may reuse its dict
     if not isinstance(inputs, dict) or OBSERVATION not in inputs:
         raise ValueError(f"policy {pid!r}: a request is a dict with an {OBSERVATION!r} entry")
@@ -178,7 +182,19 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
                                  f"got {start.dtype} {tuple(start.shape)}")
             start = start.reshape(n, 1).expand(n, a) if start.dim() == 1 else start  # one layout to concatenate
     waiter = Answer() if answer else Future()
-    return Request(pid, inputs, shared, state, start, n, deadline, bool(deterministic), waiter)
+    return Request(pid, inputs, shared, state, start, n, now + timeout_s, bool(deterministic), waiter)
+
+
+def refuse_all(items: list, waiting: queue.SimpleQueue) -> None:
+    """Fails the requests among ``items`` and those left in ``waiting`` (emptied) with :class:`ServiceClosed`."""
+    while True:
+        try:
+            items.append(waiting.get_nowait())
+        except queue.Empty:
+            break
+    for r in items:
+        if isinstance(r, Request) and r.future.set_running_or_notify_cancel():
+            r.future.set_exception(ServiceClosed(f"policy {r.policy_id!r}: the service closed first"))
 
 
 def _expect(pid: str, path: str, t: Any, lead: tuple[int, ...], ndim: int | None) -> None:
@@ -278,6 +294,8 @@ def forward(policy: GroupPolicy, requests: list[Request], generator: torch.Gener
     out = policy.act_step(inputs, shared, generator, deterministic, state, start, with_value=False, with_log_prob=True)
     if device.type != "cpu":
         out = to_device(out, torch.device("cpu"))  # blocking: the callers read it at once
+    if len(requests) == 1 and not policy.recurrent:  # the whole output is the lone caller's
+        return [InferenceResult(out[ACTION], out[LOG_PROB], version, index)]
     sizes = [r.rows for r in requests]
     actions, log_probs = split(out[ACTION], sizes), split(out[LOG_PROB], sizes)
     if not policy.recurrent:
@@ -287,4 +305,4 @@ def forward(policy: GroupPolicy, requests: list[Request], generator: torch.Gener
 
 
 __all__ = ["Answer", "InferenceConfig", "InferenceResult", "Request", "RequestExpired", "ServiceClosed",
-           "check_weights", "concatenate", "forward", "make_request", "split", "to_device"]
+           "check_weights", "concatenate", "forward", "make_request", "refuse_all", "split", "to_device"]

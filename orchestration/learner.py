@@ -22,6 +22,7 @@ that increases by one per training step. The staleness and reuse rules live in t
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Mapping
@@ -133,6 +134,7 @@ class PPOLearner:
         scaler = getattr(policy, "reward_scaler", None)  # PolicyConfig.scale_rewards
         self.returns = None if scaler is None else ReturnStreams(ppo.gamma, self.groups, scaler)
         self.curiosity = curiosity_for(curiosity, self.policy, list(self.groups), seed=seed, device=self.device)
+        self.evaluate_through: Callable | None = None  # training forwards as (evaluate, mb): DDP (data_parallel_)
         self._published = self._snapshot()
 
     def _snapshot(self) -> TensorDictBase:
@@ -210,6 +212,8 @@ class PPOLearner:
                 batch = with_values(self.policy, batch, group)
                 batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)
             flat, evaluate, ppo = update_inputs(self.policy, batch, group, self.ppo)
+            if self.evaluate_through is not None:  # DDP over the policy: averages gradients over ranks
+                evaluate = functools.partial(self.evaluate_through, evaluate)
             out = ppo_update_(self.policy, self.optimizer, flat, evaluate, ppo, self.generator, group=group)
             for k, v in out.items():
                 metrics[f"{group}/{k}" if len(self.groups) > 1 else k] = float(v)

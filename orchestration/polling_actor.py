@@ -43,7 +43,8 @@ from tensordict import TensorDict, TensorDictBase
 from core.buffers import FragmentBuilder
 from core.layout import DONE, FRAGMENT_ID, NEXT
 from core.policies import GroupPolicy
-from orchestration.actor import Actor, episode_records
+from orchestration.actor import Actor
+from orchestration.episode_records import episode_records
 from orchestration.assignment import GroupAssignment
 
 

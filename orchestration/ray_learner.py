@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from core.specs import from_json
 from orchestration.builder import assignment_for, build_learner, policy_module
 from orchestration.config import TrainConfig
-from orchestration.data_parallel import (DataParallelRank, average_gradients_, check_in_sync, free_port,
+from orchestration.data_parallel import (DataParallelRank, check_in_sync, data_parallel_, free_port,
                                          init_process_group, shard_by_rows)
 from orchestration.ray_session import kill_actor
 from orchestration.wire import from_wire, to_wire
@@ -126,7 +126,7 @@ class LearnerServer:
     def join_data_parallel(self, peers: Sequence[Any], address: str, port: int) -> None:
         """Becomes rank 0 of a group with ``peers`` (:class:`DataParallelRank` actors joining concurrently)."""
         init_process_group(0, len(peers) + 1, address, port, self.learner.device)
-        average_gradients_(self.learner.policy)
+        data_parallel_(self.learner)
         self._peers = list(peers)
 
     def peer_handles(self) -> list:

@@ -114,15 +114,14 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
 
 def _load_config(state: dict[str, Any]) -> TrainConfig:
     from core.losses import PPOConfig
-    from core.policies import PolicyConfig
-    from orchestration.config import CuriosityConfig, ExternalConfig, PretrainConfig, RayConfig, RolloutConfig
+    from core.policies.config import policy_config_from_dict
+    from orchestration.config import (CuriosityConfig, ExternalConfig, PastSelvesConfig, PretrainConfig, RayConfig,
+                                      RolloutConfig)
 
     raw = dict(state["config"])
     raw["rollout"] = RolloutConfig(**raw["rollout"])
     raw["ppo"] = PPOConfig(**raw["ppo"])
-    policy = dict(raw["policy"])
-    policy["hidden_sizes"] = tuple(policy["hidden_sizes"])
-    raw["policy"] = PolicyConfig(**policy)
+    raw["policy"] = policy_config_from_dict(raw["policy"])
     raw["env_kwargs"] = tuple(tuple(p) for p in raw["env_kwargs"])
     raw["policy_mapping"] = tuple(tuple(p) for p in raw.get("policy_mapping", ()))
     raw["fixed_policies"] = tuple(raw.get("fixed_policies", ()))
@@ -135,6 +134,7 @@ def _load_config(state: dict[str, Any]) -> TrainConfig:
     raw["external"] = ExternalConfig(**raw.get("external", {}))
     raw["pretrain"] = PretrainConfig(**raw.get("pretrain", {}))
     raw["curiosity"] = CuriosityConfig(**raw.get("curiosity", {}))
+    raw["past_selves"] = PastSelvesConfig(**raw.get("past_selves", {"fraction": 0.0}))  # older runs: plain self-play
     return TrainConfig(**raw)
 
 

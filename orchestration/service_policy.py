@@ -57,6 +57,7 @@ class ServicePolicy:
         self.policy_id, self.service, self.timeout_s = policy_id, service, timeout_s
         self.num_agents = like.num_agents
         self.recurrent = like.recurrent  # the Actor carries recurrent state only for recurrent policies
+        self.reads_episode_starts = like.recurrent
         self.config = like.config
 
     def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,

@@ -28,6 +28,7 @@ from tensordict import TensorDict
 from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED, all_true
 from core.specs import AgentNode, Leaf, Tree, groups
 
+from ._base import BuiltinEnv
 from ._tensordicts import assemble_step, reset_output
 
 GRAVITY = 9.8
@@ -149,7 +150,7 @@ def _constants(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, 
             torch.tensor(FORCE_MAG, dtype=dtype, device=device), torch.tensor(-FORCE_MAG, dtype=dtype, device=device))
 
 
-class CartPole:
+class CartPole(BuiltinEnv):
     """``num_envs`` CartPoles stepped together (a :class:`adapters.protocol.BatchedEnv`).
 
     Public state, for tests and tools: ``state`` ``[env, 4]`` (``config.dtype``; a view of the ``[4, env]``
@@ -180,14 +181,6 @@ class CartPole:
     @property
     def tree(self) -> Tree:
         return CARTPOLE_TREE
-
-    @property
-    def num_envs(self) -> int:
-        return self.config.num_envs
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return {}
 
     @property
     def state(self) -> torch.Tensor:
@@ -231,11 +224,7 @@ class CartPole:
 
     def reset(self, seed: int | None = None) -> TensorDict:
         """Resets every env; ``seed`` seeds the batch's generator (None: continue its stream)."""
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        elif not self._seeded:
-            self._generator.seed()
-        self._seeded = True
+        self._seed_(seed)
         self._state = initial_states(self.num_envs, self._generator, self.config.dtype, self._device)
         self.steps = torch.zeros_like(self.steps)
         if self._sampler is not None:

@@ -34,6 +34,7 @@ from core.layout import (ACTION, ACTION_MASK, ACTION_PRESENT, DONE, MASK, OBSERV
                          TRUNCATED, all_true)
 from core.specs import AgentNode, DictNode, Leaf, Tree, groups
 
+from ._base import BuiltinEnv
 from ._tensordicts import assemble_step, fast_td, reset_output
 
 
@@ -75,7 +76,7 @@ class PickConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
 
-class Pick:
+class Pick(BuiltinEnv):
     """``num_envs`` Pick tasks stepped together (a :class:`adapters.protocol.BatchedEnv`; module docstring).
 
     Public state, for tests and tools (``E`` envs, ``K`` nodes, ``T`` transformations): ``good`` ``[E]`` int64,
@@ -95,18 +96,6 @@ class Pick:
         self._node_executed = all_true(c.num_envs, 1, device=self._device)
         self._set(self._draw())
         self.steps = torch.zeros(c.num_envs, dtype=torch.int64, device=self._device)
-
-    @property
-    def tree(self) -> Tree:
-        return self._tree
-
-    @property
-    def num_envs(self) -> int:
-        return self.config.num_envs
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return {}
 
     def _draw(self) -> dict[str, torch.Tensor]:
         """A fresh situation for every env (see the class docstring for the keys)."""
@@ -142,11 +131,7 @@ class Pick:
 
     def reset(self, seed: int | None = None) -> TensorDict:
         """New situations everywhere; ``seed`` seeds the batch's generator (None: continue its stream)."""
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        elif not self._seeded:
-            self._generator.seed()
-        self._seeded = True
+        self._seed_(seed)
         self._set(self._draw())
         self.steps = torch.zeros_like(self.steps)
         return reset_output(self._group, self._root(), self._env_batch, self._group_batch)

@@ -22,6 +22,7 @@ from tensordict import TensorDict
 from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED, all_true
 from core.specs import AgentNode, Leaf, Tree, groups
 
+from ._base import BuiltinEnv
 from ._tensordicts import assemble_step, reset_output
 
 
@@ -49,7 +50,7 @@ class RecallConfig:
                              f"{self.num_cues} and {self.delay}")
 
 
-class Recall:
+class Recall(BuiltinEnv):
     """``num_envs`` Recall tasks stepped together (a :class:`adapters.protocol.BatchedEnv`; module docstring).
 
     Public state, for tests and tools: ``cue`` ``[env]`` int64 and ``steps`` ``[env]`` int64 (steps taken in
@@ -69,18 +70,6 @@ class Recall:
         self._present = all_true(c.num_envs, 1, device=self._device)
         self._legal = all_true(c.num_envs, 1, c.num_cues, device=self._device)
 
-    @property
-    def tree(self) -> Tree:
-        return self._tree
-
-    @property
-    def num_envs(self) -> int:
-        return self.config.num_envs
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return {}
-
     def _observation(self) -> torch.Tensor:
         """``[E, 1, num_cues + 1]``: the cue one-hot at step 0, the query flag at step ``delay``."""
         c = self.config
@@ -92,11 +81,7 @@ class Recall:
 
     def reset(self, seed: int | None = None) -> TensorDict:
         """New episodes everywhere; ``seed`` seeds the batch's generator (None: continue its stream)."""
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        elif not self._seeded:
-            self._generator.seed()
-        self._seeded = True
+        self._seed_(seed)
         self.cue = torch.randint(0, self.config.num_cues, (self.num_envs,), generator=self._generator,
                                  device=self._device)
         self.steps = torch.zeros_like(self.steps)

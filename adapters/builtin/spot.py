@@ -22,6 +22,7 @@ from tensordict import TensorDict
 from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED, all_true
 from core.specs import AgentNode, Leaf, Tree, groups
 
+from ._base import BuiltinEnv
 from ._tensordicts import assemble_step, reset_output
 
 
@@ -59,7 +60,7 @@ class SpotConfig:
             raise ValueError(f"noise must be in [0, 254], got {self.noise}")
 
 
-class Spot:
+class Spot(BuiltinEnv):
     """``num_envs`` Spot tasks stepped together (a :class:`adapters.protocol.BatchedEnv`; module docstring).
 
     Public state, for tests and tools: ``image`` ``[env, C, size, size]`` uint8 (what the agent sees now),
@@ -80,18 +81,6 @@ class Spot:
         self._present = all_true(c.num_envs, 1, device=self._device)
         self._legal = all_true(c.num_envs, 1, 4, device=self._device)
 
-    @property
-    def tree(self) -> Tree:
-        return self._tree
-
-    @property
-    def num_envs(self) -> int:
-        return self.config.num_envs
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return {}
-
     def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh ``(image [E, C, S, S] uint8, target [E] int64)`` for every env."""
         c, g = self.config, self._generator
@@ -106,11 +95,7 @@ class Spot:
 
     def reset(self, seed: int | None = None) -> TensorDict:
         """New spots everywhere; ``seed`` seeds the batch's generator (None: continue its stream)."""
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        elif not self._seeded:
-            self._generator.seed()
-        self._seeded = True
+        self._seed_(seed)
         self.image, self.target = self._draw()
         self.steps = torch.zeros_like(self.steps)
         return reset_output(self._group, self._root(), self._env_batch, self._group_batch)

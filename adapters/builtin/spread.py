@@ -27,6 +27,7 @@ from tensordict import TensorDict
 from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED, all_true
 from core.specs import AgentNode, ArrayPopulation, Leaf, Tree, groups
 
+from ._base import BuiltinEnv
 from ._tensordicts import assemble_step, reset_output
 
 DAMPING = 0.5
@@ -80,7 +81,7 @@ def spread_tree(capacity: int) -> Tree:
                            payoff="cooperative", shared_observation=state)
 
 
-class Spread:
+class Spread(BuiltinEnv):
     """``num_envs`` cooperative navigation envs with a variable number of agents (module doc).
 
     Public state ``[env, agent, ...]``: ``pos``, ``vel``, ``goal`` (float32, ``[..., 2]``), ``status`` (int8:
@@ -104,25 +105,9 @@ class Spread:
         self.pos, self.vel, self.goal, self.status = self._draw(n)
         self.steps = torch.zeros(n, dtype=torch.int64, device=self._device)
 
-    @property
-    def tree(self) -> Tree:
-        return self._tree
-
-    @property
-    def num_envs(self) -> int:
-        return self.config.num_envs
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return {}
-
     def reset(self, seed: int | None = None) -> TensorDict:
         """Starts a new episode in every env; ``seed`` seeds the batch's generator (None: continue)."""
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        elif not self._seeded:
-            self._generator.seed()
-        self._seeded = True
+        self._seed_(seed)
         self.pos, self.vel, self.goal, self.status = self._draw(self.num_envs)
         self.steps = torch.zeros_like(self.steps)
         return reset_output(self._group, self._root(), self._env_batch, self._group_batch, self._state())

@@ -29,7 +29,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from adapters.external.messages import (PROTOCOL_VERSION, SERVER_TYPES, ProtocolError, decode, encode, field,
-                                        to_array)
+                                        from_array, to_array)
 
 
 class ExternalError(RuntimeError):
@@ -186,7 +186,7 @@ class SimulatorClient:
         for name, obs in agents.items():
             entry = {"observation": _tree(obs)}
             if action_masks and name in action_masks:
-                entry["action_mask"] = np.asarray(action_masks[name], dtype=bool)
+                entry["action_mask"] = from_array(np.asarray(action_masks[name], dtype=bool))
             entries[name] = entry
         message: dict[str, Any] = {"type": "act", "id": request, "episode": episode, "agents": entries}
         if rewards:
@@ -243,10 +243,13 @@ class SimulatorClient:
 
 
 def _tree(value: Any) -> Any:
-    """An observation as arrays (dicts stay dicts)."""
+    """An observation as array maps (dicts stay dicts): what :func:`encode` makes of numpy arrays, made here so
+    that MessagePack packs plain maps without calling back for each array."""
+    if type(value) is np.ndarray:
+        return from_array(value)
     if isinstance(value, Mapping):
         return {k: _tree(v) for k, v in value.items()}
-    return np.asarray(value)
+    return from_array(np.asarray(value))
 
 
 def _untree(value: Any, what: str) -> Any:

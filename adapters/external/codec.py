@@ -14,8 +14,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from adapters.external.messages import ProtocolError, to_array
-from core.layout import ACTION, LOG_PROB
+from adapters.external.messages import ProtocolError, from_array, to_array
+from core.layout import ACTION, LOG_PROB, all_true
 from core.specs import DictNode, Leaf, Node, Tree, agent_index, groups, shared_observations, zeros
 
 _NP = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
@@ -60,12 +60,51 @@ def parse_value(value: Any, node: Node, what: str) -> Any:
     return array
 
 
+def _plain_leaf(node: Leaf) -> tuple:
+    """What :func:`_read_plain` compares an observation of ``node`` with."""
+    want = np.dtype(_NP[node.dtype])
+    return (want.name, list(node.shape), tuple(node.shape), want.itemsize * int(np.prod(node.shape, dtype=np.int64)),
+            want.newbyteorder("<"), want.kind == "f")
+
+
+def _read_plain(value: Any, name: str, shape: list, dims: tuple, nbytes: int, little: np.dtype,
+                finite: bool) -> np.ndarray | None:
+    """The common case of :func:`parse_value` for a leaf, fast: an array map of exactly the leaf's dtype and
+    shape, with the right byte count (and finite, for floats), as a read-only view of its bytes; None for
+    anything else, which :func:`parse_value` then accepts or refuses with its named error."""
+    if type(value) is not dict or value.get("dtype") != name:
+        return None
+    got, data = value.get("shape"), value.get("data")
+    if type(got) is not list or got != shape or type(data) is not bytes or len(data) != nbytes \
+            or any(type(d) is not int for d in got):
+        return None
+    array = np.frombuffer(data, little).reshape(dims)
+    return array if not finite or np.isfinite(array).all() else None
+
+
 def action_value(action: Any, slot: int) -> Any:
     """The action of agent ``slot`` out of a group's ``[1, A, *act]`` action (tensor or tree) as numpy."""
     if isinstance(action, Mapping):
         return {k: action_value(v, slot) for k, v in action.items()}
     value = action[0, slot]
     return (value.float() if value.dtype == torch.bfloat16 else value).numpy()  # numpy has no bfloat16
+
+
+def action_maps(actions: Mapping[str, Any], agents: list[tuple[str, str, int]]) -> dict[str, Any]:
+    """agent -> its action as the protocol sends it, for the ``(agent, group, slot)`` of ``agents``, out of
+    group -> ``[1, A, *act]`` ``actions``: what :func:`action_value` and :func:`encode` give, with one numpy
+    view per group tensor instead of a tensor index per agent (a tree action goes through :func:`action_value`)."""
+    arrays: dict[str, Any] = {}
+    out = {}
+    for agent, g, slot in agents:
+        action = actions[g]
+        if not isinstance(action, torch.Tensor):
+            out[agent] = action_value(action, slot)
+            continue
+        if g not in arrays:
+            arrays[g] = (action.float() if action.dtype == torch.bfloat16 else action).numpy()
+        out[agent] = from_array(arrays[g][0, slot])
+    return out
 
 
 def _check_action(value: Any, node: Node, legal: torch.Tensor | None, slot: int, what: str) -> None:
@@ -131,10 +170,23 @@ class Request:
     """``[1, *]`` shared observation, or None."""
     reward: dict[str, torch.Tensor]
     """group -> ``[1, A, 1]`` float32: rewards since the previous request (the open step's)."""
-    left: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    """group -> (terminated, truncated) ``[1, A, 1]`` bool: agents that left since the previous request."""
+    left: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """group -> (terminated, truncated, done) ``[1, A, 1]`` bool: agents that left since the previous request
+    (``done`` = either)."""
     agents: list[tuple[str, str, int]]
     """(agent, group, slot) of the agents asking, in request order."""
+
+    def groups_asking(self) -> list[str]:
+        """The groups with an agent asking, in the tree's order (``mask[g].any()``, without a tensor op)."""
+        asking = {g for _, g, _ in self.agents}
+        return [g for g in self.mask if g in asking]
+
+    def slots(self) -> dict[str, set[int]]:
+        """group -> slots of the agents asking (where ``mask[g]`` holds), as Python sets."""
+        out: dict[str, set[int]] = {g: set() for g in self.mask}
+        for _, g, slot in self.agents:
+            out[g].add(slot)
+        return out
 
 
 class TreeCodec:
@@ -160,8 +212,17 @@ class TreeCodec:
         self.shared: Node | None = shared.get(())
         template = zeros(tree, [1])
         self._empty_actions = {g: _plain(template.get((g, ACTION))) for g in self.groups}
+        self._plain = {g: _plain_leaf(s.agent.observation) for g, s in self.groups.items()
+                       if isinstance(s.agent.observation, Leaf) and s.agent.observation.dtype in _NP
+                       and s.agent.observation.dtype not in (torch.bool, torch.bfloat16)}
+        self._layout = [(g, s.agent.observation, s.capacity) for g, s in self.groups.items()]
+        self._no_reward = {g: torch.zeros(1, s.capacity, 1) for g, s in self.groups.items()}
+        no = {g: torch.zeros(1, s.capacity, 1, dtype=torch.bool) for g, s in self.groups.items()}
+        self._nobody_left = {g: (f, f, f) for g, f in no.items()}
         self.mask_size = {g: s.agent.action.n for g, s in self.groups.items()
                           if isinstance(s.agent.action, Leaf) and s.agent.action.kind == "discrete"}
+        # where no agent sent an action_mask: one shared all-True constant, which policies know not to apply
+        self._all_legal = {g: all_true(1, self.groups[g].capacity, n) for g, n in self.mask_size.items()}
 
     def empty_outputs(self, group: str) -> dict[str, Any]:
         """Action and log-prob entries of a step where nobody of ``group`` acts (zeros, all masked out)."""
@@ -182,12 +243,10 @@ class TreeCodec:
         agents = message.get("agents")
         if not isinstance(agents, dict) or not agents:
             raise ProtocolError("bad_message", f"{what}: 'agents' must be a non-empty map agent -> entry", fatal=False)
-        obs, mask, legal = {}, {}, {}
-        for g, spec in self.groups.items():
-            obs[g] = _zeros(spec.agent.observation, (1, spec.capacity))
-            mask[g] = np.zeros((1, spec.capacity), dtype=bool)
-            if g in self.mask_size:
-                legal[g] = np.ones((1, spec.capacity, self.mask_size[g]), dtype=bool)
+        obs, mask, legal = {}, {}, {}  # legal: only groups where an agent sent its action_mask
+        for g, node, capacity in self._layout:
+            obs[g] = _zeros(node, (1, capacity))
+            mask[g] = np.zeros((1, capacity), dtype=bool)
         asking = []
         for name, entry in agents.items():
             g, slot = self.agent(name, what)
@@ -195,11 +254,14 @@ class TreeCodec:
                 raise ProtocolError("bad_message", f"{what}: agent {name!r}: an entry holds {sorted(keys)} "
                                                    f"(observation required), got {sorted(entry) if isinstance(entry, dict) else entry!r}",
                                     fatal=False)
-            _write(obs[g], (0, slot), parse_value(entry["observation"], self.groups[g].agent.observation,
-                                                  f"{what}: agent {name!r} observation"))
+            value, plain = entry["observation"], self._plain.get(g)
+            array = _read_plain(value, *plain) if plain is not None else None
+            if array is None:  # not a plain array map of exactly the leaf's dtype and shape: checked in full
+                array = parse_value(value, self.groups[g].agent.observation, f"{what}: agent {name!r} observation")
+            _write(obs[g], (0, slot), array)
             mask[g][0, slot] = True
             if "action_mask" in entry:
-                if g not in legal:
+                if g not in self.mask_size:
                     raise ProtocolError("spec_violation", f"{what}: agent {name!r} sent an action_mask, but its action "
                                                           f"is not discrete", fatal=False)
                 m = to_array(entry["action_mask"], f"{what}: agent {name!r} action_mask")
@@ -207,6 +269,8 @@ class TreeCodec:
                     raise ProtocolError("spec_violation", f"{what}: agent {name!r}: action_mask must be bool "
                                                           f"[{self.mask_size[g]}] with a legal action, got {m.dtype} "
                                                           f"{list(m.shape)}", fatal=False)
+                if g not in legal:
+                    legal[g] = np.ones((1, self.groups[g].capacity, self.mask_size[g]), dtype=bool)
                 legal[g][0, slot] = m
             asking.append((name, g, slot))
         shared = None
@@ -217,7 +281,8 @@ class TreeCodec:
             shared = _tensors(_lead(parse_value(message["shared"], self.shared, f"{what}: shared")))
         reward, left = self.consequences(message, what)
         return Request({g: _tensors(o) for g, o in obs.items()}, {g: torch.from_numpy(m) for g, m in mask.items()},
-                       {g: torch.from_numpy(m) for g, m in legal.items()}, shared, reward, left, asking)
+                       {g: torch.from_numpy(legal[g]) if g in legal else self._all_legal[g] for g in self.mask_size},
+                       shared, reward, left, asking)
 
     def parse_outputs(self, message: Mapping[str, Any], request: Request, what: str) -> dict[str, dict[str, Any]]:
         """The ``action`` and ``log_prob`` every agent of an uploaded step reports: group -> ``{action [1, A, *act],
@@ -246,30 +311,33 @@ class TreeCodec:
 
     def consequences(self, message: Mapping[str, Any], what: str):
         """``rewards`` and ``left`` of an ``act`` or ``end`` as per-group tensors ``[1, A, 1]``."""
-        # numpy buffers, one torch.from_numpy each at the end: cheaper than torch.zeros per entry
-        reward = {g: np.zeros((1, s.capacity, 1), np.float32) for g, s in self.groups.items()}
-        term = {g: np.zeros((1, s.capacity, 1), bool) for g, s in self.groups.items()}
-        trunc = {g: np.zeros((1, s.capacity, 1), bool) for g, s in self.groups.items()}
-        rewards = message.get("rewards") or {}
+        # numpy buffers, one torch.from_numpy each at the end: cheaper than torch.zeros per entry. Without any
+        # reward or departure, the shared zeros (never changed in place) serve, as constant env flags do.
+        rewards, left = message.get("rewards") or {}, message.get("left") or {}
         if not isinstance(rewards, dict):
             raise ProtocolError("bad_message", f"{what}: 'rewards' must be a map agent -> number", fatal=False)
+        reward = {g: np.zeros((1, s.capacity, 1), np.float32) for g, s in self.groups.items()} if rewards else None
         for name, r in rewards.items():
             g, slot = self.agent(name, f"{what}: rewards")
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not np.isfinite(r):
                 raise ProtocolError("spec_violation", f"{what}: reward of {name!r} must be a finite number, got {r!r}",
                                     fatal=False)
             reward[g][0, slot, 0] = float(r)
-        left = message.get("left") or {}
+        reward = dict(self._no_reward) if reward is None else {g: torch.from_numpy(r) for g, r in reward.items()}
         if not isinstance(left, dict):
             raise ProtocolError("bad_message", f"{what}: 'left' must be a map agent -> terminated|truncated", fatal=False)
+        if not left:
+            return reward, dict(self._nobody_left)
+        term = {g: np.zeros((1, s.capacity, 1), bool) for g, s in self.groups.items()}
+        trunc = {g: np.zeros((1, s.capacity, 1), bool) for g, s in self.groups.items()}
         for name, how in left.items():
             g, slot = self.agent(name, f"{what}: left")
             if how not in ("terminated", "truncated"):
                 raise ProtocolError("bad_message", f"{what}: left[{name!r}] must be 'terminated' or 'truncated', got "
                                                    f"{how!r}", fatal=False)
             (term if how == "terminated" else trunc)[g][0, slot, 0] = True
-        return ({g: torch.from_numpy(r) for g, r in reward.items()},
-                {g: (torch.from_numpy(term[g]), torch.from_numpy(trunc[g])) for g in self.groups})
+        return reward, {g: (torch.from_numpy(term[g]), torch.from_numpy(trunc[g]), torch.from_numpy(term[g] | trunc[g]))
+                        for g in self.groups}
 
     def parse_final(self, message: Mapping[str, Any], what: str) -> dict[str, tuple[Any, torch.Tensor]]:
         """``end``'s ``observations``: group -> (observation ``[1, A, *obs]``, given ``[1, A]``)."""
@@ -300,4 +368,4 @@ def _lead(value: Any) -> Any:
 
 
 
-__all__ = ["Request", "TreeCodec", "action_value", "parse_value", "where_slots"]
+__all__ = ["Request", "TreeCodec", "action_maps", "action_value", "parse_value", "where_slots"]

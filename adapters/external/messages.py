@@ -24,6 +24,8 @@ SERVER_TYPES = frozenset({"welcome", "actions", "pong", "ping", "error", "policy
 ERROR_CODES = ("bad_message", "protocol_version", "bad_token", "spec_mismatch", "too_large", "spec_violation",
                "unknown_episode", "busy", "internal")
 MAX_NAME = 128  # episode ids, sim ids, agent names
+_NATIVE = {name: np.dtype(name) for name in DTYPES}
+_LITTLE = {name: d.newbyteorder("<") for name, d in _NATIVE.items()}
 
 
 class ProtocolError(ValueError):
@@ -88,7 +90,7 @@ def from_array(value: np.ndarray) -> dict[str, Any]:
     name = a.dtype.name
     if name not in DTYPES:
         raise TypeError(f"dtype {name} is not in the protocol ({', '.join(DTYPES)})")
-    a = a.astype(a.dtype.newbyteorder("<"), copy=False)  # (np.ascontiguousarray would make a 0-d array 1-d)
+    a = a.astype(_LITTLE[name], copy=False)  # (np.ascontiguousarray would make a 0-d array 1-d)
     return {"dtype": name, "shape": list(a.shape), "data": a.tobytes(order="C")}
 
 
@@ -117,12 +119,12 @@ def to_array(value: Any, what: str) -> np.ndarray:
         raise ProtocolError("bad_message", f"{what}: shape must be a list of at most 16 ints >= 0, got {shape!r}")
     if not isinstance(data, bytes):
         raise ProtocolError("bad_message", f"{what}: data must be bytes (MessagePack bin)")
-    dt = np.dtype(dtype).newbyteorder("<")
+    dt = _LITTLE[dtype]
     expected = math.prod(shape) * dt.itemsize
     if len(data) != expected:
         raise ProtocolError("bad_message", f"{what}: {len(data)} bytes for dtype {dtype} shape {shape}; "
                                            f"expected {expected}")
-    out = np.frombuffer(data, dtype=dt).reshape(shape).astype(np.dtype(dtype), copy=True)
+    out = np.frombuffer(data, dtype=dt).reshape(shape).astype(_NATIVE[dtype], copy=True)
     if dtype == "bool" and data and max(data) > 1:
         raise ProtocolError("bad_message", f"{what}: bool data holds bytes other than 0 and 1")
     return out

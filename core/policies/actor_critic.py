@@ -35,7 +35,8 @@ from core.specs import GroupSpec, Node, Tree, groups, iter_leaves, shared_observ
 from .composite import ActionHeads
 from .config import PolicyConfig
 from .distributions import CategoricalHead
-from .networks import ObservationEncoder, Path, SharedEncoder, init_linear_, mlp, read_path, run_layers
+from .networks import (ObservationEncoder, Path, SharedEncoder, check_leaf_names, init_linear_, mlp, read_path,
+                       run_layers)
 from .recurrence import cell_step, make_cell, state_size
 from .sequences import SequenceEvaluation
 from .reward_scaling import RewardScaler
@@ -68,7 +69,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         self.group_name, self.config = group.name, config
         self.num_agents = a = group.capacity
         images = {"image_encoder": config.image_encoder, "image_features": config.image_features,
-                  "normalize": config.normalize_observations}
+                  "normalize": config.normalize_observations, "leaf_encoders": dict(config.leaf_encoders)}
         self.actor_encoder = ObservationEncoder(group.agent.observation, include_eval_only=False,
                                                 name=f"group {group.name}: observation", **images)
         if not self.actor_encoder.paths:
@@ -390,6 +391,9 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
 def make_policies(tree: Tree, config: PolicyConfig | None = None) -> dict[str, GroupPolicy]:
     """One :class:`GroupPolicy` per group of ``tree`` (the default mapping: agents of a group share one)."""
     shared = shared_observations(tree)
+    if config is not None and config.leaf_encoders:  # every override must name a leaf of some group
+        check_leaf_names([leaf for leaf, _ in config.leaf_encoders],
+                         [p for g in groups(tree).values() for p, _ in iter_leaves(g.agent.observation)])
     return {name: GroupPolicy(g, config, shared) for name, g in groups(tree).items()}
 
 

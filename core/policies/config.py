@@ -55,6 +55,11 @@ class PolicyConfig:
     """Encoder of image leaves (3-D boxes with 1, 3 or 4 channels first or last and sides >= 8): the Nature
     DQN CNN (Mnih et al. 2015; a 3x3 variant below 36 pixels), the IMPALA CNN (Espeholt et al. 2018), or
     ``flatten`` (every pixel an MLP input, as vectors are)."""
+    leaf_encoders: tuple[tuple[str, str], ...] = ()
+    """Per-leaf overrides of ``image_encoder`` as ``(leaf, encoder)`` pairs, the leaf named as in exported
+    programs (``observation`` for a bare leaf, ``observation/camera`` in a dict), e.g.
+    ``(("observation/camera", "impala"), ("observation/depth", "flatten"))``; ``nature``/``impala`` need an
+    image leaf."""
     image_features: int = 512
     """Width of an image encoder's output (its last linear layer)."""
     normalize_observations: bool = False
@@ -91,6 +96,10 @@ class PolicyConfig:
                "'nature', 'impala' or 'flatten'", self.image_encoder)
         _check(_is_int(self.image_features) and self.image_features >= 1, "image_features", "an int >= 1",
                self.image_features)
+        _check(isinstance(self.leaf_encoders, tuple) and all(
+            isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+            and pair[1] in ("nature", "impala", "flatten") for pair in self.leaf_encoders), "leaf_encoders",
+            "(leaf, 'nature'|'impala'|'flatten') pairs", self.leaf_encoders)
         _check(isinstance(self.normalize_observations, bool), "normalize_observations", "a bool",
                self.normalize_observations)
         _check(isinstance(self.scale_rewards, bool), "scale_rewards", "a bool", self.scale_rewards)
@@ -105,6 +114,8 @@ def policy_config_from_dict(fields: dict) -> PolicyConfig:
     values = {k: v for k, v in fields.items() if k in known}
     if "hidden_sizes" in values:
         values["hidden_sizes"] = tuple(values["hidden_sizes"])
+    if "leaf_encoders" in values:
+        values["leaf_encoders"] = tuple(tuple(pair) for pair in values["leaf_encoders"])
     return PolicyConfig(**values)
 
 

@@ -10,12 +10,14 @@ same code runs under ``torch.export`` (``F.one_hot`` checks its input values, a 
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from core.layout import OBSERVATION
 from core.specs import Leaf, Node, iter_leaves
 
 Path = tuple[str, ...]
@@ -135,7 +137,8 @@ class ObservationEncoder(nn.Module):
     """
 
     def __init__(self, node: Node, *, include_eval_only: bool, name: str = "observation",
-                 image_encoder: str = "nature", image_features: int = 512, normalize: bool = False) -> None:
+                 image_encoder: str = "nature", image_features: int = 512, normalize: bool = False,
+                 leaf_encoders: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.name = name
         """What error messages call the node (e.g. ``"group speaker_0: observation"``)."""
@@ -144,10 +147,16 @@ class ObservationEncoder(nn.Module):
         self.leaves: list[Leaf] = [leaf for _, leaf in kept]
         #: leaf index (as a string) -> CNN, for image leaves (PolicyConfig.image_encoder)
         self.images = nn.ModuleDict()
-        if image_encoder != "flatten":
-            for i, leaf in enumerate(self.leaves):
-                if (layout := image_layout(leaf)) is not None:
-                    self.images[str(i)] = ImageEncoder(leaf, layout, arch=image_encoder, out_features=image_features)
+        for i, (path, leaf) in enumerate(kept):
+            named = "/".join((OBSERVATION, *path))  # as exported programs name it (leaf_encoders' keys)
+            arch = (leaf_encoders or {}).get(named, image_encoder)
+            layout = image_layout(leaf)
+            if named in (leaf_encoders or {}) and arch != "flatten" and layout is None:
+                raise ValueError(f"{name}: PolicyConfig.leaf_encoders gives {named} the {arch!r} CNN, but it is "
+                                 f"not an image (a 3-D box with 1, 3 or 4 channels and sides >= 8; shape "
+                                 f"{leaf.shape}); use 'flatten'")
+            if arch != "flatten" and layout is not None:
+                self.images[str(i)] = ImageEncoder(leaf, layout, arch=arch, out_features=image_features)
         self.out_features = sum(self.images[str(i)].out_features if str(i) in self.images else _leaf_width(leaf)
                                 for i, leaf in enumerate(self.leaves))
         #: leaf indices standardised with running statistics (float vector boxes, not images)
@@ -241,6 +250,17 @@ class ObservationEncoder(nn.Module):
             count.fill_(total)
 
 
+def check_leaf_names(names: Sequence[str], paths: Sequence[Path]) -> None:
+    """Raises ValueError for a name of ``PolicyConfig.leaf_encoders`` that is no observation leaf of ``paths``
+    (named ``observation[/key path]``), naming the nearest one."""
+    valid = sorted({"/".join((OBSERVATION, *p)) for p in paths})
+    for name in names:
+        if name not in valid:
+            near = difflib.get_close_matches(name, valid, n=1)
+            raise ValueError(f"PolicyConfig.leaf_encoders names {name!r}, which is no observation leaf of the env"
+                             + (f" (did you mean {near[0]!r}?)" if near else f"; its leaves: {valid}"))
+
+
 class SharedEncoder(nn.Module):
     """Encodes the shared observations a group reads: ``[*B, out_features]``.
 
@@ -265,4 +285,4 @@ class SharedEncoder(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
-__all__ = ["ObservationEncoder", "SharedEncoder", "init_linear_", "mlp", "read_path"]
+__all__ = ["ObservationEncoder", "SharedEncoder", "check_leaf_names", "init_linear_", "mlp", "read_path"]

@@ -24,6 +24,11 @@ class SequenceEvaluation:
     the evaluation of sequences."""
 
     @property
+    def reads_episode_starts(self) -> bool:
+        """Whether an actor passes ``episode_start`` to :meth:`act_step` (recurrent policies zero their state)."""
+        return self.recurrent
+
+    @property
     def actor_cell(self) -> nn.Module | None:
         """The actor's recurrent cell (None: feed-forward)."""
         return None if self._actor_cell is None else getattr(self, self._actor_cell)

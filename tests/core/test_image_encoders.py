@@ -62,3 +62,26 @@ def test_flatten_keeps_every_pixel_an_mlp_input():
     assert not policy.actor_encoder.images and policy.actor_encoder.out_features == 40 * 40 * 3
     (cnn,) = make_policies(_tree((40, 40, 3)), PolicyConfig()).values()
     assert sum(p.numel() for p in cnn.parameters()) < sum(p.numel() for p in policy.parameters())
+
+
+def test_encoders_are_overridden_per_leaf_and_bad_overrides_are_named():
+    from core.specs import DictNode
+
+    obs = DictNode({"camera": Leaf.box((16, 16, 3), low=0, high=255, dtype=torch.uint8),
+                    "depth": Leaf.box((1, 12, 12), low=0, high=255, dtype=torch.uint8),
+                    "speed": Leaf.box((2,))})
+    tree = ArrayPopulation(template=AgentNode(observation=obs, action=Leaf.discrete(3)), capacity=1)
+    config = PolicyConfig(image_features=16, leaf_encoders=(("observation/camera", "impala"),
+                                                            ("observation/depth", "flatten")))
+    (policy,) = make_policies(tree, config).values()
+    encoder = policy.actor_encoder
+    assert list(encoder.images) == ["0"] and any(isinstance(m, torch.nn.MaxPool2d) for m in encoder.images["0"].modules())
+    assert encoder.out_features == 16 + 12 * 12 + 2  # camera: IMPALA CNN; depth: flattened pixels; speed as is
+    (default,) = make_policies(tree, PolicyConfig(image_features=16)).values()
+    assert sorted(default.actor_encoder.images) == ["0", "1"]  # without overrides both images get the Nature CNN
+    with pytest.raises(ValueError, match="did you mean 'observation/camera'"):
+        make_policies(tree, PolicyConfig(leaf_encoders=(("observation/camra", "impala"),)))
+    with pytest.raises(ValueError, match="observation/speed the 'nature' CNN, but it is not an image"):
+        make_policies(tree, PolicyConfig(leaf_encoders=(("observation/speed", "nature"),)))
+    with pytest.raises(ValueError, match="leaf_encoders"):
+        PolicyConfig(leaf_encoders=(("observation/camera", "resnet"),))

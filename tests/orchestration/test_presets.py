@@ -1,0 +1,61 @@
+"""Presets: tuned configs shipped in ``orchestration/presets`` (``shoal train --preset NAME``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestration.config import TrainConfig
+from orchestration.presets import load_preset, preset_names
+
+
+def test_every_preset_loads_into_a_valid_train_config():
+    names = preset_names()
+    assert {"cartpole", "acrobot", "pendulum", "lunarlander", "spread_ippo", "spread_mappo", "navigation",
+            "connect_four", "recall", "spot"} <= set(names)
+    for name in names:
+        config = load_preset(name)
+        assert isinstance(config, TrainConfig) and config.iterations > 0, name
+        assert config != TrainConfig(), f"preset {name} changes nothing"
+    assert load_preset("spread_mappo").policy.critic == "central" and load_preset("spread_ippo").policy.critic == "local"
+    recall = load_preset("recall")
+    assert recall.policy.recurrent and recall.policy.recurrent_critic and recall.env_kwargs[0] == ("num_cues", "4")
+
+
+def test_the_cartpole_preset_keeps_the_settings_the_readme_job_was_measured_with():
+    config = load_preset("cartpole")
+    assert (config.env, config.lr, config.iterations, config.ppo.entropy_coef) == ("CartPole-v1", 2.5e-3, 100, 0.0)
+    assert (config.rollout.num_envs, config.rollout.fragment_length, config.ppo.minibatch_size) == (16, 64, 256)
+
+
+def test_an_unknown_preset_is_one_paragraph_naming_the_valid_ones_and_the_nearest(capsys):
+    from orchestration.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--preset", "pendulm", "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown preset 'pendulm' (did you mean 'pendulum'?)" in err and "cartpole" in err and "\n" not in err
+
+
+def test_flags_override_a_preset_and_a_config_file_goes_over_it(tmp_path, monkeypatch):
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("rollout: {num_envs: 4, fragment_length: 16}\n")
+    main(["train", "--preset", "cartpole", "--config-file", "run.yaml", "--iterations", "1", "--env",
+          "builtin:cartpole", "--run-dir", "r", "--loggers", "csv", "--no-progress"])
+    from orchestration.checkpoint import load_checkpoint
+    from orchestration.run_state import load_config
+
+    config = load_config(load_checkpoint(tmp_path / "r" / "checkpoints")[2])
+    assert (config.env, config.iterations, config.lr, config.ppo.entropy_coef) == ("builtin:cartpole", 1, 2.5e-3, 0.0)
+    assert (config.rollout.num_envs, config.rollout.fragment_length) == (4, 16)
+
+
+def test_help_lists_the_presets(capsys):
+    from orchestration.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in preset_names())
