@@ -28,6 +28,7 @@ from orchestration.collection_env import make_actor_env
 from orchestration.env_collection import load_collection, probe_members, with_collection
 from orchestration.envs import make_run_env
 from orchestration.learner import FixedLearner, PPOLearner, resolve_device
+from orchestration.team_critic import TEAM_CRITIC, build_team_critic, teams_for
 
 
 def fixed_policy_ids(config: TrainConfig) -> set[str]:
@@ -226,6 +227,7 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
             raise ValueError("--pretrain.dataset: external simulators bring their tree when they connect; "
                              "pretraining needs it before the learners are built (clone with "
                              "orchestration.dataset_learner.BCLearner and start from its weights instead)")
+        teams_for(config, None, {}, ())  # --team-critic.enabled is refused here, naming why
         from orchestration.external_fleet import build_external
 
         fleet, learners, tree, close = build_external(config)  # local or Ray learners, as config.backend says
@@ -239,24 +241,26 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
             probe.close()
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
+        teams = teams_for(config, tree, assignment, set(policies) - fixed)  # refuses what it cannot do, first
         if pretrain:
             pretrain_policies_(config, tree, assignment, policies, fixed)
         from orchestration.ray_session import build_ray_parts
 
-        fleet, learners, close = build_ray_parts(config, tree, policies, fixed)
+        fleet, learners, critic, close = build_ray_parts(config, tree, policies, fixed, teams)
         learners.update({pid: FixedLearner(policies[pid]) for pid in fixed})
     else:
         envs = [make_actor_env(config, rc.num_envs) for _ in range(rc.num_workers)]
         tree = envs[0].tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
-        if pretrain:
-            try:
+        try:
+            teams = teams_for(config, tree, assignment, set(policies) - fixed)
+            if pretrain:
                 pretrain_policies_(config, tree, assignment, policies, fixed)
-            except BaseException:
-                for env in envs:
-                    env.close()
-                raise
+        except BaseException:
+            for env in envs:
+                env.close()
+            raise
         learners = build_learners(config, assignment, policies, fixed)
         shared, close = None, None
         if rc.central_inference:  # one service answers every actor in batched forwards
@@ -268,9 +272,11 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
             shared, close = {pid: ServicePolicy(pid, service, policies[pid]) for pid in policies}, service.close
         actors = [build_actor(config, env, shared or {pid: learners[pid].actor_policy() for pid in policies},
                               assignment, slot=i) for i, env in enumerate(envs)]
-        fleet = LocalFleet(actors, {pid: lrn for pid, lrn in learners.items() if lrn.learns})
+        critic = build_team_critic(config, tree, teams)  # one more receiver of every fragment
+        receivers = {pid: lrn for pid, lrn in learners.items() if lrn.learns}
+        fleet = LocalFleet(actors, receivers if critic is None else {**receivers, TEAM_CRITIC: critic})
     evaluator = build_evaluator(config, policies, assignment, fixed, trusted_collection=True) if config.eval_every else None
-    return Trainer(config, fleet, learners, evaluator, tree, on_close=close)
+    return Trainer(config, fleet, learners, evaluator, tree, on_close=close, team_critic=critic)
 
 
 __all__ = ["assignment_for", "build_actor", "build_evaluator", "build_learner", "build_learners", "build_policies",

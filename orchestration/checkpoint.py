@@ -67,6 +67,21 @@ def _checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_at(root: str | Path, step: int) -> Path:
+    """The newest complete checkpoint of ``step`` under ``root`` (a re-save ``ckpt-000042.1`` over the first):
+    several checkpoint roots saved together (a league's players) resume from one step.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint of that step; the message names the steps there are.
+    """
+    root = Path(root)
+    found = [p for p in _checkpoints(root) if _parse(p.name)[0] == step and _complete(p)] if root.is_dir() else []
+    if not found:
+        steps = sorted({_parse(p.name)[0] for p in _checkpoints(root)}) if root.is_dir() else []
+        raise FileNotFoundError(f"no complete checkpoint of step {step} under {root} (steps there: {steps})")
+    return found[-1]
+
+
 def clean_stale(root: str | Path) -> int:
     """Removes half-written ``.tmp-*`` directories and pointer files a killed writer left; returns how many."""
     root = Path(root)
@@ -275,5 +290,5 @@ def restore_optimizer(prefix: str, optimizer: torch.optim.Optimizer, tensors: di
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-__all__ = ["CheckpointError", "clean_stale", "flatten_optimizer", "load_checkpoint", "resolve", "restore_optimizer", "save_checkpoint",
+__all__ = ["CheckpointError", "checkpoint_at", "clean_stale", "flatten_optimizer", "load_checkpoint", "resolve", "restore_optimizer", "save_checkpoint",
            "validate_state"]

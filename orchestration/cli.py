@@ -1,10 +1,12 @@
-"""The ``shoal`` command: ``train``, ``serve``, ``evaluate``, ``export``, ``plot``, ``tune`` and ``conformance``.
+"""The ``shoal`` command: ``train``, ``league``, ``serve``, ``evaluate``, ``export``, ``plot``, ``tune``, ``conformance``.
 
     shoal train CartPole-v1 --iterations 40                 # flags map onto TrainConfig (see --help)
     shoal train --preset pendulum                           # a tuned config shipped with Shoal, flags override it
     shoal train --config-file run.yaml                      # a YAML or JSON config file, flags override it
     shoal train --resume --run-dir runs/RUN                 # continue a run from its latest checkpoint
     shoal evaluate runs/RUN/checkpoints --episodes 20
+    shoal league pettingzoo:classic.connect_four_v3 --backend ray --league.main-exploiters 1   # an AlphaStar
+        league: main agents, main exploiters, league exploiters, matched by win rate (shoal league --help)
     shoal export runs/RUN/checkpoints --out policy/         # torch.export programs, no Shoal needed to run them
     shoal plot runs/A runs/B runs/C --out curve.png         # mean and 95% interval over seeds, final IQM
     shoal tune --config-file sweep.yaml --num-samples 4     # a Ray Tune sweep: TrainConfig keys plus
@@ -355,6 +357,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif command == "plot":
         with user_errors("plot"):
             tyro.cli(plot, args=rest, prog="shoal plot")
+    elif command == "league":  # an AlphaStar-style league of learners (orchestration.league_cli)
+        from orchestration.league_cli import run as league
+
+        league(rest)
     elif command == "serve":  # train on external environments that connect by themselves
         train(["--env", "external", *rest])
     elif command == "tune":
@@ -366,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(conformance(rest))
     else:
-        raise SystemExit(f"unknown command {command!r}: use train, serve, evaluate, export, plot, tune or conformance")
+        raise SystemExit(f"unknown command {command!r}: use train, league, serve, evaluate, export, plot, tune or "
+                         f"conformance")
     if command_line:
         # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
         # here). Files, loggers and envs are closed already and atexit handlers still run; in-process callers

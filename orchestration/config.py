@@ -7,6 +7,7 @@ from typing import Literal
 
 from core.losses import PPOConfig
 from core.policies import PolicyConfig
+from orchestration.team_critic_config import TeamCriticConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -356,6 +357,8 @@ class TrainConfig:
     """Self-play against past selves in a fraction of the games (``--past-selves.fraction 0``: plain self-play)."""
     curiosity: CuriosityConfig = field(default_factory=CuriosityConfig)
     """A random-network-distillation curiosity bonus on every learning policy's rewards (``--curiosity.coef``)."""
+    team_critic: TeamCriticConfig = field(default_factory=TeamCriticConfig)
+    """One critic per team shared by its policies, trained as a learner of its own (``--team-critic.enabled``)."""
 
     def __post_init__(self) -> None:
         for name, ok, rule in (("iterations", self.iterations >= 0, ">= 0"),

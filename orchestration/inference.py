@@ -66,6 +66,7 @@ from orchestration.learner import resolve_device
 
 #: Batches whose size sets the "nearly empty" threshold (three quarters of the largest of them).
 _RECENT_BATCHES = 8
+_POLL_S = 50e-6  # sleep between two looks at the queue while a batch waits for more requests
 _STOP = object()  # queued by close(): the service thread ends after the batch it is forming
 
 
@@ -312,11 +313,27 @@ class InferenceService:
             item, self._carry = self._carry, None
             return item
         try:
-            item = self._queue.get(block, timeout)
+            # Never a timed get: CPython's SimpleQueue.get(timeout=...) blocks for good when a put's wake-up
+            # is taken by another consumer (a caller's serve_queued) and the deadline passes before this
+            # thread runs again (its remaining time turns negative, which means "wait forever"); the
+            # callers whose requests this thread was batching then wait for ever too.
+            item = self._queue.get(block) if timeout is None else self._poll(timeout)
         except queue.Empty:
             return None
         self._taken(item)
         return item
+
+    def _poll(self, seconds: float):
+        """The next queued item within ``seconds`` (real time), by short sleeps between non-blocking gets."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(left, _POLL_S))
 
     def _taken(self, item) -> None:
         if item is not _STOP:

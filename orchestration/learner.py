@@ -39,14 +39,12 @@ from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.curiosity import CuriosityConfig, curiosity_for
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
-from orchestration.train_batches import update_inputs, with_values
+from orchestration.train_batches import team_values_for, update_inputs, with_values
 
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` picks CUDA when present, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
 
 def _actor_copy(policy: GroupPolicy, weights: TensorDictBase) -> GroupPolicy:
@@ -60,10 +58,8 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().cpu().numpy()
 
 
-def _tensor(array) -> torch.Tensor:
-    if isinstance(array, torch.Tensor):
-        return array.clone()
-    return torch.from_numpy(np.array(array))  # np.array: a writable copy of a possibly read-only view
+def _tensor(array) -> torch.Tensor:  # np.array: a writable copy of a possibly read-only view
+    return array.clone() if isinstance(array, torch.Tensor) else torch.from_numpy(np.array(array))
 
 
 class NonFiniteTraining(RuntimeError):
@@ -173,23 +169,22 @@ class PPOLearner:
     # -- training ----------------------------------------------------------------------------------------
     def _only_slots(self, batch: TensorDictBase, group: str) -> TensorDictBase:
         """Narrows ``(group, "mask")`` to this policy's slots (other policies' agents are not trained on)."""
-        slots = self.groups[group]
-        if slots is None:
+        if (slots := self.groups[group]) is None:
             return batch
         g = batch.get(group).copy()
-        g.set(MASK, g.get(MASK) & slots.to(g.device))
-        out = batch.copy()
-        out.set(group, g)
-        return out
+        return batch.copy().set(group, g.set(MASK, g.get(MASK) & slots.to(g.device)))
 
-    def update_(self, fragments: list[TensorDictBase], progress: float = 0.0) -> dict[str, float]:
+    def update_(self, fragments: list[TensorDictBase], progress: float = 0.0,
+                team_values: list[TensorDictBase] | None = None) -> dict[str, float]:
         """One PPO update on ``fragments`` (the math; no inbox rules); publishes a new version.
 
         Args:
             fragments: ``[E_i, T]`` fragments, concatenated along env in this order.
             progress: fraction of the run done, in [0, 1].
+            team_values: a team critic's values of each fragment (:mod:`orchestration.team_critic`), or None.
         """
         batch = concat_fragments(fragments).to(self.device)
+        team = None if team_values is None else concat_fragments(team_values).to(self.device)
         metrics: dict[str, float] = {}
         for group in self.groups:  # running observation statistics first: this update trains with them
             g = batch.get(group)
@@ -209,12 +204,13 @@ class PPOLearner:
                 if self.returns is not None:
                     batch = self.returns.scaled(batch, group)
                 batch = self._only_slots(batch, group)
-                batch = with_values(self.policy, batch, group)
+                batch = with_values(self.policy, batch, group, team)
                 batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)
-            flat, evaluate, ppo = update_inputs(self.policy, batch, group, self.ppo)
+            flat, evaluate, ppo = update_inputs(self.policy, batch, group, self.ppo, team)
             if self.evaluate_through is not None:  # DDP over the policy: averages gradients over ranks
                 evaluate = functools.partial(self.evaluate_through, evaluate)
             out = ppo_update_(self.policy, self.optimizer, flat, evaluate, ppo, self.generator, group=group)
+            out = out.exclude("loss_value", "explained_variance") if team is not None and group in team.keys() else out
             for k, v in out.items():
                 metrics[f"{group}/{k}" if len(self.groups) > 1 else k] = float(v)
             self.counters["skipped_steps"] += int(out.get("skipped_steps", 0))
@@ -242,13 +238,15 @@ class PPOLearner:
                                 f"{culprit}. Lower the learning rate, check the env's rewards and observations, "
                                 f"or raise TrainConfig.max_skipped_updates")
 
-    def train(self, progress: float = 0.0, *, lr: float | None = None, take_all: bool = True) -> dict[str, float]:
+    def train(self, progress: float = 0.0, *, lr: float | None = None, take_all: bool = True,
+              team_values: Mapping[int, TensorDictBase] | None = None) -> dict[str, float]:
         """One PPO update on the inbox's next batch (``take_all``: every fresh fragment); ``{}`` if it has none.
 
         Args:
             progress: fraction of the run done, in [0, 1].
             lr: set this learning rate first (annealing), or None.
             take_all: synchronous mode (all fresh data) or one batch topped up with reusable data (async).
+            team_values: fragment id -> a team critic's values (:meth:`TeamCriticLearner.values`), or None.
         """
         entries = self.inbox.take(self.version, take_all)
         if not entries:
@@ -256,15 +254,17 @@ class PPOLearner:
         if lr is not None:
             self.set_lr(lr)
         self.last_fragment_ids = [int(e.meta["fragment_id"]) for e in entries]
-        return self.update_([e.fragment for e in entries], progress)
+        return self.update_([e.fragment for e in entries], progress,
+                            team_values_for(team_values, self.last_fragment_ids, self.policy_id))
 
-    def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False) -> Done:
+    def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False,
+               team_values: Mapping[int, TensorDictBase] | None = None) -> Done:
         """Trains now if :meth:`ready`; the result: None, or ``{"metrics", "version", "weights",
         "fragment_ids", "time_learn"}`` (``weights`` as :meth:`published` gives them)."""
         if not self.ready():
             return Done(None)
         start = time.perf_counter()
-        metrics = self.train(progress, lr=lr, take_all=take_all)
+        metrics = self.train(progress, lr=lr, take_all=take_all, team_values=team_values)
         version, weights = self.published()
         return Done({"metrics": metrics, "version": version, "weights": weights,
                      "fragment_ids": list(self.last_fragment_ids), "time_learn": time.perf_counter() - start})

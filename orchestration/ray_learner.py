@@ -15,10 +15,14 @@ that state before it serves any call. What it had received since is unknown: the
 
 Data parallelism (``RayConfig.learners_per_policy > 1``): the server is rank 0 of a torch.distributed group
 of :class:`DataParallelRank` actors; every batch is split by env rows into one shard per rank.
+
+A team critic (:mod:`orchestration.team_critic`, :class:`TeamCriticServer`) takes pushes too; its values reach the
+member learners as one object-store ref (:class:`RayTeamCritic`). It is not restarted: its death ends the run.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from typing import Any, Mapping, Sequence
@@ -33,6 +37,8 @@ from orchestration.config import TrainConfig
 from orchestration.data_parallel import (DataParallelRank, check_in_sync, data_parallel_, free_port,
                                          init_process_group, shard_by_rows)
 from orchestration.ray_session import kill_actor
+from orchestration.team_critic import TeamCriticLearner, team_critic_settings
+from orchestration.train_batches import team_values_for
 from orchestration.wire import from_wire, to_wire
 
 
@@ -51,8 +57,7 @@ class LearnerServer:
         self.policy_id, self.resolve_timeout_s = policy_id, resolve_timeout_s
         self.learner = build_learner(config, assignment, policy_id, policy)
         self.counters = {"serializations": 0, "fragments_pushed": 0}
-        self._last: list = []
-        self._peers: list = []
+        self._last, self._peers = [], []
         self._checkpoints = checkpoints
         self.restarts, self.restored_version = 0, None
         if checkpoints is not None and _reconstructed():
@@ -90,8 +95,10 @@ class LearnerServer:
         return self.learner.ready()
 
     # -- training ----------------------------------------------------------------------------------------
-    def train(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False) -> dict | None:
-        """One PPO update if the inbox has a batch (else None); publishes the new version.
+    def train(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False,
+              team_values: Mapping[int, Mapping] | None = None) -> dict | None:
+        """One PPO update if the inbox has a batch (else None); publishes the new version. ``team_values``:
+        fragment id -> a team critic's values as wire messages (:meth:`TeamCriticServer.wire_values`).
 
         Returns:
             ``{"metrics", "version", "weights": [ref], "fragment_ids", "time_learn"}`` or None.
@@ -102,8 +109,10 @@ class LearnerServer:
         chosen = self.learner.inbox.take(self.learner.version, take_all)
         if lr is not None:
             self.learner.set_lr(lr)
+        team = team_values_for(None if team_values is None else {int(f): from_wire(w) for f, w in team_values.items()},
+                               [int(e.meta["fragment_id"]) for e in chosen], self.policy_id)
         metrics = self._train_shards(chosen, progress, lr) if self._peers else \
-            self.learner.update_([e.fragment for e in chosen], progress)
+            self.learner.update_([e.fragment for e in chosen], progress, team)
         self._last = chosen
         self._publish()
         return {"metrics": metrics, "version": self.learner.version, "weights": [self._weights],
@@ -178,8 +187,6 @@ class LearnerServer:
 
     def crash(self) -> None:
         """Ends this process at once, as a fatal error would (tests of learner restarts)."""
-        import os
-
         os._exit(1)
 
     def pause(self, seconds: float) -> None:
@@ -218,7 +225,62 @@ class LearnerCheckpoints:
                 "restarts": self.restarts[policy_id]}
 
 
+class TeamCriticServer(TeamCriticLearner):
+    """The team critic in an actor: built from the config like the local one; fragments pushed as refs."""
+
+    def __init__(self, config: TrainConfig, tree_json: str, teams: Sequence, *, resolve_timeout_s: float = 30.0,
+                 num_threads: int = 1) -> None:
+        torch.set_num_threads(num_threads)
+        super().__init__(from_json(tree_json), teams, **team_critic_settings(config))
+        self.resolve_timeout_s = resolve_timeout_s
+
+    def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> None:
+        """Takes one fragment (``meta`` + ``[ref]`` of its wire message), as :meth:`LearnerServer.push`."""
+        try:
+            fragment = from_wire(ray.get(refs[0], timeout=self.resolve_timeout_s))
+        except Exception:  # the producer died, the object is lost, a timeout: counted lost (unless a duplicate)
+            if self.inbox.announce(meta):
+                self.inbox.lost(meta)
+        else:
+            self.receive(fragment, meta)
+
+    def wire_values(self) -> dict[int, dict]:
+        """:meth:`values` as wire messages (the member learners' ``train`` gets them through one ref)."""
+        return {fid: to_wire(td) for fid, td in self.values().items()}
+
+
+class RayTeamCritic:
+    """The driver's handle on the team critic actor, with the interface the Trainer uses (local: the
+    :class:`TeamCriticLearner` itself)."""
+
+    def __init__(self, handle, members: Sequence[str]) -> None:
+        self.handle, self.members = handle, set(members)
+
+    def values(self):
+        """A ref of the batch's values; Ray resolves it in each member learner's ``train`` call."""
+        return self.handle.wire_values.remote()
+
+    def submit(self, progress: float = 0.0, lr: float | None = None) -> _Pending:
+        return _Pending(self, self.handle.train.remote(progress, lr))
+
+    def finish(self, ref) -> dict:
+        return {"metrics": ray.get(ref)}
+
+    def settle(self, produced: Mapping[int, int]) -> int:
+        return ray.get(self.handle.settle.remote(dict(produced)))
+
+    def state(self) -> dict[str, Any]:
+        return ray.get(self.handle.state.remote())
+
+    def load_state_(self, state: Mapping[str, Any]) -> None:
+        ray.get(self.handle.load_state_.remote(state))
+
+    def close(self) -> None:
+        kill_actor(self.handle)
+
+
 RemoteLearner = ray.remote(LearnerServer)
+RemoteTeamCritic = ray.remote(TeamCriticServer)
 RemoteLearnerCheckpoints = ray.remote(num_cpus=0)(LearnerCheckpoints)
 RemoteRank = ray.remote(DataParallelRank)
 
@@ -295,8 +357,9 @@ class RayLearner:
         ``submit`` sees it."""
         self.handle.push.remote(dict(meta), [ray.put(to_wire(fragment, meta))])
 
-    def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False) -> _Pending:
-        return _Pending(self, self.handle.train.remote(progress, lr, take_all))
+    def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False,
+               team_values=None) -> _Pending:
+        return _Pending(self, self.handle.train.remote(progress, lr, take_all, team_values))
 
     def published(self) -> tuple[int, list]:
         return self._published
@@ -333,5 +396,5 @@ class RayLearner:
             kill_actor(handle)
 
 
-__all__ = ["DataParallelRank", "LearnerCheckpoints", "LearnerServer", "RayLearner",
-           "RemoteLearner", "RemoteLearnerCheckpoints", "RemoteRank"]
+__all__ = ["DataParallelRank", "LearnerCheckpoints", "LearnerServer", "RayLearner", "RayTeamCritic",
+           "RemoteLearner", "RemoteLearnerCheckpoints", "RemoteRank", "RemoteTeamCritic", "TeamCriticServer"]

@@ -17,7 +17,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -110,10 +110,11 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
 
     rc = config.ray
     trained = [pid for pid in policies if pid not in fixed]
-    owns_ray = init_ray(config, rc, cpus_needed(config, rc, len(trained)))
+    placed = len(trained) + int(config.team_critic.enabled)  # a team critic is placed as a learner
+    owns_ray = init_ray(config, rc, cpus_needed(config, rc, placed))
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
-    check_resources(config, rc, len(trained), strict=owns_ray and not joined)
-    options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, len(trained), dict(rc.learner_resources))
+    check_resources(config, rc, placed, strict=owns_ray and not joined)
+    options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, placed, dict(rc.learner_resources))
     wire = {pid: to_wire(TensorDict.from_module(policies[pid]).detach()) for pid in trained}
     # The checkpoint registry stays near the driver (it reserves nothing, so it never competes with the
     # learners for pinned resources); statistics live beside the learners when they are pinned.
@@ -146,17 +147,29 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     return learners, handles, placement, teardown
 
 
-def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
-                    fixed: set[str]) -> tuple[Any, dict[str, Any], Callable[[], None]]:
-    """The learner actors (:func:`build_ray_learners`), the statistics actor and the rollout workers' fleet.
+def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any], fixed: set[str],
+                    teams: Sequence = ()) -> tuple[Any, dict[str, Any], Any, Callable[[], None]]:
+    """The learner actors (:func:`build_ray_learners`), the team critic's actor when there are ``teams``
+    (:func:`orchestration.team_critic.teams_for`), the statistics actor and the rollout workers' fleet.
 
     Returns:
-        ``(fleet, policy id -> RayLearner, teardown)``.
+        ``(fleet, policy id -> RayLearner, RayTeamCritic or None, teardown)``.
     """
     from orchestration.ray_fleet import RayFleet, RemoteEpisodeStatistics
 
     learners, handles, placement, teardown = build_ray_learners(config, tree, policies, fixed)
     rc = config.ray
+    critic = None
+    if teams:  # one more receiver of every fragment, placed as a learner
+        from orchestration.ray_learner import RayTeamCritic, RemoteTeamCritic
+        from orchestration.team_critic import TEAM_CRITIC
+
+        options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, len(learners) + 1,
+                                  dict(rc.learner_resources))
+        critic = RayTeamCritic(RemoteTeamCritic.options(max_restarts=0, **options).remote(
+            config, to_json(tree), teams, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads),
+            [p for t in teams for p in t.policies])
+        handles = {**handles, TEAM_CRITIC: critic.handle}
     weights = {pid: lrn.published() for pid, lrn in learners.items()}
     weights.update({pid: (0, TensorDict.from_module(policies[pid]).detach()) for pid in fixed})
     stats = RemoteEpisodeStatistics.options(max_restarts=-1, **placement).remote()
@@ -171,7 +184,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
     fleet = RayFleet(config, rc, handles, stats, weights, inference)
-    return fleet, learners, teardown
+    return fleet, learners, critic, teardown
 
 
 def resolve_weights(weights: Any) -> TensorDict:

@@ -34,8 +34,9 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
 
     weights: ``"<policy>/<param>"``; tensors: ``optimizer/<policy>/...``, ``rng/learner/<policy>``,
     ``returns/<policy>/...`` (reward scaling), ``curiosity/<policy>/...`` (RND), ``actor/<i>/...``,
-    ``rng/collection``; JSON: counters, history, config (with an env collection's document), tree, optimizer
-    hyper-parameters, inbox ledgers, the collection's state.
+    ``rng/collection``, ``team_critic/weights/...``, ``team_critic/optimizer/...`` and ``rng/team_critic`` (a
+    team critic); JSON: counters, history, config (with an env collection's document), tree, optimizer
+    hyper-parameters, inbox ledgers, the collection's state, the team critic's version, counters and ledger.
     """
     raw = trainer.state()
     weights, tensors = {}, {}
@@ -61,6 +62,14 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     if "collection" in raw:  # an environment collection's state (orchestration.collection_driver)
         state["collection"] = raw["collection"]["json"]
         tensors["rng/collection"] = raw["collection"]["rng"]
+    if "team_critic" in raw:  # orchestration.team_critic
+        critic = raw["team_critic"]
+        tensors.update({f"team_critic/weights/{k}": _tensor(v) for k, v in critic["weights"].items()})
+        opt_tensors, meta = critic["optimizer"]
+        tensors.update({f"team_critic/{k}": _tensor(v) for k, v in opt_tensors.items()})  # optimizer/state/...
+        tensors["rng/team_critic"] = _tensor(critic["generator"])
+        state["team_critic"] = {"version": critic["version"], "counters": critic["counters"], "optimizer": meta,
+                                "inbox": critic["inbox"]}
     return weights, tensors, state
 
 
@@ -88,12 +97,20 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
     for i, meta in enumerate(state["actors"]):
         head = f"actor/{i}/"
         actors.append({"tensors": {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}, "json": meta})
-    collection = {"collection": {"json": state["collection"], "rng": tensors["rng/collection"]}} \
+    extra = {"collection": {"json": state["collection"], "rng": tensors["rng/collection"]}} \
         if "collection" in state else {}
+    if "team_critic" in state:
+        entry, head = state["team_critic"], "team_critic/weights/"
+        extra["team_critic"] = {
+            "weights": {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)},
+            "optimizer": ({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("team_critic/optimizer/")},
+                          entry["optimizer"]),
+            "generator": tensors["rng/team_critic"], "version": entry["version"], "counters": entry["counters"],
+            "inbox": entry["inbox"]}
     trainer.load_state_({"iteration": state["iteration"], "env_steps": state["env_steps"],
                          "produced": state.get("produced", 0), "history": state["history"],
                          "agent_history": state.get("agent_history", {}), "learners": learners,
-                         "actors": actors, **collection})
+                         "actors": actors, **extra})
 
 
 def _tensor(value) -> torch.Tensor:
@@ -117,6 +134,7 @@ def _load_config(state: dict[str, Any]) -> TrainConfig:
     from core.policies.config import policy_config_from_dict
     from orchestration.config import (CuriosityConfig, ExternalConfig, PastSelvesConfig, PretrainConfig, RayConfig,
                                       RolloutConfig)
+    from orchestration.team_critic_config import TeamCriticConfig
 
     raw = dict(state["config"])
     raw["rollout"] = RolloutConfig(**raw["rollout"])
@@ -134,6 +152,9 @@ def _load_config(state: dict[str, Any]) -> TrainConfig:
     raw["external"] = ExternalConfig(**raw.get("external", {}))
     raw["pretrain"] = PretrainConfig(**raw.get("pretrain", {}))
     raw["curiosity"] = CuriosityConfig(**raw.get("curiosity", {}))
+    critic = dict(raw.get("team_critic", {}))  # older runs: none
+    critic["hidden_sizes"] = tuple(critic.get("hidden_sizes", TeamCriticConfig().hidden_sizes))
+    raw["team_critic"] = TeamCriticConfig(**critic)
     raw["past_selves"] = PastSelvesConfig(**raw.get("past_selves", {"fraction": 0.0}))  # older runs: plain self-play
     return TrainConfig(**raw)
 

@@ -3,6 +3,9 @@
 - :func:`with_values`: the critic's values at every observation and next observation, the GAE inputs. A
   feed-forward critic evaluates them in a few batched calls; a recurrent critic carries its state along time
   (:meth:`core.policies.GroupPolicy.sequence_values`).
+- Team values (:mod:`orchestration.team_critic`): :func:`team_values_for` lines a team critic's values up with
+  a batch's fragments; :func:`with_values` then takes them instead of the policy's critic, and
+  :func:`update_inputs` turns the policy's own value loss off for those groups.
 - :func:`update_inputs`: a feed-forward policy trains on shuffled transitions ``[N]``; a recurrent one on
   whole sequences ``[S]`` (groups ``[S, W, A]``, :func:`core.buffers.split_sequences`), minibatches of
   ``minibatch_size // sequence_length`` sequences, evaluated by truncated BPTT.
@@ -11,7 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -26,9 +29,31 @@ from core.policies import GroupPolicy
 VALUE_CHUNK = 1 << 16
 
 
-def with_values(policy: GroupPolicy, batch: TensorDictBase, group: str) -> TensorDictBase:
+def team_values_for(values: Mapping[int, TensorDictBase] | None, fragment_ids: Sequence[int],
+                    policy_id: str) -> list[TensorDictBase] | None:
+    """A team critic's ``values`` (fragment id -> ``[E_i, T]`` values) in the order of ``fragment_ids``.
+
+    Raises:
+        RuntimeError: a fragment the critic gave no values for (it must see every fragment the members do).
+    """
+    if values is None:
+        return None
+    missing = [f for f in fragment_ids if f not in values]
+    if missing:
+        raise RuntimeError(f"policy {policy_id!r}: the team critic gave no values for fragments {missing[:5]} of "
+                           f"its batch (it has {len(values)}); both must receive every fragment of the iteration")
+    return [values[f] for f in fragment_ids]
+
+
+def with_values(policy: GroupPolicy, batch: TensorDictBase, group: str,
+                team: TensorDictBase | None = None) -> TensorDictBase:
     """Adds ``(group, "state_value")`` (unless the actor recorded them and the critic is feed-forward) and
-    ``("next", group, "state_value")`` to ``batch`` ``[E, T]`` (in place; returns it)."""
+    ``("next", group, "state_value")`` to ``batch`` ``[E, T]`` (in place; returns it). ``team``: a team
+    critic's values ``[E, T]`` (both keys); where it has ``group``, they are taken instead of the policy's."""
+    if team is not None and group in team.keys():
+        for root, values in ((batch, team), (batch.get(NEXT), team.get(NEXT))):
+            root.get(group).set(STATE_VALUE, values.get((group, STATE_VALUE)))
+        return batch
     if policy.critic_cell is not None:
         return _recurrent_values(policy, batch, group)
     for root in (batch, batch.get(NEXT)):
@@ -58,7 +83,8 @@ def _recurrent_values(policy: GroupPolicy, batch: TensorDictBase, group: str) ->
     return batch
 
 
-def update_inputs(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: PPOConfig
+def update_inputs(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: PPOConfig,
+                  team: TensorDictBase | None = None
                   ) -> tuple[TensorDictBase, Callable[[TensorDictBase], Mapping[str, torch.Tensor]], PPOConfig]:
     """``(data, evaluate, config)`` for ``ppo_update_(policy, optimizer, data, evaluate, config, ...)``.
 
@@ -67,7 +93,11 @@ def update_inputs(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: P
         batch: ``[E, T]`` with advantages and value targets of ``group``.
         group: the group trained.
         ppo: the learner's PPO settings (``sequence_length`` and ``burn_in`` shape a recurrent policy's data).
+        team: a team critic's values (:func:`with_values`): where it has ``group`` the policy's own critic is
+            not trained (``value_coef`` 0; the team critic trains itself).
     """
+    if team is not None and group in team.keys():
+        ppo = dataclasses.replace(ppo, value_coef=0.0)
     if not policy.recurrent:
         def evaluate(mb):
             return policy.evaluate_terms(mb.get(group), mb.get(SHARED, None))
@@ -83,4 +113,4 @@ def update_inputs(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: P
     return drop_trivial_masks(sequences, group), evaluate_sequences, config
 
 
-__all__ = ["VALUE_CHUNK", "update_inputs", "with_values"]
+__all__ = ["VALUE_CHUNK", "team_values_for", "update_inputs", "with_values"]

@@ -20,6 +20,10 @@ generator and structure state are part of :meth:`Trainer.state`), and after it r
 metrics and updates the structure (curriculum promotion, adversarial returns); evaluation runs on the
 collection's evaluation envs only, per env id.
 
+Team critics (``config.team_critic``, :mod:`orchestration.team_critic`): in synchronous mode, after the
+collect, the critic hands its values of the batch to the member learners (they compute their advantages with
+them), then trains beside them; its state is part of :meth:`Trainer.state`.
+
 Trainers nest: a league (:mod:`orchestration.league`) drives a Trainer and swaps frozen opponents with
 :meth:`Trainer.set_weights`, which reaches every actor before the next fragment it produces.
 
@@ -52,11 +56,14 @@ class Trainer:
         evaluator: a deterministic actor on separate envs, or None.
         tree: the env's tree.
         on_close: called last by :meth:`close` (the builder's teardown, e.g. a Ray instance it started).
+        team_critic: the team critic (a :class:`orchestration.team_critic.TeamCriticLearner` or its Ray proxy;
+            the fleet delivers it every fragment), or None.
     """
 
     def __init__(self, config: TrainConfig, fleet, learners: Mapping[str, Any], evaluator, tree,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, team_critic=None) -> None:
         self.config, self.fleet, self.learners, self.evaluator, self.tree = config, fleet, dict(learners), evaluator, tree
+        self.team_critic = team_critic
         self.trainable = {pid: lrn for pid, lrn in self.learners.items() if lrn.learns}
         self.weights: dict[str, tuple[int, Any]] = {pid: lrn.published() for pid, lrn in self.learners.items()}
         self.iteration = 0
@@ -132,12 +139,19 @@ class Trainer:
         if any(r.get("push_failures") for r in reports) or self._refresh_weights():
             self._settle()  # deliveries that reached no learner (one was down): lost, so nothing stays in flight
         collected = time.perf_counter()
-        pending = {pid: lrn.submit(progress, lr, take_all=True) for pid, lrn in self.trainable.items()}
+        critic = self.team_critic
+        values = critic.values() if critic is not None else None  # before anyone trains: the batch's values
+        pending = {pid: lrn.submit(progress, lr, take_all=True) if values is None or pid not in critic.members
+                   else lrn.submit(progress, lr, take_all=True, team_values=values)
+                   for pid, lrn in self.trainable.items()}
+        critic_request = critic.submit(progress, lr) if critic is not None else None
         metrics: dict[str, float] = {}
         for pid, request in pending.items():  # learners that run apart train in parallel
             result = request.result()  # None: nothing to train on (or the learner died: its batch is lost)
             if result is not None:
                 self._take(pid, result, metrics)
+        if critic_request is not None and (result := critic_request.result()) is not None:
+            metrics.update({f"team_critic/{k}": v for k, v in result["metrics"].items()})
         self._refresh_weights()
         return metrics, reports, collected - start, time.perf_counter() - collected
 
@@ -187,7 +201,7 @@ class Trainer:
         """Counts as lost, at every learner, what the workers produced that it never got (call when every
         worker has flushed: after a synchronous collect, or after stopping)."""
         produced = dict(self.fleet.reported)
-        for learner in self.trainable.values():
+        for learner in [*self.trainable.values(), *([self.team_critic] if self.team_critic is not None else [])]:
             learner.settle(produced)
 
     # -- weights of fixed policies (leagues) -------------------------------------------------------------
@@ -202,6 +216,19 @@ class Trainer:
         self.weights[policy_id] = learner.published()
         self.fleet.broadcast({policy_id: self.weights[policy_id]}, wait=True)
         return version
+
+    def reset_learner(self, policy_id: str, state: Mapping[str, Any]) -> int:
+        """Starts learning policy ``policy_id`` over from ``state`` (a learner's :meth:`state`, e.g. its first:
+        a league exploiter that beat its targets) and loads the weights into every actor now. Weights,
+        optimizer and generator come from ``state``; the version moves above every one published before, and
+        the counters and inbox go on, so nothing collected is lost or counted twice. Returns the new version."""
+        learner = self.trainable[policy_id]
+        now = learner.state()
+        learner.load_state_({**{k: v for k, v in state.items() if k not in ("inbox", "returns")},
+                             "version": int(now["version"]) + 1, "counters": now["counters"]})
+        self.weights[policy_id] = learner.published()
+        self.fleet.broadcast({policy_id: self.weights[policy_id]}, wait=True)
+        return self.weights[policy_id][0]
 
     # -- statistics and accounting -----------------------------------------------------------------------
     def _episodes(self) -> dict[str, float]:
@@ -270,7 +297,8 @@ class Trainer:
                 "agent_history": {g: [list(r) for r in rows] for g, rows in self.agent_history.items()},
                 "learners": {pid: lrn.state() for pid, lrn in self.learners.items()},
                 "actors": self.fleet.state(), "resume_exact": self.resume_exact,
-                **({"collection": self.envsets.state_dict()} if self.envsets is not None else {})}
+                **({"collection": self.envsets.state_dict()} if self.envsets is not None else {}),
+                **({"team_critic": self.team_critic.state()} if self.team_critic is not None else {})}
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
         """Loads a :meth:`state` into a freshly built trainer of the same config; the fleet's actors load the
@@ -287,6 +315,11 @@ class Trainer:
                 learner_state.pop("inbox", None)
             learner.load_state_(learner_state)
             self.weights[pid] = learner.published()
+        if self.team_critic is not None and "team_critic" in state:  # a run saved without one starts it fresh
+            critic_state = dict(state["team_critic"])
+            if not restores_actors:
+                critic_state.pop("inbox", None)
+            self.team_critic.load_state_(critic_state)
         self.fleet.broadcast(self.weights, wait=True, force=True)  # every actor acts with the restored weights
         if restores_actors:
             self.fleet.load_state_(state["actors"])
@@ -305,7 +338,7 @@ class Trainer:
             self._final = self.accounting()
         finally:  # released even when a learner could not be reached
             self.fleet.close()
-            for learner in self.learners.values():
+            for learner in [*self.learners.values(), self.team_critic]:
                 close = getattr(learner, "close", None)
                 if close is not None:
                     close()

@@ -9,8 +9,8 @@ Each page of ``docs/`` is played top to bottom in a fresh directory, the way a r
   ``RAY_ADDRESS=auto shoal ...`` on a cluster) are for the reader only.
 
 Budgets shrink so the whole file stays near a minute: every iteration count on a page (``--iterations N``,
-``iterations=N``, ``iterations: N``) becomes 1, and ``shoal train`` gets ``--no-progress``. Nothing else is
-rewritten: flags, env ids and Python calls run as documented. What the pages say the full budgets reach
+``iterations=N``, ``iterations: N``) becomes 1, and ``shoal train`` and ``shoal league`` get ``--no-progress``.
+Nothing else is rewritten: flags, env ids and Python calls run as documented. What the pages say the full budgets reach
 (returns, times) was measured by hand; ``test_tour_learns`` asserts the tour's learning.
 """
 
@@ -90,7 +90,7 @@ def run_page(name: str, directory: Path, monkeypatch) -> dict:
                 exec(compile(code, f"docs/{name}", "exec"), namespace)
             elif lang == "bash":
                 for argv in shoal_commands(code):
-                    main([*argv, "--no-progress"] if argv[0] == "train" else argv)
+                    main([*argv, "--no-progress"] if argv[0] in ("train", "league") else argv)
     finally:  # modules the page wrote (my_envs.py) must not leak into other tests
         for key, module in list(sys.modules.items()):
             if str(getattr(module, "__file__", None) or "").startswith(str(directory)):

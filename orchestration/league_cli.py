@@ -1,0 +1,221 @@
+"""``shoal league``: an AlphaStar league in small from the command line (:mod:`orchestration.league_roles`).
+
+    shoal league pettingzoo:classic.connect_four_v3 --iterations 50 --backend ray \\
+        --league.main-agents 1 --league.main-exploiters 1 --league.league-exploiters 1
+
+Every ``shoal train`` flag applies to every player (env, backend, rollout, PPO, policy, ``--preset``,
+``--config-file``); ``--league.*`` flags set the roles and rules (``shoal league --help``). The run directory
+gets ``metrics.csv`` (and the run's loggers) with one row per league iteration, each active player's
+checkpoint under ``players/<name>/checkpoints`` (``shoal evaluate`` plays them, e.g. ``--opponent random``),
+every historical player as a snapshot under ``league/pool/``, and ``league/league.json`` (players, ratings,
+the win-rate table); the league's own checkpoint (pool, payoff table, ratings) goes to ``league/checkpoints``.
+
+    shoal league --resume --run-dir runs/RUN [--iterations 100]   # continues from the newest league checkpoint
+
+A resumed league rebuilds its players from the saved configs and loads each player's checkpoint of the same
+iteration as the league's, so the league and its players go on from one consistent point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import tyro
+
+from orchestration.config import TrainConfig
+from orchestration.league_config import LeagueConfig
+
+
+@dataclass(frozen=True)
+class _LeagueFlags:
+    league: LeagueConfig = field(default_factory=LeagueConfig)
+    """The league's roles and rules."""
+
+
+def split_league_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(train flags, --league.* flags)`` of a ``shoal league`` command line."""
+    rest, league = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg.startswith("--league."):
+            league.append(arg)
+            if "=" not in arg:
+                value = next(it, None)
+                if value is not None:
+                    league.append(value)
+        else:
+            rest.append(arg)
+    return rest, league
+
+
+def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple | None]:
+    """The run's TrainConfig, the LeagueConfig, whether to show progress and, with ``--resume``, the league's
+    checkpoint ``(weights, tensors, state)``; ``--help`` prints both flag sets."""
+    from orchestration.cli import _config_from_file, _run_dir_from, _split_train_args
+    from orchestration.presets import load_preset
+
+    rest, league_args = split_league_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print(__doc__)
+        try:
+            tyro.cli(_LeagueFlags, args=["--help"], prog="shoal league (league flags)")
+        except SystemExit:
+            pass
+    train_args, config_file, resume, progress, preset = _split_train_args(rest)
+    default = load_preset(preset) if preset else TrainConfig()
+    default = _config_from_file(config_file, default) if config_file else default
+    league_default, checkpoint = LeagueConfig(), None
+    if resume:
+        from orchestration.checkpoint import load_checkpoint
+        from orchestration.envs import imports_code
+        from orchestration.run_state import load_config
+
+        named = _run_dir_from(train_args, default)
+        if not named:
+            raise ValueError("--resume continues a league: name its directory with --run-dir RUN")
+        checkpoint = load_checkpoint(Path(named) / "league" / "checkpoints")
+        state = checkpoint[2]
+        if "league" not in state:
+            raise ValueError(f"{named} holds no league checkpoint (shoal train --resume continues a training run)")
+        default = load_config(state)
+        league_default = LeagueConfig(**state["league"]["config"])
+        if "--env" not in train_args and (why := imports_code(default.env)):
+            raise ValueError(f"the checkpoint names env {default.env!r}; {why}, and an env read from a checkpoint "
+                             f"is never allowed to import code. Pass it yourself: --env {default.env}")
+    config = tyro.cli(TrainConfig, args=train_args, default=default, prog="shoal league",
+                      description="Train a league (shoal league --help lists the --league.* flags first).")
+    league = tyro.cli(_LeagueFlags, args=league_args, default=_LeagueFlags(league_default), prog="shoal league").league
+    return config, league, progress, checkpoint
+
+
+def run(argv: Sequence[str]) -> dict:
+    """Parses, builds the league, trains ``config.iterations`` league iterations, writes its outputs."""
+    from orchestration.cli import user_errors
+
+    with user_errors("league"):
+        config, league_config, progress, checkpoint = parse(argv)
+        import torch
+
+        from orchestration.league_roles import RoleLeague
+        from orchestration.run_loop import fresh_run_dir
+
+        if not config.run_dir:
+            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.env)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            config = dataclasses.replace(config, run_dir=str(fresh_run_dir(Path("runs") / f"league__{name}__{stamp}")))
+        torch.set_num_threads(config.threads)
+        league = RoleLeague(config, league_config)
+        if checkpoint is not None:
+            try:
+                restore_league_(league, Path(config.run_dir), checkpoint)
+            except BaseException:
+                league.close()
+                raise
+    return train_league(league, config, progress, resume=checkpoint is not None)
+
+
+def restore_league_(league, run_dir: Path, checkpoint: tuple) -> None:
+    """Loads the league's checkpoint and each player's checkpoint of the same iteration."""
+    from orchestration.checkpoint import checkpoint_at, load_checkpoint
+    from orchestration.run_state import restore_trainer_
+
+    league.load_state_(*checkpoint)
+    for player, trainer in zip(league.players, league.trainers):
+        root = run_dir / "players" / player.name / "checkpoints"
+        restore_trainer_(trainer, *load_checkpoint(checkpoint_at(root, league.iteration)))
+
+
+def train_league(league, config: TrainConfig, progress: bool = True, resume: bool = False) -> dict:
+    """The loop of ``shoal league``: metrics every iteration, checkpoints every ``checkpoint_every`` and last."""
+    from orchestration.league_roles import progress_line
+    from orchestration.metrics_log import MetricsLog
+
+    run_dir = Path(config.run_dir)
+    saved_at = None
+    try:
+        log = MetricsLog(run_dir, config=config, resume=resume, upto_iteration=league.iteration if resume else None)
+        (run_dir / "config.json").write_text(json.dumps({"train": dataclasses.asdict(config),
+                                                         "league": dataclasses.asdict(league.league)},
+                                                        indent=1, default=str))
+        try:
+            while league.iteration < config.iterations:
+                try:
+                    metrics = league.train()
+                except BaseException:  # what was trained so far survives an env error or Ctrl-C
+                    try:
+                        save_league(league, run_dir)
+                    except Exception as err:  # noqa: BLE001 -- reported; the original error propagates
+                        print(f"shoal league: could not write a checkpoint after the error ({err})", file=sys.stderr)
+                    raise
+                log.write(int(metrics["env_steps"]), metrics)
+                if progress:
+                    print(progress_line(metrics), flush=True)
+                if config.checkpoint_every and league.iteration % config.checkpoint_every == 0:
+                    written, saved_at = save_league(league, run_dir), league.iteration
+        finally:
+            log.close()
+        if saved_at != league.iteration:
+            written = save_league(league, run_dir)
+    finally:
+        league.close()
+    table = league.table()
+    summary = {"run_dir": str(run_dir), "iterations": league.iteration, **written,
+               "ratings": {p["name"]: round(p["rating"], 1) for p in table["players"]}}
+    print(json.dumps(summary))
+    return summary
+
+
+def save_league(league, run_dir: Path) -> dict:
+    """Each active player's checkpoint, every historical player as a snapshot, and ``league/league.json``."""
+    import copy
+
+    import torch
+    from tensordict import TensorDict
+
+    from orchestration.checkpoint import save_checkpoint
+    from orchestration.run_state import trainer_state
+    from orchestration.snapshots import save_snapshot
+
+    players = {}
+    for player, trainer in zip(league.players, league.trainers):
+        weights, tensors, state = trainer_state(trainer)
+        root = run_dir / "players" / player.name / "checkpoints"
+        save_checkpoint(root, league.iteration, weights=weights, tensors=tensors, state=state)
+        players[player.name] = str(root)
+    pool = run_dir / "league" / "pool"
+    module = league.trainers[0].learners[league.group].policy if league.config.backend == "local" else None
+    for i, player in enumerate(league.players):
+        if not player.historical or (pool / player.name.replace("@", "-at-")).exists():
+            continue
+        if module is None:  # Ray: a local module of the policy's architecture to write the weights through
+            from orchestration.builder import assignment_for, build_policies
+
+            trainer = league.trainers[0]
+            module = build_policies(trainer.config, trainer.tree, assignment_for(trainer.config, trainer.tree)
+                                    )[0][league.group]
+        policy = copy.deepcopy(module)
+        with torch.no_grad():
+            TensorDict.from_module(policy).update_(player.weights)
+        save_snapshot(pool / player.name.replace("@", "-at-"), policy, league.trainers[0].tree, group=league.group,
+                      policy_id=player.name, version=i, config=league.config.policy)
+    weights, tensors, state = league.state()  # last: it names the iteration every player has a checkpoint of
+    save_checkpoint(run_dir / "league" / "checkpoints", league.iteration, weights=weights, tensors=tensors, state=state)
+    (run_dir / "league" / "league.json").write_text(json.dumps({"iteration": league.iteration, **league.table()},
+                                                               indent=1))
+    return {"players": players, "pool": str(pool)}
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry of ``shoal league`` (see :mod:`orchestration.cli`)."""
+    run(list(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

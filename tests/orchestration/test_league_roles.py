@@ -1,0 +1,207 @@
+"""The AlphaStar league (orchestration.league_roles, shoal league): roles, snapshots, resets, ratings, Ray."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from core.losses import PPOConfig
+from orchestration.builder import build_trainer
+from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+from orchestration.league_config import LeagueConfig
+from orchestration.league_roles import MATCH_K, OPPONENT, RoleLeague
+
+GAME = "pettingzoo:classic.connect_four_v3"
+
+
+def _config(**kw) -> TrainConfig:
+    return TrainConfig(**{"env": GAME, "seed": 0, "lr": 1e-3, "rollout": RolloutConfig(num_envs=8, fragment_length=32),
+                          "ppo": PPOConfig(minibatch_size=128), **kw})
+
+
+def test_each_role_plays_the_opponent_it_picked_and_the_league_grows_on_schedule():
+    league = RoleLeague(_config(), LeagueConfig(snapshot_every=2, exploiter_threshold=1.0))
+    try:
+        assert [p.name for p in league.players] == ["main_0", "main_exploiter_0", "league_exploiter_0", "main_0@0"]
+        total = 0.0
+        for it in range(4):
+            before = league.ratings[:3].clone()
+            metrics = league.train()
+            total += sum(metrics[f"games/{p.name}"] for p in league.players[:3])
+            # an exploiter plays one match per iteration (nobody picks an active exploiter): at most K points
+            assert bool(((league.ratings[1:3] - before[1:3]).abs() <= MATCH_K).all())
+            for i, trainer in enumerate(league.trainers):
+                name = league.players[i].name
+                opponent = int(metrics[f"opponent/{name}"])
+                actor = TensorDict.from_module(trainer.fleet.actors[0].policies[OPPONENT])
+                assert (actor == league.weights_of(opponent)).all() or not league.players[opponent].historical
+                assert metrics[f"games/{name}"] > 0
+                role = league.players[i].role
+                if role == "league_exploiter":
+                    assert league.players[opponent].historical  # only historical players
+                if role == "main_exploiter":  # the main agent (0) or its past selves
+                    assert opponent == 0 or league.players[opponent].parent == 0
+        assert metrics["league/size"] == 4 + 3 * 2 == len(league.players)  # snapshots at iterations 2 and 4
+        assert torch.equal(league.games, league.games.T)
+        recorded = float(league.games.diagonal().sum() + league.games.triu(1).sum())
+        assert recorded == total > 0  # every game of every iteration in the table once
+        ratings = [metrics[f"rating/{p.name}"] for p in league.players]
+        assert len(set(ratings)) > 1 and ratings[0] == float(league.ratings[0])
+        snapshot = league.players[4]  # main_0@2: a copy, not a view of the learning weights
+        assert snapshot.historical and not (league.weights_of(0) == snapshot.weights).all()
+    finally:
+        league.close()
+
+
+def test_an_exploiter_that_beats_its_targets_is_snapshotted_and_starts_over():
+    league = RoleLeague(_config(), LeagueConfig(league_exploiters=0, snapshot_every=100, exploiter_threshold=0.0,
+                                                exploiter_min_games=1))
+    exploiter = league.trainers[1].learners["player"]
+    initial = TensorDict({k: torch.as_tensor(v) for k, v in league._initial[1]["weights"].items()})
+    try:
+        metrics = league.train()
+        assert metrics["league/resets"] == 1 and league.players[-1].name.startswith("main_exploiter_0@")
+        trained = league.players[-1].weights  # the exploiter's weights when it was done
+        now = TensorDict(dict(exploiter.policy.state_dict()))
+        assert (now == initial).all() and not (trained == league.weights_of(1)).all()
+        assert exploiter.published()[0] == 2  # above version 1, which the actors had: they load it
+        actor = league.trainers[1].fleet.actors[0].policies["player"]
+        assert (TensorDict.from_module(actor) == TensorDict.from_module(exploiter.policy)).all()  # actors reset too
+        assert league.trainers[1].fleet.actors[0].versions["player"] == 2  # loaded now, before any fragment
+        assert float(league.games[1].sum()) == 0  # its games start over with it
+        league.train()  # trains on from the reset weights
+        counts = league.trainers[1].accounting()  # nothing collected lost or counted twice across the reset
+        assert counts["fragments_produced"] == 2 == counts["player/fragments_accepted"]
+        assert counts["player/fragments_lost"] == counts["player/fragments_stale"] == 0
+        assert league.resets == 2  # done again (threshold 0): its second run was snapshotted, then reset
+        second = league.players[-1].weights
+        assert not (second == trained).all() and not (second == league.weights_of(1)).all()
+    finally:
+        league.close()
+
+
+def test_a_league_refuses_an_env_that_is_not_a_two_player_game():
+    with pytest.raises(ValueError, match="two-player zero-sum.*builtin:cartpole"):
+        RoleLeague(TrainConfig(env="builtin:cartpole"), LeagueConfig())
+    with pytest.raises(ValueError, match="main-agents"):
+        LeagueConfig(main_agents=0)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_league_trains_its_players_in_parallel_on_ray(ray_session):
+    intervals: dict[int, list[tuple[float, float]]] = {}
+    lock = threading.Lock()
+
+    def timed(config):  # the real Ray trainer, its iterations timed from the league's threads
+        trainer = build_trainer(config)
+        train, index = trainer.train, len(intervals)
+        intervals[index] = []
+
+        def wrapped():
+            start = time.perf_counter()
+            out = train()
+            with lock:
+                intervals[index].append((start, time.perf_counter()))
+            return out
+
+        trainer.train = wrapped
+        return trainer
+
+    config = _config(backend="ray", ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0),
+                     rollout=RolloutConfig(num_envs=4, fragment_length=32, num_workers=1))
+    league = RoleLeague(config, LeagueConfig(snapshot_every=1, league_exploiters=0), build=timed)
+    try:
+        for _ in range(2):
+            metrics = league.train()
+            for i, trainer in enumerate(league.trainers):
+                opponent = int(metrics[f"opponent/{league.players[i].name}"])
+                workers = trainer.fleet.actor_weights(OPPONENT)
+                if league.players[opponent].historical:
+                    assert all((w == league.players[opponent].weights).all() for w in workers)
+                assert metrics[f"games/{league.players[i].name}"] > 0
+        assert len(league.players) == 3 + 2 * 2 and all(t.env_steps > 0 for t in league.trainers)
+        assert all(f"rating/{p.name}" in metrics for p in league.players)
+        for k in range(2):  # the players' k-th iterations overlapped in time: they ran side by side
+            spans = [intervals[i][k] for i in range(2)]
+            assert max(s for s, _ in spans) < min(e for _, e in spans)
+    finally:
+        league.close()
+
+
+def test_shoal_league_trains_writes_checkpoints_a_pool_and_a_table(tmp_path, capsys):
+    from orchestration.cli import main
+    from orchestration.snapshots import load_snapshot
+
+    main(["league", GAME, "--iterations", "2", "--rollout.num-envs", "4", "--rollout.fragment-length", "16",
+          "--run-dir", str(tmp_path), "--league.snapshot-every", "1", "--league.league-exploiters", "0"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["iterations"] == 2 and set(summary["players"]) == {"main_0", "main_exploiter_0"}
+    table = json.loads((tmp_path / "league" / "league.json").read_text())
+    assert [p["name"] for p in table["players"]][:3] == ["main_0", "main_exploiter_0", "main_0@0"]
+    assert len(table["win_rates"]) == len(table["players"]) == 3 + 2 * 2
+    pool = sorted((tmp_path / "league" / "pool").iterdir())
+    assert len(pool) == 5 and load_snapshot(pool[0]).group == "player"
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 3 and "rating/main_0" in rows[0]
+    main(["evaluate", summary["players"]["main_0"], "--opponent", "random", "--episodes", "2"])
+    assert '"player_0"' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["league", "builtin:cartpole", "--iterations", "1", "--run-dir", str(tmp_path / "x")])
+    assert stop.value.code == 2 and "two-player zero-sum" in capsys.readouterr().err
+
+
+def test_a_league_state_loads_into_a_fresh_league_with_the_same_pool_table_and_ratings():
+    config = _config(rollout=RolloutConfig(num_envs=4, fragment_length=16))
+    rules = LeagueConfig(snapshot_every=1, league_exploiters=0)
+    league = RoleLeague(config, rules)
+    for _ in range(2):
+        league.train()
+    saved = league.state()
+    league.close()
+    again = RoleLeague(config, rules)
+    again.load_state_(*saved)
+    try:
+        assert [p.name for p in again.players] == [p.name for p in league.players] and again.iteration == 2
+        assert torch.equal(again.games, league.games) and torch.equal(again.ratings, league.ratings)
+        for mine, theirs in zip(again.players, league.players):
+            assert mine.historical == theirs.historical and mine.parent == theirs.parent
+            if mine.historical:
+                assert (mine.weights == theirs.weights).all()
+        assert torch.equal(again.generator.get_state(), league.generator.get_state())
+        with pytest.raises(ValueError, match="active players"):
+            RoleLeague(config, LeagueConfig(main_exploiters=2, league_exploiters=0)).load_state_(*saved)
+    finally:
+        again.close()
+
+
+def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_iteration(tmp_path, capsys):
+    from orchestration.checkpoint import load_checkpoint
+    from orchestration.cli import main
+
+    flags = ["--rollout.num-envs", "4", "--rollout.fragment-length", "16", "--run-dir", str(tmp_path),
+             "--checkpoint-every", "1", "--league.league-exploiters", "0", "--league.snapshot-every", "1"]
+    main(["league", GAME, "--iterations", "2", *flags])
+    before = json.loads((tmp_path / "league" / "league.json").read_text())
+    main(["league", "--resume", "--iterations", "3", "--run-dir", str(tmp_path)])
+    after = json.loads((tmp_path / "league" / "league.json").read_text())
+    assert before["iteration"] == 2 and after["iteration"] == 3
+    names = [p["name"] for p in after["players"]]
+    assert names[:len(before["players"])] == [p["name"] for p in before["players"]]  # the pool went on
+    assert len(names) == len(before["players"]) + 2
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
+    assert [float(r["iteration"]) for r in rows] == [1.0, 2.0, 3.0]  # one row per iteration, once each
+    for name in ("main_0", "main_exploiter_0"):
+        _, _, state = load_checkpoint(tmp_path / "players" / name / "checkpoints")
+        assert state["iteration"] == 3
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(["league", "--resume", "--run-dir", str(tmp_path / "nothing")])
+    assert stop.value.code == 2 and "no checkpoint" in capsys.readouterr().err
