@@ -1,8 +1,8 @@
 """Matches: a checkpoint's policy against an opponent, seat by seat (``shoal evaluate CKPT --opponent ...``).
 
 For each seat (an agent of the tree), the checkpoint's policy plays that seat and the opponent plays every
-other agent: ``random`` (uniform over legal actions) or another checkpoint of the same tree (its policies on
-their own seats). Results per seat: win, draw and loss rates with Wilson 95% intervals (zero-sum returns:
+other agent: ``random`` (uniform over legal actions), a scripted player ``scripted:MODULE:FUNCTION``
+(:mod:`orchestration.scripted`) or another checkpoint of the same tree (its policies on their own seats). Results per seat: win, draw and loss rates with Wilson 95% intervals (zero-sum returns:
 win > 0, draw 0, loss < 0), plus the mean return. The checkpoint's policy acts with its mode unless
 ``sample``; the opponent always samples (two deterministic players would replay one game).
 """
@@ -47,20 +47,28 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
     unknown = [s for s in seats if s not in agents]
     if unknown:
         raise ValueError(f"unknown seats {unknown}: the tree's agents are {agents}")
-    other = None
-    if opponent != "random":
+    other, scripted = None, None
+    if opponent.startswith("scripted:"):
+        from orchestration.scripted import load_function
+
+        scripted = load_function(opponent)
+    elif opponent != "random":
         other_weights, _, other_state = load_checkpoint(opponent)
         if other_state["tree"] != state["tree"]:
             raise ValueError(f"opponent checkpoint {opponent!r} was trained on another tree than {checkpoint!r}")
         other = (other_weights, assignment_for(load_config(other_state), tree))
     out = {}
     for seat in seats or agents:
-        foe = "random" if other is None else OPPONENT
+        foe = "random" if other is None and scripted is None else OPPONENT
         seat_config = dataclasses.replace(
             config, policy_mapping=tuple((a, foe) for a in agents if a != seat),
             fixed_policies=tuple({*config.fixed_policies, OPPONENT}))
         assignment = assignment_for(seat_config, tree)
         policies, fixed = build_policies(seat_config, tree, assignment)
+        if scripted is not None:
+            from orchestration.scripted import ScriptedPolicy
+
+            policies[OPPONENT] = ScriptedPolicy(policies[OPPONENT], scripted)
         group, _ = agent_index(tree)[seat]
         mine = assignment[group].main_policy if assignment[group].single else _policy_of(assignment, group, seat,
                                                                                          agents, foe)
