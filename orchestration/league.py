@@ -4,7 +4,8 @@ Plain self-play needs no extra code: agents of one group share one policy by def
 players are the same learner). A league keeps the opponent's policy frozen instead, and between iterations
 replaces it by a member of a growing pool: snapshots of the learning policy taken every ``snapshot_every``
 iterations, plus whatever the pool was seeded with. Opponents are drawn with prioritized fictitious self-play
-(AlphaStar's PFSP): weight ``(1 - win_rate)^p``, so the ones the learner still loses to come up more often.
+(AlphaStar's PFSP): weight ``(1 - win_rate)^p``, so the ones the learner still loses to come up more often;
+or uniformly, or always the latest snapshot (``sampling``).
 The swap goes through :meth:`Trainer.set_weights`, which loads the opponent into every actor (in this process
 or in Ray rollout workers) at a fragment boundary, before any of them produces the next fragment. In
 synchronous mode the games counted against a member are games against it, on every backend; in asynchronous
@@ -36,6 +37,9 @@ from tensordict import TensorDict, TensorDictBase
 from core.ratings import INITIAL, elo_update, score_from_return
 from orchestration.builder import assignment_for
 
+SAMPLINGS = ("pfsp", "uniform", "latest")
+"""How :class:`LeagueTrainer` draws the next opponent from its pool."""
+
 
 @dataclass
 class Member:
@@ -66,13 +70,18 @@ class LeagueTrainer:
         snapshot_every: add a snapshot of the learner to the pool every N iterations.
         pfsp_power: exponent ``p`` of the PFSP weights; 0 draws uniformly.
         seed: seeds the opponent draws.
+        sampling: how the next opponent is drawn: ``"pfsp"`` (weights ``(1 - win_rate)^pfsp_power``),
+            ``"uniform"`` or ``"latest"`` (the newest member: self-play against the last snapshot).
     """
 
     def __init__(self, trainer, *, learner: str, opponent: str, snapshot_every: int = 5, pfsp_power: float = 2.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, sampling: str = "pfsp") -> None:
         if opponent not in trainer.learners or trainer.learners[opponent].learns:
             raise ValueError(f"policy {opponent!r} must be a fixed policy (TrainConfig.fixed_policies); the "
                              f"policies are {sorted(trainer.learners)}")
+        if sampling not in SAMPLINGS:
+            raise ValueError(f"unknown opponent sampling {sampling!r}; choose one of {SAMPLINGS}")
+        self.sampling = sampling
         self.trainer, self.learner, self.opponent = trainer, learner, opponent
         self.snapshot_every, self.pfsp_power = snapshot_every, pfsp_power
         self.generator = torch.Generator().manual_seed(seed)
@@ -123,7 +132,10 @@ class LeagueTrainer:
         return member
 
     def _draw(self) -> Member:
-        weights = torch.tensor([(1.0 - m.win_rate) ** self.pfsp_power + 1e-3 for m in self.pool])
+        if self.sampling == "latest":
+            return self.pool[-1]
+        power = 0.0 if self.sampling == "uniform" else self.pfsp_power
+        weights = torch.tensor([(1.0 - m.win_rate) ** power + 1e-3 for m in self.pool])
         return self.pool[int(torch.multinomial(weights, 1, generator=self.generator))]
 
     def train(self) -> dict[str, float]:
@@ -149,4 +161,4 @@ class LeagueTrainer:
         return metrics
 
 
-__all__ = ["LeagueTrainer", "Member"]
+__all__ = ["LeagueTrainer", "Member", "SAMPLINGS"]

@@ -26,13 +26,14 @@ Usage (what ``shoal league`` does)::
 
 Metrics per active player ``P``: ``rating/P`` (Elo), ``win_rate/P`` (this iteration, draws count a half),
 ``games/P``, ``opponent/P`` (the opponent's player index) and ``episode_return_mean/P``; ``league/size``,
-``league/resets``; ``rating/<historical>`` for every snapshot.
+``league/resets``, ``time_iteration`` (wall seconds); ``rating/<historical>`` for every snapshot.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -160,6 +161,7 @@ class RoleLeague:
     # -- one iteration ---------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         """Matchmaking, one iteration of every active player against its opponent, then the bookkeeping."""
+        start = time.perf_counter()
         active = range(len(self.trainers))
         roster = self.roster
         picks = [choose_opponent(i, roster, self.wins, self.games, self.generator, self.league.self_play)
@@ -197,7 +199,8 @@ class RoleLeague:
             self._checkpoint_rules(i)
         metrics.update({f"rating/{p.name}": float(r) for p, r in zip(self.players, self.ratings)})
         metrics.update({"league/size": float(len(self.players)), "league/resets": float(self.resets),
-                        "env_steps": float(sum(t.env_steps for t in self.trainers))})
+                        "env_steps": float(sum(t.env_steps for t in self.trainers)),
+                        "time_iteration": time.perf_counter() - start})
         return metrics
 
     def _checkpoint_rules(self, i: int) -> None:

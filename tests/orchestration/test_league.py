@@ -120,3 +120,24 @@ def test_a_snapshot_that_is_not_one_is_refused_by_name(tmp_path):
         load_snapshot(path)
     with pytest.raises(FileExistsError):
         save_snapshot(path, policy, tree, group="agent", policy_id="agent", version=3, config=PolicyConfig())
+
+
+def test_a_league_draws_the_latest_member_or_uniformly_when_asked():
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3", seed=0, iterations=3, lr=1e-3,
+                         policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",),
+                         rollout=RolloutConfig(num_envs=4, fragment_length=16), ppo=PPOConfig(minibatch_size=64))
+    trainer = build_trainer(config)
+    latest = LeagueTrainer(trainer, learner="player", opponent="opponent", snapshot_every=1, sampling="latest")
+    for _ in range(3):
+        before = latest.pool[-1]
+        latest.train()
+        assert latest.current is before  # the newest member when the iteration started
+    uniform = LeagueTrainer(trainer, learner="player", opponent="opponent", sampling="uniform", seed=3)
+    for _ in range(3):
+        uniform.add_member(uniform.pool[0].weights)
+    uniform.pool[1].games, uniform.pool[1].score = 100, 100.0  # always beaten: PFSP would almost never draw it
+    drawn = [uniform.pool.index(uniform._draw()) for _ in range(400)]
+    assert all(60 < drawn.count(k) < 140 for k in range(4))
+    with pytest.raises(ValueError, match="'pfsp', 'uniform', 'latest'"):
+        LeagueTrainer(trainer, learner="player", opponent="opponent", sampling="newest")
+    trainer.close()
