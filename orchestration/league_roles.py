@@ -110,6 +110,11 @@ class RoleLeague:
         build = build or build_trainer
         mapping = ((agents[1 - league.seat], OPPONENT),)
         self.trainers: list[Any] = []
+        self._shutdown = None
+        if config.backend == "ray":  # room for every player's actors at once, or they would wait for ever
+            from orchestration.ray_session import init_ray_for
+
+            self._shutdown = init_ray_for(config, len(league.roles))
         try:
             for i, role in enumerate(league.roles):
                 self.trainers.append(build(dataclasses.replace(
@@ -272,9 +277,14 @@ class RoleLeague:
         self.iteration, self.resets = int(state["iteration"]), int(state["league"]["resets"])
 
     def close(self) -> None:
-        """Closes every player's trainer (the first last: on Ray it may own the Ray instance)."""
-        for trainer in reversed(self.trainers):
-            trainer.close()
+        """Closes every player's trainer, then the Ray instance if the league started it."""
+        try:
+            for trainer in reversed(self.trainers):
+                trainer.close()
+        finally:
+            if self._shutdown is not None:
+                self._shutdown()
+                self._shutdown = None
 
 
 def progress_line(metrics: Mapping[str, float]) -> str:

@@ -66,6 +66,26 @@ def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: in
         warnings.warn(message, stacklevel=3)
 
 
+def init_ray_for(config: TrainConfig, trainers: int) -> Callable[[], None] | None:
+    """Connects to Ray (:func:`init_ray`) with room for ``trainers`` trainers of ``config`` side by side, one
+    learning policy each (a league's players), and checks the cluster has it. Returns ``ray.shutdown`` when
+    this call started Ray (the caller owns it then), else None.
+
+    Raises:
+        ValueError: the cluster has fewer CPUs than the trainers reserve, naming the flags that lower it.
+    """
+    need = trainers * cpus_needed(config, config.ray, 1)
+    owns = init_ray(config, config.ray, need)
+    have = ray.cluster_resources().get("CPU", 0.0)
+    if need > have + 1e-9:
+        if owns:
+            ray.shutdown()
+        raise ValueError(f"{trainers} trainers side by side reserve {need:g} Ray CPUs ({trainers} x "
+                         f"{cpus_needed(config, config.ray, 1):g}) but the cluster has {have:g}: lower "
+                         f"--ray.worker-num-cpus / --ray.learner-num-cpus (e.g. 0.5) or raise --ray.num-cpus")
+    return ray.shutdown if owns else None
+
+
 def try_get(ref, timeout: float | None = None):
     """``ray.get``, or None when the actor died, the call failed or ``timeout`` passed."""
     try:
