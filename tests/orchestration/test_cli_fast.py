@@ -26,7 +26,7 @@ def test_the_config_and_the_command_import_no_torch(module):
 
 
 @pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["evaluate", "--help"], ["export", "--help"],
-                                  ["plot", "--help"], ["serve", "--help"]])
+                                  ["plot", "--help"], ["serve", "--help"], ["league", "--help"]])
 def test_help_imports_no_torch(args):
     code = f"from orchestration.cli import main\ntry:\n    main({args!r})\nexcept SystemExit:\n    pass"
     assert _imported_after(code) == []
