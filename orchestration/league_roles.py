@@ -12,8 +12,9 @@ against one opponent count as one match scored by their mean).
 
 Snapshots: every ``snapshot_every`` iterations each active player joins the league as a historical player.
 An exploiter that beats its targets (``exploiter_threshold`` over at least ``exploiter_min_games`` games) is
-snapshotted at once and starts over from its initial weights (a main exploiter always; a league exploiter
-with probability ``league_reset``), through :meth:`Trainer.reset_learner`, so its counters and inbox go on.
+snapshotted at once, its record in the payoff table starts over, and it starts over from its initial weights
+(a main exploiter always; a league exploiter with probability ``league_reset``) through
+:meth:`Trainer.reset_learner`, so its counters and inbox go on.
 The league starts with the main agents' initial weights as its first historical players.
 
 Usage (what ``shoal league`` does)::
@@ -217,10 +218,12 @@ class RoleLeague:
             self._add_snapshot(i)
         if not done:
             return
+        for table in (self.wins, self.games):  # its record starts over: being done again takes new games
+            table[i].zero_()
+            table[:, i].zero_()
         coin = float(torch.rand((), generator=self.generator, dtype=torch.float64))
         if role == "main_exploiter" or coin < self.league.league_reset:
             self.trainers[i].reset_learner(self.group, self._initial[i])
-            self.wins[i].zero_(), self.wins[:, i].zero_(), self.games[i].zero_(), self.games[:, i].zero_()
             self.resets += 1
 
     # -- state, snapshots ----------------------------------------------------------------------------------

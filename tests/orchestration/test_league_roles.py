@@ -214,3 +214,20 @@ def test_a_league_on_ray_refuses_a_cluster_too_small_for_its_players_by_name(ray
     with pytest.raises(ValueError, match="reserve 6 Ray CPUs.*has 2.*--ray.worker-num-cpus"):
         RoleLeague(config, LeagueConfig())
     assert ray_session.is_initialized()  # a cluster it joined stays up
+
+
+def test_a_league_exploiter_that_is_done_without_a_restart_needs_new_games_to_be_done_again():
+    league = RoleLeague(_config(), LeagueConfig(main_exploiters=0, snapshot_every=100, exploiter_threshold=0.0,
+                                                exploiter_min_games=25, league_reset=0.0))
+    try:
+        done_at = []
+        for it in range(1, 7):
+            size = len(league.players)
+            metrics = league.train()
+            if len(league.players) > size:
+                done_at.append(it)
+                assert league.games[1].sum() == 0  # its record starts over
+            assert metrics["league/resets"] == 0  # league_reset 0: it keeps learning from where it is
+        assert done_at and all(b - a >= 2 for a, b in zip(done_at, done_at[1:]))  # ~12 games per iteration
+    finally:
+        league.close()
