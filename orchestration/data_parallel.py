@@ -69,11 +69,20 @@ def data_parallel_(learner: PPOLearner) -> torch.nn.parallel.DistributedDataPara
     """Makes ``learner``'s training forward run through DDP over its policy (mutates the learner); returns it.
 
     Every ``backward`` of an update then leaves each ``param.grad`` equal to the mean over ranks. DDP
-    broadcasts rank 0's parameters once here, so the copies start identical.
+    broadcasts rank 0's parameters once here, so the copies start identical. Observation normalisers merge
+    the moments of the whole batch (summed over ranks), so their statistics stay identical too.
     """
     ddp = _DDP(Evaluation(learner.policy), **NO_FORWARD_BUFFER_SYNC)  # minibatches are on the policy's device
     learner.evaluate_through = ddp
+    learner.reduce_statistics = sum_over_ranks  # observation normalisers follow the whole batch on every rank
     return ddp
+
+
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over the ranks of the default process group (a new tensor; every rank must call)."""
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out
 
 
 def check_in_sync(module: torch.nn.Module) -> bool:
@@ -146,4 +155,4 @@ class DataParallelRank:
 
 
 __all__ = ["DataParallelRank", "Evaluation", "check_in_sync", "data_parallel_", "free_port", "init_process_group",
-           "shard_by_rows"]
+           "shard_by_rows", "sum_over_ranks"]

@@ -131,6 +131,7 @@ class PPOLearner:
         self.returns = None if scaler is None else ReturnStreams(ppo.gamma, self.groups, scaler)
         self.curiosity = curiosity_for(curiosity, self.policy, list(self.groups), seed=seed, device=self.device)
         self.evaluate_through: Callable | None = None  # training forwards as (evaluate, mb): DDP (data_parallel_)
+        self.reduce_statistics: Callable | None = None  # sums observation moments over DDP ranks (data_parallel_)
         self._published = self._snapshot()
 
     def _snapshot(self) -> TensorDictBase:
@@ -187,13 +188,12 @@ class PPOLearner:
         team = None if team_values is None else concat_fragments(team_values).to(self.device)
         metrics: dict[str, float] = {}
         for group in self.groups:  # running observation statistics first: this update trains with them
-            g = batch.get(group)
-            slots = self.groups[group]
+            g, slots = batch.get(group), self.groups[group]
             mask = g.get(MASK, None)
             if slots is not None:
                 mask = (mask if mask is not None else torch.ones(g.batch_size, dtype=torch.bool,
                                                                  device=self.device)) & slots.to(self.device)
-            self.policy.observe_(g.get(OBSERVATION), mask)
+            self.policy.observe_(g.get(OBSERVATION), mask, self.reduce_statistics)
         if self.returns is not None:  # and the return statistics (orchestration.reward_scaling)
             metrics["reward_scale"] = self.returns.observe_(fragments)
         for group in self.groups:

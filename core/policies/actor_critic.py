@@ -372,12 +372,12 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         return self.heads.log_prob(params, [read_path(action, p) for p in self.heads.paths], action_mask)
 
     @torch.no_grad()
-    def observe_(self, observation, mask: Tensor | None = None) -> None:
+    def observe_(self, observation, mask: Tensor | None = None, reduce=None) -> None:
         """Updates the observation normalisers (``PolicyConfig.normalize_observations``) with ``observation``
-        ``[*B, A, *obs]`` where ``mask`` ``[*B, A]``; a no-op without normalisation. Mutates buffers."""
+        ``[*B, A, *obs]`` where ``mask`` ``[*B, A]`` (``reduce``: ObservationEncoder.observe_'s); no-op without."""
         for encoder in (self.actor_encoder, self.critic_encoder):
             if encoder is not None and encoder.normalized:
-                encoder.observe_(observation, mask)
+                encoder.observe_(observation, mask, reduce)
 
     @torch.no_grad()
     def value(self, obs, shared=None) -> Tensor:

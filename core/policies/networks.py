@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -227,21 +227,34 @@ class ObservationEncoder(nn.Module):
 
 
     @torch.no_grad()
-    def observe_(self, observation, mask: Tensor | None = None) -> None:
+    def observe_(self, observation, mask: Tensor | None = None,
+                 reduce: Callable[[Tensor], Tensor] | None = None) -> None:
         """Merges the statistics of ``observation`` (``[*B, *obs]``; only rows where ``mask`` ``[*B]`` is True)
         into the running mean and variance of every normalised leaf (Chan et al.'s parallel update, float64).
-        Mutates the buffers."""
+        Mutates the buffers. ``reduce``: sums a tensor over the copies of this encoder that train together
+        (data-parallel ranks, each on its shard), so that every copy merges the moments of the whole batch;
+        it is then called once per normalised leaf on every copy, with ``[1 + 2 * size]`` float64 sums."""
         for i in self.normalized:
             x = read_path(observation, self.paths[i]).to(torch.float64)
             nd = len(self.leaves[i].shape)
             x = x.reshape(-1, *x.shape[x.dim() - nd:]) if nd else x.reshape(-1)
             if mask is not None:
                 x = x[mask.reshape(-1)]
-            n = x.shape[0]
-            if n == 0:
-                continue
+            if reduce is not None:  # the whole batch's count, mean and variance from every copy's sums
+                sums = reduce(torch.cat([torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device),
+                                         x.sum(0).reshape(-1), x.square().sum(0).reshape(-1)]))
+                n, shape = float(sums[0]), x.shape[1:]
+                if n == 0:
+                    continue
+                size = shape.numel()
+                batch_mean = (sums[1:1 + size] / n).reshape(shape)
+                batch_var = (sums[1 + size:] / n).reshape(shape).sub_(batch_mean.square()).clamp_(min=0.0)
+            else:
+                n = x.shape[0]
+                if n == 0:
+                    continue
+                batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
             mean, var, count = (getattr(self, f"obs_{k}{i}") for k in ("mean", "var", "count"))
-            batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
             total = count + n
             delta = batch_mean - mean
             m2 = var * count + batch_var * n + delta.square() * count * n / total

@@ -60,3 +60,25 @@ def test_learners_update_the_statistics_and_actors_receive_them():
     actor = trainer.fleet.actors[0].policies["agent"].actor_encoder
     assert int(learner.obs_count0) == 2 * 4 * 16 and int(actor.obs_count0) == 4 * 16
     trainer.close()
+
+
+def test_statistics_merged_from_sums_over_copies_equal_those_of_the_whole_batch():
+    """Data-parallel ranks merge the moments of the whole batch from every rank's sums (``reduce``): two copies,
+    each observing its half and adding the other half's sums (as an all-reduce would), end with the statistics
+    of one policy that observed every row."""
+    whole, halves = _policy(), [_policy(), _policy()]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        obs = torch.randn(8, 4, 2, 3, generator=g) * 3 + 1
+        mask = torch.rand(8, 4, 2, generator=g) > 0.3
+        whole.observe_(obs, mask)
+        parts = [(obs[:4], mask[:4]), (obs[4:], mask[4:])]
+        sums: dict[int, list] = {0: [], 1: []}
+        for r, (o, m) in enumerate(parts):  # each copy's sums, recorded without merging anything
+            _policy().observe_(o, m, reduce=lambda t, r=r: sums[r].append(t) or torch.zeros_like(t))
+        for r, (policy, (o, m)) in enumerate(zip(halves, parts)):
+            others = iter(sums[1 - r])
+            policy.observe_(o, m, reduce=lambda t, others=others: t + next(others))
+    for policy in halves:
+        for name, value in whole.actor_encoder.state_dict().items():
+            torch.testing.assert_close(policy.actor_encoder.state_dict()[name], value)
