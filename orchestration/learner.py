@@ -131,7 +131,7 @@ class PPOLearner:
         self.returns = None if scaler is None else ReturnStreams(ppo.gamma, self.groups, scaler)
         self.curiosity = curiosity_for(curiosity, self.policy, list(self.groups), seed=seed, device=self.device)
         self.evaluate_through: Callable | None = None  # training forwards as (evaluate, mb): DDP (data_parallel_)
-        self.reduce_statistics: Callable | None = None  # sums observation moments over DDP ranks (data_parallel_)
+        self.reduce_statistics: Callable | None = None  # sums normalisers' moments over DDP ranks (data_parallel_)
         self._published = self._snapshot()
 
     def _snapshot(self) -> TensorDictBase:
@@ -195,7 +195,7 @@ class PPOLearner:
                                                                  device=self.device)) & slots.to(self.device)
             self.policy.observe_(g.get(OBSERVATION), mask, self.reduce_statistics)
         if self.returns is not None:  # and the return statistics (orchestration.reward_scaling)
-            metrics["reward_scale"] = self.returns.observe_(fragments)
+            metrics["reward_scale"] = self.returns.observe_(fragments, self.reduce_statistics)
         for group in self.groups:
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step

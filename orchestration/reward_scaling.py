@@ -43,10 +43,11 @@ class ReturnStreams:
         self.sequence: dict[int, int] = {}
         """Worker id -> sequence number of the last fragment consumed."""
 
-    def observe_(self, fragments: Sequence[TensorDictBase]) -> float:
+    def observe_(self, fragments: Sequence[TensorDictBase], reduce=None) -> float:
         """Advances the accumulators with every fragment not consumed before (in list order; a stream's
         fragments must come in sequence order) and merges their returns into the scaler (mutates both).
-        Returns the scale rewards are divided by now."""
+        Returns the scale rewards are divided by now. ``reduce``: :meth:`RewardScaler.observe_`'s
+        (data-parallel ranks, whose shards hold the same fragments' rows)."""
         for fragment in fragments:
             fid = int(fragment.get(FRAGMENT_ID).reshape(-1)[0])
             worker, seq = fid >> 32, fid & 0xFFFFFFFF
@@ -65,7 +66,7 @@ class ReturnStreams:
                 if slots is not None:
                     slots = slots.to(returns.device)
                     mask = slots.expand(returns.shape) if mask is None else mask & slots
-                self.scaler.observe_(returns, mask)
+                self.scaler.observe_(returns, mask, reduce)
         return self.scaler.scale()
 
     def scaled(self, batch: TensorDictBase, group: str) -> TensorDictBase:

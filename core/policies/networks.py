@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from core.layout import OBSERVATION
+from core.policies.reward_scaling import merge_moments, merge_sums, sums_of
 from core.specs import Leaf, Node, iter_leaves
 
 Path = tuple[str, ...]
@@ -233,34 +234,20 @@ class ObservationEncoder(nn.Module):
         into the running mean and variance of every normalised leaf (Chan et al.'s parallel update, float64).
         Mutates the buffers. ``reduce``: sums a tensor over the copies of this encoder that train together
         (data-parallel ranks, each on its shard), so that every copy merges the moments of the whole batch;
-        it is then called once per normalised leaf on every copy, with ``[1 + 2 * size]`` float64 sums."""
+        it is then called once per normalised leaf on every copy (:func:`core.policies.reward_scaling.sums_of`)."""
         for i in self.normalized:
             x = read_path(observation, self.paths[i]).to(torch.float64)
             nd = len(self.leaves[i].shape)
             x = x.reshape(-1, *x.shape[x.dim() - nd:]) if nd else x.reshape(-1)
             if mask is not None:
                 x = x[mask.reshape(-1)]
-            if reduce is not None:  # the whole batch's count, mean and variance from every copy's sums
-                sums = reduce(torch.cat([torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device),
-                                         x.sum(0).reshape(-1), x.square().sum(0).reshape(-1)]))
-                n, shape = float(sums[0]), x.shape[1:]
-                if n == 0:
-                    continue
-                size = shape.numel()
-                batch_mean = (sums[1:1 + size] / n).reshape(shape)
-                batch_var = (sums[1 + size:] / n).reshape(shape).sub_(batch_mean.square()).clamp_(min=0.0)
-            else:
-                n = x.shape[0]
-                if n == 0:
-                    continue
-                batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
-            mean, var, count = (getattr(self, f"obs_{k}{i}") for k in ("mean", "var", "count"))
-            total = count + n
-            delta = batch_mean - mean
-            m2 = var * count + batch_var * n + delta.square() * count * n / total
-            mean.add_(delta * n / total)
-            var.copy_(m2 / total)
-            count.fill_(total)
+            stats = tuple(getattr(self, f"obs_{k}{i}") for k in ("mean", "var", "count"))
+            if reduce is None:
+                merged = merge_moments(*stats, x)
+            else:  # the whole batch's moments from every copy's sums
+                merged = merge_sums(*stats, reduce(sums_of(x)))
+            for buffer, value in zip(stats, merged):
+                buffer.copy_(value)
 
 
 def check_leaf_names(names: Sequence[str], paths: Sequence[Path]) -> None:

@@ -42,7 +42,30 @@ def merge_moments(mean: Tensor, var: Tensor, count: Tensor, x: Tensor) -> tuple[
     n = x.shape[0]
     if n == 0:
         return mean, var, count
-    batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
+    return _merge(mean, var, count, n, x.mean(0), x.var(0, unbiased=False))
+
+
+def sums_of(x: Tensor) -> Tensor:
+    """``[1 + 2 * size]`` float64: the number of rows of ``x`` ``[N, *shape]``, their sum and their sum of
+    squares (flattened). Copies that train together on shards of one batch (data-parallel ranks) add these
+    up and merge the sum with :func:`merge_sums`: the moments of the whole batch."""
+    x = x.to(torch.float64)
+    count = torch.full((1,), float(x.shape[0]), dtype=torch.float64, device=x.device)
+    return torch.cat([count, x.sum(0).reshape(-1), x.square().sum(0).reshape(-1)])
+
+
+def merge_sums(mean: Tensor, var: Tensor, count: Tensor, sums: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`merge_moments` from :func:`sums_of` (possibly added up over copies) instead of the samples."""
+    n = float(sums[0])
+    if n == 0:
+        return mean, var, count
+    size = mean.numel()
+    batch_mean = (sums[1:1 + size] / n).reshape(mean.shape).to(mean)
+    batch_var = ((sums[1 + size:] / n).reshape(mean.shape).to(mean) - batch_mean.square()).clamp(min=0.0)
+    return _merge(mean, var, count, n, batch_mean, batch_var)
+
+
+def _merge(mean: Tensor, var: Tensor, count: Tensor, n: float, batch_mean: Tensor, batch_var: Tensor):
     total = count + n
     delta = batch_mean - mean
     m2 = var * count + batch_var * n + delta.square() * count * n / total
@@ -98,12 +121,14 @@ class RewardScaler(nn.Module):
         self.register_buffer("return_count", torch.zeros((), dtype=torch.float64))
 
     @torch.no_grad()
-    def observe_(self, returns: Tensor, mask: Tensor | None = None) -> None:
-        """Merges the returns ``[*B]`` where ``mask`` ``[*B]`` (bool) is True. Mutates the buffers."""
+    def observe_(self, returns: Tensor, mask: Tensor | None = None, reduce=None) -> None:
+        """Merges the returns ``[*B]`` where ``mask`` ``[*B]`` (bool) is True. Mutates the buffers. ``reduce``:
+        adds :func:`sums_of` up over copies training on shards of one batch (data-parallel ranks)."""
         x = returns.reshape(-1)
         if mask is not None:
             x = x[mask.reshape(-1).to(x.device)]
-        mean, var, count = merge_moments(self.return_mean, self.return_var, self.return_count, x)
+        stats = (self.return_mean, self.return_var, self.return_count)
+        mean, var, count = merge_moments(*stats, x) if reduce is None else merge_sums(*stats, reduce(sums_of(x)))
         self.return_mean.copy_(mean)
         self.return_var.copy_(var)
         self.return_count.copy_(count)

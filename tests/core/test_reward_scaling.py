@@ -111,3 +111,23 @@ def test_the_statistics_are_policy_buffers_only_when_asked_for():
     assert {"reward_scaler.return_var", "reward_scaler.return_count"} <= set(scaling.state_dict())
     weights = TensorDict.from_module(scaling)  # what actors receive: the statistics travel with the weights
     assert weights.get(("reward_scaler", "return_var")).dtype == torch.float64
+
+
+def test_copies_that_add_up_their_sums_merge_the_moments_of_the_whole_batch():
+    """Data-parallel ranks (``reduce``): each copy observes its shard and adds the others' ``sums_of``; every
+    copy then holds the statistics of one scaler that saw every return."""
+    from core.policies.reward_scaling import sums_of
+
+    whole, copies = RewardScaler(), [RewardScaler(), RewardScaler()]
+    g = torch.Generator().manual_seed(2)
+    for scale in (1.0, 30.0, 0.2):
+        returns = torch.randn(6, 5, 3, generator=g, dtype=torch.float64) * scale
+        mask = torch.rand(6, 5, 3, generator=g) > 0.25
+        whole.observe_(returns, mask)
+        shards = [(returns[:2], mask[:2]), (returns[2:], mask[2:])]
+        sums = [sums_of(r.reshape(-1)[m.reshape(-1)]) for r, m in shards]
+        for k, (copy, (r, m)) in enumerate(zip(copies, shards)):
+            copy.observe_(r, m, reduce=lambda t, k=k: t + sums[1 - k])
+    for copy in copies:
+        for name, value in whole.state_dict().items():
+            torch.testing.assert_close(copy.state_dict()[name], value)
