@@ -61,12 +61,11 @@ from torch import Tensor
 
 from core.policies import GroupPolicy
 from orchestration.inference_requests import (InferenceConfig, InferenceResult, Request, RequestExpired, ServiceClosed,
-                                              check_weights, forward, make_request, refuse_all)
+                                              check_weights, forward, get_within, make_request, refuse_all)
 from orchestration.learner import resolve_device
 
 #: Batches whose size sets the "nearly empty" threshold (three quarters of the largest of them).
 _RECENT_BATCHES = 8
-_POLL_S = 50e-6  # sleep between two looks at the queue while a batch waits for more requests
 _STOP = object()  # queued by close(): the service thread ends after the batch it is forming
 
 
@@ -312,28 +311,12 @@ class InferenceService:
         if self._carry is not None:
             item, self._carry = self._carry, None
             return item
-        try:
-            # Never a timed get: CPython's SimpleQueue.get(timeout=...) blocks for good when a put's wake-up
-            # is taken by another consumer (a caller's serve_queued) and the deadline passes before this
-            # thread runs again (its remaining time turns negative, which means "wait forever"); the
-            # callers whose requests this thread was batching then wait for ever too.
-            item = self._queue.get(block) if timeout is None else self._poll(timeout)
+        try:  # never a timed SimpleQueue.get: callers' serve_queued also consume (get_within says why)
+            item = self._queue.get(block) if timeout is None else get_within(self._queue, timeout)
         except queue.Empty:
             return None
         self._taken(item)
         return item
-
-    def _poll(self, seconds: float):
-        """The next queued item within ``seconds`` (real time), by short sleeps between non-blocking gets."""
-        deadline = time.monotonic() + seconds
-        while True:
-            try:
-                return self._queue.get_nowait()
-            except queue.Empty:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                time.sleep(min(left, _POLL_S))
 
     def _taken(self, item) -> None:
         if item is not _STOP:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -185,6 +186,22 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
     return Request(pid, inputs, shared, state, start, n, now + timeout_s, bool(deterministic), waiter)
 
 
+def get_within(waiting: queue.SimpleQueue, seconds: float, poll_s: float = 50e-6):
+    """The next item of ``waiting`` within ``seconds`` (real time), by short sleeps between non-blocking gets;
+    raises ``queue.Empty`` after that. Never ``SimpleQueue.get(timeout=...)`` where other threads consume too:
+    in CPython it blocks for good when another consumer takes the item whose put woke it and the deadline
+    passes before the woken thread runs again (its remaining time turns negative, read as "no timeout")."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return waiting.get_nowait()
+        except queue.Empty:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            time.sleep(min(left, poll_s))
+
+
 def refuse_all(items: list, waiting: queue.SimpleQueue) -> None:
     """Fails the requests among ``items`` and those left in ``waiting`` (emptied) with :class:`ServiceClosed`."""
     while True:
@@ -305,4 +322,4 @@ def forward(policy: GroupPolicy, requests: list[Request], generator: torch.Gener
 
 
 __all__ = ["Answer", "InferenceConfig", "InferenceResult", "Request", "RequestExpired", "ServiceClosed",
-           "check_weights", "concatenate", "forward", "make_request", "refuse_all", "split", "to_device"]
+           "check_weights", "concatenate", "forward", "get_within", "make_request", "refuse_all", "split", "to_device"]

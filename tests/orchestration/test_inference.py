@@ -10,7 +10,6 @@ result's ``batch`` index.
 from __future__ import annotations
 
 import functools
-import time
 import threading
 from concurrent.futures import CancelledError
 
@@ -398,27 +397,3 @@ def test_a_caller_leaves_a_nearly_empty_queue_to_the_service_thread():
     service.close()
     assert service.stats()["batches"] == 2
 
-
-def test_a_timed_wait_for_more_requests_ends_when_another_consumer_takes_its_wake_up():
-    """The hang of issue 13's benchmark: the service thread waits at most ``max_wait_s`` for more requests;
-    a put wakes it, but a helping caller (``serve_queued``) takes the item first and keeps the interpreter
-    past the wait's deadline. CPython's ``SimpleQueue.get(timeout=...)`` then waits for ever (its remaining
-    time turns negative, read as "no timeout"), and so did every caller whose request the thread held."""
-    service = InferenceService(_policies(), InferenceConfig(device="cpu"))  # no thread: this test is the thread
-    for _ in range(20):
-        ended = threading.Event()
-
-        def wait_for_more() -> None:
-            service._take(block=True, timeout=0.002)  # the service thread's wait for a batch's next request
-            ended.set()
-
-        waiter = threading.Thread(target=wait_for_more, daemon=True)
-        waiter.start()
-        time.sleep(0.0005)
-        service._queue.put(service._request("spread", _obs("spread", 1, 0), timeout_s=TIMEOUT, answer=False))
-        service._queue.get_nowait()  # another consumer takes it before the woken waiter runs
-        spin_until = time.monotonic() + 0.01  # and holds the interpreter past the waiter's deadline
-        while time.monotonic() < spin_until:
-            pass
-        assert ended.wait(2.0), "the timed wait never ended"
-    service.close()
