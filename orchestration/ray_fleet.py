@@ -26,10 +26,11 @@ from tensordict import TensorDictBase
 
 from orchestration.builder import stream_worker_ids, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
-from orchestration.inference import InferenceConfig, InferenceResult, InferenceService
+from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
 from orchestration.statistics import EpisodeStatistics
 from orchestration.ray_worker import RemoteRolloutWorker, RolloutWorker, Weights  # noqa: F401 - re-exported
+from orchestration.service_policy import InferenceServer
 from orchestration.wire import from_wire, to_wire
 
 
@@ -239,28 +240,6 @@ class RayFleet:
 
 #: The statistics actor: light (no CPU reserved), made remote once.
 RemoteEpisodeStatistics = ray.remote(num_cpus=0)(EpisodeStatistics)
-
-class InferenceServer:
-    """An inference service in its own process (``policies``: policy id -> module with the initial weights)."""
-
-    def __init__(self, policies: Mapping[str, Any], config: InferenceConfig) -> None:
-        self.service = InferenceService(policies, config).start()
-
-    def act(self, policy_id: str, obs: Any, kwargs: Mapping[str, Any]) -> InferenceResult:
-        return self.service.act(policy_id, obs, **kwargs)
-
-    def set_weights(self, policy_id: str, version: int, message: Mapping[str, Any]) -> None:
-        self.service.set_weights(policy_id, version, from_wire(message, copy=True))
-
-    def versions(self) -> dict[str, int]:
-        return self.service.versions
-
-    def weights(self, policy_id: str) -> dict:
-        return to_wire(self.service.weights(policy_id))
-
-    def stats(self) -> dict[str, float]:
-        return self.service.stats()
-
 
 #: One thread per concurrent caller (rollout worker); more callers queue in Ray.
 RemoteInferenceServer = ray.remote(max_concurrency=64)(InferenceServer)

@@ -36,10 +36,24 @@ from orchestration.builder import assignment_for, build_learner, policy_module
 from orchestration.config import TrainConfig
 from orchestration.data_parallel import (DataParallelRank, check_in_sync, data_parallel_, free_port,
                                          init_process_group, shard_by_rows)
+from orchestration.learner_checkpoints import LearnerCheckpoints
 from orchestration.ray_session import kill_actor
 from orchestration.team_critic import TeamCriticLearner, team_critic_settings
 from orchestration.train_batches import team_values_for
 from orchestration.wire import from_wire, to_wire
+
+
+def take_push(inbox, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef], timeout_s: float, add) -> None:
+    """A pushed fragment into ``add`` (once the inbox announced it), or counted lost when its object cannot be
+    read: owner died (OwnerDiedError), object lost, timeout, a malformed message. No copy: a read-only view of
+    the object store, shared with the node's other learners."""
+    if inbox.announce(meta):
+        try:
+            fragment = from_wire(ray.get(refs[0], timeout=timeout_s))
+        except Exception:  # noqa: BLE001 - every way of not getting it counts as lost
+            inbox.lost(meta)
+        else:
+            add(fragment)
 
 
 class LearnerServer:
@@ -74,15 +88,9 @@ class LearnerServer:
     # -- data in -----------------------------------------------------------------------------------------
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> int:
         """Takes one fragment (``meta`` + ``[ref]`` of its wire message); returns the learner's version."""
-        inbox = self.learner.inbox
         self.counters["fragments_pushed"] += 1
-        if inbox.announce(meta):
-            try:  # no copy: a read-only view of the object store, shared with the node's other learners
-                fragment = from_wire(ray.get(refs[0], timeout=self.resolve_timeout_s))
-            except Exception:  # owner died (OwnerDiedError), object lost, timeout, a malformed message
-                inbox.lost(meta)
-            else:
-                inbox.add(fragment, meta, self.learner.version)
+        take_push(self.learner.inbox, meta, refs, self.resolve_timeout_s,
+                  lambda fragment: self.learner.inbox.add(fragment, meta, self.learner.version))
         return self.learner.version
 
     def settle(self, produced: Mapping[int, int]) -> int:
@@ -204,27 +212,6 @@ def _reconstructed() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
-class LearnerCheckpoints:
-    """Per policy: the driver's latest learner state (a ref), the highest version published, restarts."""
-
-    def __init__(self) -> None:
-        self.refs: dict[str, list] = {}
-        self.versions: dict[str, int] = {}
-        self.restarts: dict[str, int] = {}
-
-    def save(self, policy_id: str, refs: Sequence[ray.ObjectRef], version: int) -> None:
-        self.refs[policy_id] = list(refs)
-        self.published(policy_id, version)
-
-    def published(self, policy_id: str, version: int) -> None:
-        self.versions[policy_id] = max(self.versions.get(policy_id, 0), int(version))
-
-    def resume(self, policy_id: str) -> dict[str, Any]:
-        self.restarts[policy_id] = self.restarts.get(policy_id, 0) + 1
-        return {"refs": self.refs.get(policy_id), "version": self.versions.get(policy_id, 0),
-                "restarts": self.restarts[policy_id]}
-
-
 class TeamCriticServer(TeamCriticLearner):
     """The team critic in an actor: built from the config like the local one; fragments pushed as refs."""
 
@@ -236,13 +223,7 @@ class TeamCriticServer(TeamCriticLearner):
 
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> None:
         """Takes one fragment (``meta`` + ``[ref]`` of its wire message), as :meth:`LearnerServer.push`."""
-        try:
-            fragment = from_wire(ray.get(refs[0], timeout=self.resolve_timeout_s))
-        except Exception:  # the producer died, the object is lost, a timeout: counted lost (unless a duplicate)
-            if self.inbox.announce(meta):
-                self.inbox.lost(meta)
-        else:
-            self.receive(fragment, meta)
+        take_push(self.inbox, meta, refs, self.resolve_timeout_s, lambda fragment: self.file(fragment, meta))
 
     def wire_values(self) -> dict[int, dict]:
         """:meth:`values` as wire messages (the member learners' ``train`` gets them through one ref)."""

@@ -54,35 +54,34 @@ def cpus_needed(config: TrainConfig, ray_config: RayConfig, num_learners: int) -
             + num_learners * ray_config.learners_per_policy * ray_config.learner_num_cpus)
 
 
-def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool) -> None:
-    need = cpus_needed(config, ray_config, num_learners)
-    have = ray.cluster_resources().get("CPU", 0.0)
+def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool,
+                    trainers: int = 1) -> None:
+    """Warns (``strict``: raises ValueError) when ``trainers`` trainers of ``config`` side by side, each with
+    ``num_learners`` learning policies, reserve more CPUs than the cluster has: some actors would wait for
+    ever. The message names the flags that lower the reservation."""
+    one = cpus_needed(config, ray_config, num_learners)
+    need, have = trainers * one, ray.cluster_resources().get("CPU", 0.0)
     if need > have + 1e-9:
-        message = (f"the Ray backend reserves {need:g} CPUs ({config.rollout.num_workers} workers x "
+        times = f"{trainers} trainers x " if trainers > 1 else ""
+        message = (f"the Ray backend reserves {need:g} CPUs ({times}{config.rollout.num_workers} workers x "
                    f"{ray_config.worker_num_cpus:g} + {num_learners} learners x {ray_config.learner_num_cpus:g}) "
-                   f"but the cluster has {have:g}: lower RayConfig.worker_num_cpus / learner_num_cpus")
+                   f"but the cluster has {have:g}: lower --ray.worker-num-cpus / --ray.learner-num-cpus (e.g. 0.5)"
+                   f" or raise --ray.num-cpus")
         if strict:
             raise ValueError(message)
         warnings.warn(message, stacklevel=3)
 
 
 def init_ray_for(config: TrainConfig, trainers: int) -> Callable[[], None] | None:
-    """Connects to Ray (:func:`init_ray`) with room for ``trainers`` trainers of ``config`` side by side, one
-    learning policy each (a league's players), and checks the cluster has it. Returns ``ray.shutdown`` when
-    this call started Ray (the caller owns it then), else None.
-
-    Raises:
-        ValueError: the cluster has fewer CPUs than the trainers reserve, naming the flags that lower it.
-    """
-    need = trainers * cpus_needed(config, config.ray, 1)
-    owns = init_ray(config, config.ray, need)
-    have = ray.cluster_resources().get("CPU", 0.0)
-    if need > have + 1e-9:
+    """:func:`init_ray` with room for ``trainers`` trainers of ``config`` side by side, one learning policy
+    each (a league's players), checked strictly; ``ray.shutdown`` when this call started Ray, else None."""
+    owns = init_ray(config, config.ray, trainers * cpus_needed(config, config.ray, 1))
+    try:
+        check_resources(config, config.ray, 1, strict=True, trainers=trainers)
+    except ValueError:
         if owns:
             ray.shutdown()
-        raise ValueError(f"{trainers} trainers side by side reserve {need:g} Ray CPUs ({trainers} x "
-                         f"{cpus_needed(config, config.ray, 1):g}) but the cluster has {have:g}: lower "
-                         f"--ray.worker-num-cpus / --ray.learner-num-cpus (e.g. 0.5) or raise --ray.num-cpus")
+        raise
     return ray.shutdown if owns else None
 
 
@@ -254,8 +253,6 @@ def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: 
     """
     from ray import tune
 
-    from orchestration.ray_session import init_ray
-
     init_ray(base, base.ray)
     fn = tune.with_resources(tune.with_parameters(trainable, base=base), {"cpu": cpus_per_trial})
     if restore:
@@ -283,10 +280,6 @@ def search_space(checked: Mapping[str, tuple[str, list]]) -> dict[str, Any]:
 def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwargs: Any):
     """:func:`run_tune` over a checked search section, in the Ray instance running (or one started for it and
     shut down after)."""
-    import ray
-
-    from orchestration.ray_session import init_ray
-
     owns_ray = init_ray(base, base.ray)
     try:
         return run_tune(base, search_space(checked), **kwargs)

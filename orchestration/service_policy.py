@@ -20,13 +20,15 @@ Usage (what :func:`orchestration.builder.build_actor` does)::
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 from tensordict import TensorDictBase
 
 from core.layout import ACTION, LOG_PROB, NEXT, RECURRENT_STATE
 from core.policies import GroupPolicy
+from orchestration.inference import InferenceConfig, InferenceResult, InferenceService
+from orchestration.wire import from_wire, to_wire
 
 
 class ActionService(Protocol):
@@ -88,4 +90,27 @@ class ServicePolicy:
         return self.service.weights(self.policy_id)
 
 
-__all__ = ["ActionService", "ServicePolicy"]
+class InferenceServer:
+    """An inference service in a process of its own (a Ray actor, :mod:`orchestration.ray_fleet`), weights in
+    and out as wire messages (``policies``: policy id -> module with the initial weights)."""
+
+    def __init__(self, policies: Mapping[str, Any], config: InferenceConfig) -> None:
+        self.service = InferenceService(policies, config).start()
+
+    def act(self, policy_id: str, obs: Any, kwargs: Mapping[str, Any]) -> InferenceResult:
+        return self.service.act(policy_id, obs, **kwargs)
+
+    def set_weights(self, policy_id: str, version: int, message: Mapping[str, Any]) -> None:
+        self.service.set_weights(policy_id, version, from_wire(message, copy=True))
+
+    def versions(self) -> dict[str, int]:
+        return self.service.versions
+
+    def weights(self, policy_id: str) -> dict:
+        return to_wire(self.service.weights(policy_id))
+
+    def stats(self) -> dict[str, float]:
+        return self.service.stats()
+
+
+__all__ = ["ActionService", "InferenceServer", "ServicePolicy"]

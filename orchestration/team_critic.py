@@ -190,9 +190,13 @@ class TeamCriticLearner:
     def receive(self, fragment: TensorDictBase, meta: Mapping[str, Any]) -> str | None:
         """Files a fragment ``[E, T]`` (as :meth:`orchestration.learner.PPOLearner.receive`); the critic's version at
         arrival stands for the policy version its ledger reads (it has no actors)."""
+        return self.file(fragment, meta) if self.inbox.announce(meta) else None
+
+    def file(self, fragment: TensorDictBase, meta: Mapping[str, Any]) -> str:
+        """:meth:`receive` of a fragment the inbox has announced already (a Ray push)."""
         self.counters["fragments_received"] += 1
         meta = {**meta, "policy_versions": {**meta.get("policy_versions", {}), TEAM_CRITIC: self.version}}
-        return self.inbox.add(fragment, meta, self.version) if self.inbox.announce(meta) else None
+        return self.inbox.add(fragment, meta, self.version)
 
     def settle(self, produced: Mapping[int, int]) -> int:
         """Counts as lost what the workers produced and never delivered here."""

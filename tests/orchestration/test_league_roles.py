@@ -211,7 +211,7 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
 def test_a_league_on_ray_refuses_a_cluster_too_small_for_its_players_by_name(ray_session):
     """Every player's learner and workers must fit at once: otherwise some actors wait for CPUs for ever."""
     config = _config(backend="ray", ray=RayConfig(worker_num_cpus=1, learner_num_cpus=1))  # 3 players x 2 CPUs
-    with pytest.raises(ValueError, match="reserve 6 Ray CPUs.*has 2.*--ray.worker-num-cpus"):
+    with pytest.raises(ValueError, match="reserves 6 CPUs.*3 trainers.*has 2.*--ray.worker-num-cpus"):
         RoleLeague(config, LeagueConfig())
     assert ray_session.is_initialized()  # a cluster it joined stays up
 
