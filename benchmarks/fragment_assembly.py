@@ -1,5 +1,10 @@
 """µs per env step to assemble fragments: FragmentBuilder vs a TensorDict per step written into storage.
 
+``builder_preallocated``: FragmentBuilder told the fragment length, so large step leaves (at least
+``core.buffers.time_slots.PREALLOCATE_BYTES`` per step: thousands of envs) are copied into preallocated storage
+as they come instead of listed and stacked (half the memory at the boundary, issue 18); below that size it is
+the plain builder.
+
 Layout (notes/tensordict-hot-paths.md, "3-agent step"): group ``agents`` ``[env, 3]`` with observation
 ``[18]``, action, log_prob, mask; ``next/agents/{observation, reward, done}``; env-level
 ``next/{done, terminated, truncated}``. T = 64 steps per fragment. Variants alternate within each repeat
@@ -65,18 +70,22 @@ def naive_fragment(steps: list[dict], e: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--envs", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--envs", type=int, nargs="+", default=[64, 1024, 16384])
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = {}
     for e in args.envs:
         steps = make_steps(e, torch.Generator().manual_seed(e))
         tracked, untracked = FragmentBuilder(e), FragmentBuilder(e, track_episodes=False)
+        preallocated = FragmentBuilder(e, fragment_length=T)
         for _ in range(2):  # warm-up: layout capture, allocator
             builder_fragment(tracked, steps), builder_fragment(untracked, steps), naive_fragment(steps, e)
-        runs = {"builder": [], "builder_no_episode_tracking": [], "td_per_step_plus_storage_write": []}
+            builder_fragment(preallocated, steps)
+        runs = {"builder": [], "builder_preallocated": [], "builder_no_episode_tracking": [],
+                "td_per_step_plus_storage_write": []}
         for _ in range(args.repeats):
             runs["builder"].append(builder_fragment(tracked, steps))
+            runs["builder_preallocated"].append(builder_fragment(preallocated, steps))
             runs["builder_no_episode_tracking"].append(builder_fragment(untracked, steps))
             runs["td_per_step_plus_storage_write"].append(naive_fragment(steps, e))
         med = {k: round(statistics.median(v), 2) for k, v in runs.items()}

@@ -70,7 +70,7 @@ class Actor:
         self.deterministic = set(self.policies) if deterministic is True else set(deterministic or ())
         self.record = record
         self.generator = torch.Generator().manual_seed(seed)
-        self.builder = FragmentBuilder(env.num_envs, worker_id=worker_id)
+        self.builder = FragmentBuilder(env.num_envs, worker_id=worker_id, fragment_length=fragment_length)
         self.versions = {pid: 0 for pid in self.policies}
         """Policy id -> version of the weights this actor acts with."""
         self.worker_id = worker_id

@@ -25,8 +25,9 @@ from core.losses import PPOConfig
 from core.policies import GroupPolicy
 
 #: Transitions per critic call when values are computed for a whole batch: the hidden activations of a large
-#: batch (64 floats per layer and transition) would otherwise outweigh the batch itself.
-VALUE_CHUNK = 1 << 16
+#: batch (64 floats per layer and transition) would otherwise outweigh the batch itself. Small enough that the
+#: activations of one call stay far below a 1,024-env batch (``benchmarks/transition_memory.py``).
+VALUE_CHUNK = 1 << 12
 
 
 def team_values_for(values: Mapping[int, TensorDictBase] | None, fragment_ids: Sequence[int],

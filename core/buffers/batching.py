@@ -85,6 +85,7 @@ def minibatches(
     *,
     drop_empty: bool = False,
     group: str | None = None,
+    reuse: dict | None = None,
 ) -> list[TensorDict]:
     """Shuffles the transitions of ``batch`` into minibatches of ``minibatch_size`` (the last may be smaller).
 
@@ -101,6 +102,10 @@ def minibatches(
         drop_empty: drop transitions where no agent of ``group`` is present (``(group, "mask")`` all
             False). Masked agents in kept transitions keep their mask.
         group: the group whose mask ``drop_empty`` reads.
+        reuse: a dict the caller keeps across epochs of one batch: the shuffled copy is then written into the
+            storage of the previous call's (same rows kept) instead of new storage. The previous call's
+            minibatches must no longer be in use: they are overwritten. It saves the allocation and keeps
+            the allocator from scattering one large copy per epoch among the small blocks of the steps.
 
     Returns:
         A list of ``[n_i]`` TensorDicts (groups ``[n_i, A]``); empty if nothing is kept.
@@ -119,4 +124,13 @@ def minibatches(
         order = torch.randperm(n, generator=generator)
     if order.shape[0] == 0:
         return []
-    return list(flat[order.to(flat.device)].split(minibatch_size, dim=0))
+    order = order.to(flat.device)
+    shuffled = None if reuse is None else reuse.get("shuffled")
+    if shuffled is None or shuffled.batch_size[0] != order.shape[0]:
+        shuffled = flat[order]
+        if reuse is not None:
+            reuse["shuffled"] = shuffled
+    else:
+        for key, into in shuffled.items(True, True):
+            torch.index_select(flat.get(key), 0, order, out=into)
+    return list(shuffled.split(minibatch_size, dim=0))

@@ -68,6 +68,9 @@ class FragmentBuilder:
             (``[E, A, ...]``) when None, and checked against them when given.
         track_episodes: keep episode returns/lengths and collect completed-episode records
             (:meth:`pop_completed_episodes`); episode ids are tracked either way.
+        fragment_length: the steps of a fragment, if known: large step leaves (about a thousand envs and more) are then
+            copied into storage preallocated for that many steps (:mod:`core.buffers.time_slots`), so a
+            fragment is held once, not as references plus their stack.
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class FragmentBuilder:
         worker_id: int = 0,
         group_sizes: Mapping[str, int] | None = None,
         track_episodes: bool = True,
+        fragment_length: int | None = None,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -88,6 +92,7 @@ class FragmentBuilder:
         self.tracker = EpisodeTracker(num_envs)
         self.track_episodes = track_episodes
         self._declared_sizes = dict(group_sizes or {})
+        self.fragment_length = fragment_length
         self._layout: StepLayout | None = None
         self._num_steps = 0
         self._completed: dict[str, list[TensorDict]] = {}
@@ -114,7 +119,7 @@ class FragmentBuilder:
                 raise KeyError(f"a step needs the env-level ({NEXT!r}, {DONE!r}) flag [E, 1]")
             if METADATA_KEYS & set(step):
                 raise KeyError(f"step carries metadata keys {sorted(METADATA_KEYS & set(step))}: build sets them")
-            self._layout = StepLayout(step, self.num_envs, self._declared_sizes)
+            self._layout = StepLayout(step, self.num_envs, self._declared_sizes, self.fragment_length)
         self._layout.collect_(step, self._num_steps)
         self._num_steps += 1
 
@@ -140,19 +145,21 @@ class FragmentBuilder:
             ``[E, T]`` int64 on the steps' device. ``EPISODE_ID`` is ``env + E * k`` for the env's ``k``-th
             episode: unique per worker, and it changes exactly after a step whose ``("next", "done")`` is set.
         """
-        td = self.peek()
+        if self._num_steps == 0:
+            raise ValueError("no steps added since the last build")
         e, t = self.num_envs, self._num_steps
-        if end_episodes is not None:
-            _end_episodes_(td, end_episodes.to(device=td.get((NEXT, DONE)).device, dtype=torch.bool).reshape(e))
-        done = td.get((NEXT, DONE)).reshape(e, t)
         groups = self._layout.group_sizes
-        if isinstance(policy_version, Mapping):
+        if isinstance(policy_version, Mapping):  # checked before the steps are consumed
             missing = set(groups) - set(policy_version)
             if missing:
                 raise KeyError(f"policy_version has no entry for groups {sorted(missing)}")
             versions = {g: policy_version[g] for g in groups}
         else:
             versions = dict.fromkeys(groups, policy_version)
+        td = self._layout.wrap(self._layout.stack(consume=True), t)  # each leaf's steps dropped once stacked
+        if end_episodes is not None:
+            _end_episodes_(td, end_episodes.to(device=td.get((NEXT, DONE)).device, dtype=torch.bool).reshape(e))
+        done = td.get((NEXT, DONE)).reshape(e, t)
         dev = done.device
         td.set(POLICY_VERSION, TensorDict({g: torch.full((e, t), int(v), device=dev) for g, v in versions.items()}, [e, t]))
         td.set(WORKER_ID, torch.full((e, t), self.worker_id, device=dev))

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 from tensordict import TensorDict
 
+from core.buffers.time_slots import TimeSlots, preallocates
 from core.layout import NEXT, RESERVED_ROOT_KEYS, key_dict
 
 
@@ -47,7 +48,7 @@ def _collect(node: dict, spec: _Node) -> None:
             value = node[key]
         except KeyError:
             _raise_key_mismatch(node, spec)
-        if child.__class__ is list:
+        if child.__class__ is list or child.__class__ is TimeSlots:
             child.append(value)
         elif isinstance(value, dict):
             _collect(value, child)
@@ -83,13 +84,18 @@ class StepLayout:
             leaves (sub-dicts at the root or under ``"next"`` with a non-reserved name) ``[E, A, ...]``.
         num_envs: ``E``.
         group_sizes: declared agent counts; others are read from the group's first leaf (``shape[1]``).
+        capacity: the fragment length, if known: large leaves (:func:`core.buffers.time_slots.preallocates`)
+            are then copied step by step into storage for that many steps (:class:`TimeSlots`) instead of
+            listed and stacked at the boundary.
 
     Raises:
         TypeError / ValueError naming the key of a non-tensor leaf or a leaf of the wrong shape.
     """
 
-    def __init__(self, step: Mapping, num_envs: int, group_sizes: Mapping[str, int] | None = None):
+    def __init__(self, step: Mapping, num_envs: int, group_sizes: Mapping[str, int] | None = None,
+                 capacity: int | None = None):
         self.num_envs = num_envs
+        self.capacity = capacity
         self.group_sizes: dict[str, int] = dict(group_sizes or {})
         self.leaves: list[tuple[tuple[str, ...], list]] = []
         self.root = _Node(())
@@ -102,7 +108,10 @@ class StepLayout:
             _collect(step, self.root)
         except Exception:
             for _, values in self.leaves:
-                del values[num_steps:]
+                if values.__class__ is list:
+                    del values[num_steps:]
+                else:
+                    values.truncate_(num_steps)
             raise
 
     def clear_(self) -> None:
@@ -110,8 +119,10 @@ class StepLayout:
         for _, values in self.leaves:
             values.clear()
 
-    def stack(self) -> dict[tuple[str, ...], torch.Tensor]:
-        """One ``torch.stack(dim=1)`` per leaf: ``[E, T, ...]``; a shape change names its key.
+    def stack(self, consume: bool = False) -> dict[tuple[str, ...], torch.Tensor]:
+        """One ``torch.stack(dim=1)`` per leaf: ``[E, T, ...]``; a shape change names its key. ``consume``:
+        each leaf's steps are dropped as soon as it is stacked (a fragment boundary: the steps are never held
+        twice over), and preallocated leaves hand their storage over; else the steps stay.
 
         A leaf that is the same tensor object at every step (envs share constant masks and flags across
         steps) becomes one broadcast copy instead: 1.2-40x cheaper than stacking T references to it (measured at
@@ -119,17 +130,24 @@ class StepLayout:
         """
         stacked = {}
         for path, values in self.leaves:
+            if values.__class__ is TimeSlots:
+                stacked[path] = values.stacked(consume)
+                continue
             first = values[0] if values else None
             if isinstance(first, torch.Tensor) and all(v is first for v in values):
                 # always a copy (contiguous() of a one-step expand would alias the step's tensor)
                 stacked[path] = first.unsqueeze(1).expand(first.shape[0], len(values), *first.shape[1:]).clone(
                     memory_format=torch.contiguous_format)
+                if consume:
+                    values.clear()
                 continue
             try:
                 stacked[path] = _stack_time(values, first)
             except (RuntimeError, TypeError) as err:
                 shapes = sorted({tuple(getattr(v, "shape", ())) for v in values})
                 raise ValueError(f"cannot stack step key {path}: shapes seen {shapes} ({err})") from None
+            if consume:
+                values.clear()
         return stacked
 
     def wrap(self, stacked: dict[tuple[str, ...], torch.Tensor], t: int) -> TensorDict:
@@ -163,7 +181,7 @@ class StepLayout:
             if tuple(value.shape[: len(lead)]) != lead:
                 dims = ", ".join(map(str, lead))
                 raise ValueError(f"step key {path} has shape {tuple(value.shape)}, expected [{dims}, ...]")
-            values: list = []
+            values = TimeSlots(path, self.capacity) if self.capacity and preallocates(value) else []
             spec.children.append((key, values))
             self.leaves.append((path, values))
 

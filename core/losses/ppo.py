@@ -168,6 +168,55 @@ def diagnostics(
     return approx_kl, clip_fraction, mean(entropy), ev
 
 
+def diagnostic_moments(
+    log_ratio: torch.Tensor,
+    value: torch.Tensor,
+    value_target: torch.Tensor,
+    entropy: torch.Tensor,
+    mask: torch.Tensor | None,
+    cfg: PPOConfig,
+) -> torch.Tensor:
+    """:func:`diagnostics` as mergeable moments: ``[8]`` float64 over the valid entries, the count ``n``, the
+    sums of the approximate KL, of the clipped indicator and of the entropy, then the mean and the sum of
+    squared deviations of the value target and of the value error. Parts of one batch (PPO's epochs) merge
+    with :func:`merge_moments`; :func:`moment_diagnostics` turns the result into :func:`diagnostics`' values.
+    Inputs as :func:`diagnostics`."""
+    valid = None if mask is None else mask.unsqueeze(-1)
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float64)
+        return (x if valid is None else torch.where(valid, x, 0.0)).sum()
+
+    n = (torch.full((), float(log_ratio.numel()), dtype=torch.float64, device=log_ratio.device) if valid is None
+         else valid.expand_as(log_ratio).sum().to(torch.float64))
+    ratio_m1 = log_ratio.exp() - 1.0
+    out = [n, total(ratio_m1 - log_ratio), total(ratio_m1.abs() > cfg.clip_eps), total(entropy)]
+    for x in (value_target, value_target - value):
+        mean = total(x) / n.clamp_min(1.0)
+        out += [mean, total((x.to(torch.float64) - mean).square())]
+    return torch.stack(out)
+
+
+def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two :func:`diagnostic_moments` as one (Chan et al.'s pairwise merge of means and squared deviations)."""
+    n = a[0] + b[0]
+    out = [n, a[1] + b[1], a[2] + b[2], a[3] + b[3]]
+    share = torch.where(n > 0, b[0] / n.clamp_min(1.0), 0.0)
+    for i in (4, 6):
+        delta = b[i] - a[i]
+        out += [a[i] + delta * share, a[i + 1] + b[i + 1] + delta.square() * a[0] * share]
+    return torch.stack(out)
+
+
+def moment_diagnostics(moments: torch.Tensor) -> torch.Tensor:
+    """``(approx_kl, clip_fraction, entropy, explained_variance)`` as :func:`diagnostics` gives them, stacked
+    ``[4]`` float32, from (merged) :func:`diagnostic_moments`."""
+    n = moments[0].clamp_min(1.0)
+    var_target, var_err = moments[5] / n, moments[7] / n
+    ev = torch.where(var_target > 0, 1.0 - var_err / var_target, torch.nan)
+    return torch.stack((moments[1] / n, moments[2] / n, moments[3] / n, ev)).to(torch.float32)
+
+
 def check_shapes(
     shape: torch.Size,
     behaviour: Mapping[str, torch.Tensor],

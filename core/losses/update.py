@@ -14,7 +14,8 @@ from core.layout import (ADVANTAGE, ENV_ID, EPISODE_ID, FRAGMENT_ID, LOG_PROB, M
                          STATE_VALUE, VALUE_TARGET, WORKER_ID)
 from core.losses.adam_step import OptimizerStep
 from core.losses.config import PPOConfig
-from core.losses.ppo import DIAGNOSTIC_KEYS, ENTROPY, LOSS_KEYS, check_shapes, diagnostics, loss_terms
+from core.losses.ppo import (DIAGNOSTIC_KEYS, ENTROPY, LOSS_KEYS, check_shapes, diagnostic_moments, loss_terms,
+                             merge_moments, moment_diagnostics)
 
 Evaluate = Callable[[TensorDictBase], Mapping[str, torch.Tensor]]
 """``evaluate(minibatch) -> {"log_prob", "state_value", "entropy"}``, each ``[n, A, 1]`` with gradients."""
@@ -45,7 +46,9 @@ def ppo_update_(
     Each epoch takes :func:`core.buffers.minibatches` of the batch (the function whose partition properties
     the tests check): one ``torch.randperm(N, generator=generator)``, one index of the batch, minibatches of
     ``cfg.minibatch_size`` transitions (the last may be smaller): every transition is used once per epoch
-    (detail 6), and the agents of a transition stay together.
+    (detail 6), and the agents of a transition stay together. The epochs' shuffled copies share one storage,
+    and what is reported is summed as it goes (losses per step, diagnostics' moments per chunk of steps):
+    an update holds its batch, one shuffled copy and a bounded remainder, whatever its size.
 
     ``evaluate(minibatch)`` gets the root minibatch (batch ``[n]``, so it can read ``("shared", ...)`` or
     other groups, e.g. for a centralised critic) and returns a TensorDict or plain dict with ``log_prob``,
@@ -58,8 +61,7 @@ def ppo_update_(
     gradients are discarded and ``optimizer.step()`` is skipped, leaving parameters and optimizer state
     untouched; the step is counted in ``skipped_steps``. Otherwise gradients are clipped to global norm
     ``cfg.max_grad_norm`` (detail 11; same factor as ``torch.nn.utils.clip_grad_norm_``) and the optimizer
-    steps. Reading loss and norm on the host is the one sync per minibatch; diagnostics are computed once at
-    the end. Gradients of ``params`` and of the optimizer's parameters are reset to None before each backward
+    steps. Reading loss and norm on the host is the one sync per minibatch; diagnostics are reduced without a sync. Gradients of ``params`` and of the optimizer's parameters are reset to None before each backward
     and after a skipped step. Recommended optimizer (CPU, notes/tensordict-hot-paths.md pattern 6; detail 3):
     ``torch.optim.Adam(params, lr=3e-4, eps=1e-5, fused=True)``, whose kernel is then called directly after
     the first step (:class:`core.losses.adam_step.OptimizerStep`: the same update, ~60 µs less per step).
@@ -94,40 +96,92 @@ def ppo_update_(
     owned = list({id(p): p for p in (*params, *stepped)}.values())
     data, _ = _prepared(batch, group)
     step = OptimizerStep(optimizer)  # optimizer.step(), or fused Adam's kernel called directly
-    rows: list[torch.Tensor] = []  # per applied step: loss_policy, loss_value, loss_entropy, grad_norm
-    kept: list[tuple] = []  # per applied step: inputs of the diagnostics, computed once at the end
+    tally = _Tally(cfg)
+    reuse: dict = {}  # the shuffled copy's storage, rewritten each epoch (core.buffers.minibatches)
     skipped = num_minibatches = epochs = 0
     for _ in range(cfg.num_epochs):
         epochs += 1
-        epoch_start = len(kept)
-        for mb in minibatches(data, cfg.minibatch_size, generator):
-            num_minibatches += 1
-            behaviour = mb.get(group)
-            adv, old_lp, old_v, target = (behaviour.get(k) for k in _BEHAVIOUR_KEYS)
-            mask = behaviour.get(MASK, None)
-            current = evaluate(mb)
-            lp, value, entropy = current[LOG_PROB], current[STATE_VALUE], current[ENTROPY]
-            if not adv.shape == lp.shape == value.shape == entropy.shape:
-                check_shapes(adv.shape, behaviour, current, mask)  # raises, naming the entry
-            loss_policy, loss_value, loss_entropy, log_ratio = loss_terms(
-                adv, old_lp, old_v, target, lp, value, entropy, mask, cfg, sanitize=False
-            )
-            loss = loss_policy + loss_value + loss_entropy
+        epoch_skipped, epoch_applied = _epoch(params, owned, step, data, evaluate, cfg, generator, group, tally,
+                                               reuse)
+        skipped += epoch_skipped
+        num_minibatches += epoch_skipped + epoch_applied
+        epoch = tally.end_epoch()
+        if cfg.target_kl is not None and epoch is not None and moment_diagnostics(epoch)[0] > cfg.target_kl:
+            break  # one sync per epoch
+    return _metrics(tally, skipped, num_minibatches, epochs)
+
+
+class _Tally:
+    """What the update reports, summed as it goes: the losses and gradient norm of the applied steps, and the
+    diagnostics' moments (:func:`core.losses.ppo.diagnostic_moments`) over chunks of :data:`_CHUNK` steps.
+    Nothing per step outlives its chunk: per-step survivors would pin the allocator's freed blocks (at 1M
+    transitions the heap kept hundreds of MB of them) and keep the epoch's permuted copy alive."""
+
+    def __init__(self, cfg: PPOConfig) -> None:
+        self.cfg = cfg
+        self.losses: torch.Tensor | None = None  # [4] float64: loss_policy, loss_value, loss_entropy, grad_norm
+        self.applied = 0
+        self.kept: list[tuple] = []
+        self.epoch: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+
+    def add(self, losses: torch.Tensor, diagnostic_inputs: tuple) -> None:
+        self.losses = losses.to(torch.float64) if self.losses is None else self.losses.add_(losses)
+        self.applied += 1
+        self.kept.append(diagnostic_inputs)
+        if len(self.kept) == _CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.kept:
+            chunk = diagnostic_moments(*(None if p[0] is None else torch.cat(p) for p in zip(*self.kept)), self.cfg)
+            self.kept = []
+            self.epoch = chunk if self.epoch is None else merge_moments(self.epoch, chunk)
+
+    def end_epoch(self) -> torch.Tensor | None:
+        """The moments of the epoch just ended (None if it applied no step), merged into the total."""
+        self._flush()
+        epoch, self.epoch = self.epoch, None
+        if epoch is not None:
+            self.total = epoch if self.total is None else merge_moments(self.total, epoch)
+        return epoch
+
+
+#: Applied steps whose diagnostic inputs are reduced to moments together.
+_CHUNK = 64
+
+
+def _epoch(params: list[torch.Tensor], owned: list[torch.Tensor], step: OptimizerStep, data: TensorDictBase,
+           evaluate: Evaluate, cfg: PPOConfig, generator: torch.Generator, group: str,
+           tally: _Tally, reuse: dict) -> tuple[int, int]:
+    """One epoch of minibatch steps, reported to ``tally``; ``(steps skipped, steps applied)``. A function of
+    its own so that nothing of the epoch's permuted copy of ``data`` outlives it."""
+    skipped = applied = 0
+    for mb in minibatches(data, cfg.minibatch_size, generator, reuse=reuse):
+        behaviour = mb.get(group)
+        adv, old_lp, old_v, target = (behaviour.get(k) for k in _BEHAVIOUR_KEYS)
+        mask = behaviour.get(MASK, None)
+        current = evaluate(mb)
+        lp, value, entropy = current[LOG_PROB], current[STATE_VALUE], current[ENTROPY]
+        if not adv.shape == lp.shape == value.shape == entropy.shape:
+            check_shapes(adv.shape, behaviour, current, mask)  # raises, naming the entry
+        loss_policy, loss_value, loss_entropy, log_ratio = loss_terms(
+            adv, old_lp, old_v, target, lp, value, entropy, mask, cfg, sanitize=False
+        )
+        loss = loss_policy + loss_value + loss_entropy
+        _clear_grads(owned)
+        loss.backward()
+        grad_norm = _clip_grad_norm_(params, cfg.max_grad_norm, loss)
+        if grad_norm is None:  # non-finite loss or gradient: skip, params and optimizer state untouched
             _clear_grads(owned)
-            loss.backward()
-            grad_norm = _clip_grad_norm_(params, cfg.max_grad_norm, loss)
-            if grad_norm is None:  # non-finite loss or gradient: skip, params and optimizer state untouched
-                _clear_grads(owned)
-                skipped += 1
-                continue
-            step()
-            with torch.no_grad():
-                rows.append(torch.stack((loss_policy, loss_value, loss_entropy, grad_norm)))
-            kept.append((log_ratio, value.detach(), target, entropy.detach(), mask))
-        if cfg.target_kl is not None and len(kept) > epoch_start:
-            if _diagnostics(kept[epoch_start:], cfg)[0] > cfg.target_kl:  # one sync per epoch
-                break
-    return _metrics(rows, kept, cfg, skipped, num_minibatches, epochs)
+            skipped += 1
+            continue
+        step()
+        applied += 1
+        with torch.no_grad():
+            tally.add(torch.stack((loss_policy, loss_value, loss_entropy, grad_norm)),
+                      (log_ratio, value.detach(), target, entropy.detach(), mask))
+    return skipped, applied
 
 
 def _clear_grads(params: list[torch.Tensor]) -> None:
@@ -207,18 +261,10 @@ def _prepared(batch: TensorDictBase, group: str) -> tuple[TensorDictBase, int]:
     return data, batch.batch_size[0]
 
 
-def _diagnostics(kept: list[tuple], cfg: PPOConfig) -> torch.Tensor:
-    """``[approx_kl, clip_fraction, entropy, explained_variance]`` over all entries of ``kept``."""
-    log_ratio, value, target, entropy, mask = (
-        None if parts[0] is None else torch.cat(parts) for parts in zip(*kept)
-    )
-    return torch.stack(diagnostics(log_ratio, value, target, entropy, mask, cfg))
-
-
-def _metrics(rows, kept, cfg: PPOConfig, skipped: int, num_minibatches: int, epochs: int) -> TensorDict:
+def _metrics(tally: _Tally, skipped: int, num_minibatches: int, epochs: int) -> TensorDict:
     nan = torch.full((len(LOSS_KEYS) + 1,), torch.nan)
-    losses = torch.stack(rows).mean(0) if rows else nan
-    diag = _diagnostics(kept, cfg) if kept else nan[: len(DIAGNOSTIC_KEYS)]
+    losses = (tally.losses / tally.applied).to(torch.float32) if tally.applied else nan
+    diag = moment_diagnostics(tally.total) if tally.total is not None else nan[: len(DIAGNOSTIC_KEYS)]
     out = dict(zip((*LOSS_KEYS, "grad_norm"), losses.unbind()))
     out.update(zip(DIAGNOSTIC_KEYS, diag.unbind()))
     out.update(skipped_steps=torch.tensor(skipped), num_minibatches=torch.tensor(num_minibatches),

@@ -117,3 +117,23 @@ def test_concat_of_one_fragment_is_a_shallow_copy():
     assert out is not a and out[GROUP] is not a[GROUP] and torch.equal(out[GROUP, "x"], a[GROUP, "x"])
     out.get(GROUP).set("v", torch.zeros(2, 3, 1, 1))  # what a learner adds (values, advantages) ...
     assert "v" not in a[GROUP].keys()  # ... does not reach the fragment other learners may share
+
+
+@given(rollout=rollouts(), seed=seeds, epochs=st.integers(2, 4), drop_empty=st.booleans())
+def test_reused_storage_gives_the_same_minibatches_in_the_same_storage(rollout, seed, epochs, drop_empty):
+    """``reuse``: each epoch's shuffled copy is written over the last one's storage, with the same contents
+    as a fresh copy (same generator draws)."""
+    fresh_g, reused_g = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    reuse: dict = {}
+    kwargs = dict(drop_empty=drop_empty, group=GROUP)
+    first_ptr = None
+    for _ in range(epochs):
+        fresh = minibatches(rollout, 3, fresh_g, **kwargs)
+        reused = minibatches(rollout, 3, reused_g, reuse=reuse, **kwargs)
+        assert len(fresh) == len(reused)
+        for a, b in zip(fresh, reused):
+            assert (a == b).all()
+        if reused:
+            ptr = reused[0][GROUP, "observation"].data_ptr()
+            first_ptr = ptr if first_ptr is None else first_ptr
+            assert ptr == first_ptr  # written in place, not reallocated

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
-from core.buffers import FragmentBuilder, bootstrap_step
+from core.buffers import FragmentBuilder, bootstrap_step, time_slots
 from core.layout import (
     DONE, ENV_ID, EPISODE_ID, FRAGMENT_ID, MASK, NEXT, OBSERVATION, POLICY_VERSION, REWARD, TERMINATED,
     TRUNCATED, WORKER_ID, make_fragment_id,
@@ -197,3 +198,36 @@ def test_a_tensor_shared_by_every_step_is_stacked_as_a_copy():
         assert torch.equal(done, torch.stack([constant] * t, 1))
         done.fill_(True)
         assert not constant.any()
+
+
+@given(stream=step_streams(), capacity=st.integers(1, 6), late=st.integers(0, 3))
+def test_preallocated_storage_builds_the_same_fragments_as_stacking(stream, capacity, late):
+    """Every leaf in TimeSlots (the size threshold set to 0): the same fragments, bit for bit, whether a fragment
+    is shorter than the storage, fills it, or outgrows it (``late`` more steps); the steps are not held after
+    a build."""
+    listed, slotted = FragmentBuilder(stream.num_envs), FragmentBuilder(stream.num_envs, fragment_length=capacity)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(time_slots, "PREALLOCATE_BYTES", 0)
+        steps, start = stream.steps, 0
+        while start < len(steps):
+            chunk = steps[start:start + capacity + late]
+            for step in chunk:
+                listed.add_step_(step)
+                slotted.add_step_(step)
+            start += len(chunk)
+            expected, got = listed.build({GROUP: 3}), slotted.build({GROUP: 3})
+            assert set(expected.keys(True, True)) == set(got.keys(True, True))
+            for key, value in expected.items(True, True):
+                assert torch.equal(value, got.get(key)), key
+                assert got.get(key).is_contiguous(), key
+            assert len(slotted) == 0
+
+
+def test_preallocated_storage_names_a_key_whose_shape_changes():
+    slots = time_slots.TimeSlots(("agents", "observation"), capacity=4)
+    slots.append(torch.zeros(3, 2, 5))
+    with pytest.raises(ValueError, match=r"\('agents', 'observation'\).*step 1"):
+        slots.append(torch.zeros(3, 2, 6))
+    with pytest.raises(TypeError, match="observation"):
+        slots.append([1.0])
+    assert len(slots) == 1 and torch.equal(slots.stacked(consume=True), torch.zeros(3, 1, 2, 5))

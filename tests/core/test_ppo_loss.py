@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from core.losses import PPOConfig, ppo_loss
+from core.losses.ppo import diagnostic_moments, diagnostics, merge_moments, moment_diagnostics
 
 KEYS = ("loss_policy", "loss_value", "loss_entropy", "approx_kl", "clip_fraction", "entropy", "explained_variance")
 
@@ -211,3 +212,30 @@ def test_matches_torchrl_clip_ppo_loss():
     for ours, theirs in (("loss_policy", "loss_objective"), ("loss_value", "loss_critic"),
                          ("loss_entropy", "loss_entropy"), ("clip_fraction", "clip_fraction"), ("entropy", "entropy")):
         torch.testing.assert_close(out[ours], expected[theirs].reshape(()), msg=ours)
+
+
+@given(seed=st.integers(0, 2**31 - 1), parts=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+       masked=st.booleans(), constant_target=st.booleans())
+def test_diagnostics_merged_over_parts_equal_those_of_the_whole(seed, parts, masked, constant_target):
+    """PPO's update reduces each epoch to moments and merges them: the same diagnostics as over all entries."""
+    g = torch.Generator().manual_seed(seed)
+    n, cfg = sum(parts), PPOConfig()
+
+    def draw(scale=1.0):
+        return torch.randn(n, 2, 1, generator=g) * scale
+
+    log_ratio, value, entropy = draw(0.3), draw(), draw().abs()
+    target = torch.full((n, 2, 1), 0.1) if constant_target else draw(50.0) + 100.0  # large mean: cancellation
+    mask = torch.rand(n, 2, generator=g) < 0.7 if masked else None
+    whole = torch.stack(diagnostics(log_ratio, value, target, entropy, mask, cfg))
+    merged = None
+    for chunk in zip(*(x.split(parts) if x is not None else [None] * len(parts)
+                       for x in (log_ratio, value, target, entropy, mask))):
+        m = diagnostic_moments(*chunk, cfg)
+        merged = m if merged is None else merge_moments(merged, m)
+    got = moment_diagnostics(merged)
+    torch.testing.assert_close(got[:3], whole[:3], rtol=1e-5, atol=1e-6)
+    if constant_target:  # no variance to explain (in float32 the whole-batch pass may see rounding instead)
+        assert bool(got[3].isnan())
+    else:
+        torch.testing.assert_close(got[3], whole[3], rtol=1e-4, atol=1e-5, equal_nan=True)
