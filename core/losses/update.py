@@ -61,7 +61,8 @@ def ppo_update_(
     gradients are discarded and ``optimizer.step()`` is skipped, leaving parameters and optimizer state
     untouched; the step is counted in ``skipped_steps``. Otherwise gradients are clipped to global norm
     ``cfg.max_grad_norm`` (detail 11; same factor as ``torch.nn.utils.clip_grad_norm_``) and the optimizer
-    steps. Reading loss and norm on the host is the one sync per minibatch; diagnostics are reduced without a sync. Gradients of ``params`` and of the optimizer's parameters are reset to None before each backward
+    steps. Reading loss and norm on the host is the one sync per minibatch; diagnostics are reduced without
+    one. Gradients of ``params`` and of the optimizer's parameters are reset to None before each backward
     and after a skipped step. Recommended optimizer (CPU, notes/tensordict-hot-paths.md pattern 6; detail 3):
     ``torch.optim.Adam(params, lr=3e-4, eps=1e-5, fused=True)``, whose kernel is then called directly after
     the first step (:class:`core.losses.adam_step.OptimizerStep`: the same update, ~60 µs less per step).
