@@ -1,10 +1,10 @@
 """Preallocated fragment storage for one large step leaf: each step is copied into its time slot as it comes.
 
 :class:`core.buffers.steps.StepLayout` keeps a step leaf as a list of references and stacks the list at the
-fragment boundary: one op per leaf and fragment, the cheapest for the small tensors of small env batches. For a
-large leaf (at least :data:`PREALLOCATE_BYTES` per step: a CartPole observation from 1,024 envs on) the list holds every step's
-tensor until the stack has copied them all: the fragment twice over at the boundary, and the steps' tensors, kept among
-the blocks the policy frees every step, fragment the allocator's heap (at 1,024 envs the heap kept 20 MB free
+fragment boundary: one op per leaf and fragment, the cheapest for the small tensors of small env batches. A
+large leaf (at least :data:`PREALLOCATE_BYTES` per step: a CartPole observation from 1,024 envs on) would be
+held twice over at the boundary (the steps until the stack has copied them all), and the steps' tensors, kept
+among the blocks the policy frees every step, fragment the allocator's heap (at 1,024 envs it kept 20 MB free
 beside a 6 MB fragment). A :class:`TimeSlots` holds the fragment once: storage for ``capacity`` steps,
 allocated at the first step, each step copied into its slot (the step's own tensor is freed at once and its
 block reused by the next step), handed over whole at the boundary.
