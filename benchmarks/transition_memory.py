@@ -8,7 +8,12 @@ RSS before it) / transitions
 learner trains on: observations, actions, rewards, flags, log-probabilities, masks, ...) / transitions.
 Target (issue 18): ours <= 2x the reference.
 
-    python benchmarks/transition_memory.py [--envs 1024 4096 16384] [--steps 64]
+Each case runs ``--repeats`` times (a fresh process each) and the median ratio is reported with every run: the
+live memory is the same from run to run, but how much freed memory glibc's heap keeps beside it is not (it
+follows the allocation order, which moves with Python's per-process hash seed): at 1,024 envs, where the
+fragment is 6 MB, that alone moved the ratio between 1.4 and 4 over runs of one commit.
+
+    python benchmarks/transition_memory.py [--envs 1024 4096 16384] [--steps 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -73,16 +78,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--envs", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per case (median reported)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     cases = []
     for n in args.envs:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_case, args=(n, args.steps, queue))
-        proc.start()
-        result = queue.get()
-        proc.join()
-        result["ratio"] = round(result["peak_bytes_per_transition"] / result["bytes_held_per_transition"], 2)
+        runs = []
+        for _ in range(args.repeats):
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_case, args=(n, args.steps, queue))
+            proc.start()
+            runs.append(queue.get())
+            proc.join()
+        for r in runs:
+            r["ratio"] = round(r["peak_bytes_per_transition"] / r["bytes_held_per_transition"], 2)
+        result = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]  # the median run
+        result["ratio_runs"] = [r["ratio"] for r in runs]
         cases.append(result)
     print(json.dumps({"benchmark": "transition_memory", "env": "builtin:cartpole", "cases": cases,
                       "target_ratio": 2.0, "meets_target": all(c["ratio"] <= 2.0 for c in cases)}, indent=1))

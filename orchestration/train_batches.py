@@ -63,10 +63,23 @@ def with_values(policy: GroupPolicy, batch: TensorDictBase, group: str,
             continue
         obs, shared = _critic_inputs(g), root.get(SHARED, None)
         rows = max(1, VALUE_CHUNK // max(1, g.batch_size[1:].numel()))  # env rows per critic call
-        g.set(STATE_VALUE, policy.value(obs, shared) if g.batch_size[0] <= rows else torch.cat(
-            [policy.value(obs[i:i + rows], None if shared is None else shared[i:i + rows])
-             for i in range(0, g.batch_size[0], rows)]))
+        g.set(STATE_VALUE, policy.value(obs, shared) if g.batch_size[0] <= rows else _chunked_values(
+            policy, obs, shared, rows))
     return batch
+
+
+def _chunked_values(policy: GroupPolicy, obs: TensorDict, shared, rows: int) -> torch.Tensor:
+    """``policy.value`` over ``obs`` ``[E, ...]`` ``rows`` env rows at a time, each chunk's values written into
+    one output at once: a list of chunk outputs to concatenate would sit in the blocks the chunks' activations
+    freed, so that the next chunk's no longer fit there (the heap grew by one chunk's activations per chunk:
+    260 MB at 16,384 envs x 64 steps)."""
+    n, out = obs.batch_size[0], None
+    for i in range(0, n, rows):
+        value = policy.value(obs[i:i + rows], None if shared is None else shared[i:i + rows])
+        if out is None:
+            out = value.new_empty((n, *value.shape[1:]))
+        out[i:i + value.shape[0]] = value
+    return out
 
 
 def _critic_inputs(g: TensorDictBase, *extra: str) -> TensorDict:
