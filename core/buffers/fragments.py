@@ -68,9 +68,9 @@ class FragmentBuilder:
             (``[E, A, ...]``) when None, and checked against them when given.
         track_episodes: keep episode returns/lengths and collect completed-episode records
             (:meth:`pop_completed_episodes`); episode ids are tracked either way.
-        fragment_length: the steps of a fragment, if known: large step leaves (about a thousand envs and more) are then
-            copied into storage preallocated for that many steps (:mod:`core.buffers.time_slots`), so a
-            fragment is held once, not as references plus their stack.
+        fragment_length: the steps of a fragment, if known: large step leaves (about a thousand envs and
+            more) are then copied into storage preallocated for that many steps (:mod:`core.buffers.time_slots`),
+            so a fragment is held once, not as references plus their stack.
     """
 
     def __init__(
