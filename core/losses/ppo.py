@@ -145,27 +145,12 @@ def diagnostics(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(approx_kl, clip_fraction, entropy, explained_variance)`` over valid entries (see :func:`ppo_loss`).
 
-    Inputs ``[N, A, 1]`` (any common shape), ``value_target`` finite; mask ``[N, A]`` or None.
+    Inputs ``[N, A, 1]`` (any common shape), ``value_target`` finite; mask ``[N, A]`` or None. Computed in
+    float64 from :func:`diagnostic_moments` (the terms PPO's update merges over its steps), returned in the
+    inputs' dtype; explained variance is NaN where the valid targets do not vary.
     """
-    if mask is None:
-        def mean(x: torch.Tensor) -> torch.Tensor:
-            return x.mean()
-    else:
-        valid = mask.unsqueeze(-1)
-        count = valid.sum().clamp_min(1)
-
-        def mean(x: torch.Tensor) -> torch.Tensor:
-            return torch.where(valid, x, 0.0).sum() / count
-
-    ratio_m1 = log_ratio.exp() - 1.0
-    approx_kl = mean(ratio_m1 - log_ratio)
-    clip_fraction = mean((ratio_m1.abs() > cfg.clip_eps).to(log_ratio.dtype))
-    target_mean = mean(value_target)
-    var_target = mean((value_target - target_mean).square())
-    err = value_target - value
-    var_err = mean((err - mean(err)).square())
-    ev = torch.where(var_target > 0, 1.0 - var_err / var_target, torch.nan)
-    return approx_kl, clip_fraction, mean(entropy), ev
+    moments = diagnostic_moments(log_ratio, value, value_target, entropy, mask, cfg)
+    return tuple(moment_diagnostics(moments, dtype=log_ratio.dtype).unbind())
 
 
 def diagnostic_moments(
@@ -208,13 +193,13 @@ def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def moment_diagnostics(moments: torch.Tensor) -> torch.Tensor:
+def moment_diagnostics(moments: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(approx_kl, clip_fraction, entropy, explained_variance)`` as :func:`diagnostics` gives them, stacked
-    ``[4]`` float32, from (merged) :func:`diagnostic_moments`."""
+    ``[4]`` in ``dtype``, from (merged) :func:`diagnostic_moments`."""
     n = moments[0].clamp_min(1.0)
     var_target, var_err = moments[5] / n, moments[7] / n
     ev = torch.where(var_target > 0, 1.0 - var_err / var_target, torch.nan)
-    return torch.stack((moments[1] / n, moments[2] / n, moments[3] / n, ev)).to(torch.float32)
+    return torch.stack((moments[1] / n, moments[2] / n, moments[3] / n, ev)).to(dtype)
 
 
 def check_shapes(
