@@ -161,45 +161,49 @@ def diagnostic_moments(
     mask: torch.Tensor | None,
     cfg: PPOConfig,
 ) -> torch.Tensor:
-    """:func:`diagnostics` as mergeable moments: ``[8]`` float64 over the valid entries, the count ``n``, the
-    sums of the approximate KL, of the clipped indicator and of the entropy, then the mean and the sum of
-    squared deviations of the value target and of the value error. Parts of one batch (PPO's epochs) merge
-    with :func:`merge_moments`; :func:`moment_diagnostics` turns the result into :func:`diagnostics`' values.
-    Inputs as :func:`diagnostics`."""
-    valid = None if mask is None else mask.unsqueeze(-1)
+    """:func:`diagnostics` as mergeable moments: ``[8]`` float64 over the valid entries: the count ``n``; the
+    sums of the approximate KL, of the clipped indicator and of the entropy; the means of the value target
+    and of the value error; their sums of squared deviations. Parts of one batch (PPO's epochs) merge with
+    :func:`merge_moments`; :func:`moment_diagnostics` turns the result into :func:`diagnostics`' values.
+    Inputs as :func:`diagnostics`. One vectorised pass (it runs once per epoch of every update)."""
+    f64 = torch.float64
+    lr, target = log_ratio.to(f64), value_target.to(f64)
+    ratio_m1 = lr.exp() - 1.0
+    x = torch.stack((ratio_m1 - lr, (ratio_m1.abs() > cfg.clip_eps).to(f64), entropy.to(f64), target,
+                     target - value.to(f64))).reshape(5, -1)
+    if mask is None:
+        valid = None
+        n = torch.full((1,), float(x.shape[1]), dtype=f64, device=x.device)
+    else:
+        valid = mask.unsqueeze(-1).expand_as(log_ratio).reshape(1, -1)
+        x = torch.where(valid, x, 0.0)
+        n = valid.sum(1).to(f64)
+    sums = x.sum(1)
+    means = sums[3:] / n.clamp_min(1.0)
+    deviations = x[3:] - means.unsqueeze(1)
+    if valid is not None:
+        deviations = torch.where(valid, deviations, 0.0)
+    return torch.cat((n, sums[:3], means, deviations.square().sum(1)))
 
-    def total(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float64)
-        return (x if valid is None else torch.where(valid, x, 0.0)).sum()
 
-    n = (torch.full((), float(log_ratio.numel()), dtype=torch.float64, device=log_ratio.device) if valid is None
-         else valid.expand_as(log_ratio).sum().to(torch.float64))
-    ratio_m1 = log_ratio.exp() - 1.0
-    out = [n, total(ratio_m1 - log_ratio), total(ratio_m1.abs() > cfg.clip_eps), total(entropy)]
-    for x in (value_target, value_target - value):
-        mean = total(x) / n.clamp_min(1.0)
-        out += [mean, total((x.to(torch.float64) - mean).square())]
-    return torch.stack(out)
-
-
-def merge_moments(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two :func:`diagnostic_moments` as one (Chan et al.'s pairwise merge of means and squared deviations)."""
-    n = a[0] + b[0]
-    out = [n, a[1] + b[1], a[2] + b[2], a[3] + b[3]]
-    share = torch.where(n > 0, b[0] / n.clamp_min(1.0), 0.0)
-    for i in (4, 6):
-        delta = b[i] - a[i]
-        out += [a[i] + delta * share, a[i + 1] + b[i + 1] + delta.square() * a[0] * share]
-    return torch.stack(out)
+def merge_moments(parts: torch.Tensor) -> torch.Tensor:
+    """``[K, 8]`` :func:`diagnostic_moments` of parts of a batch as those of the whole ``[8]``: counts and sums
+    add; means are count-weighted; squared deviations add, plus each part's ``n_i (mean_i - mean)^2``."""
+    counts = parts[:, 0]
+    n = counts.sum(0, keepdim=True)
+    means = parts[:, 4:6]
+    mean = (counts.unsqueeze(1) * means).sum(0) / n.clamp_min(1.0)
+    spread = (counts.unsqueeze(1) * (means - mean).square()).sum(0)
+    return torch.cat((n, parts[:, 1:4].sum(0), mean, parts[:, 6:8].sum(0) + spread))
 
 
 def moment_diagnostics(moments: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(approx_kl, clip_fraction, entropy, explained_variance)`` as :func:`diagnostics` gives them, stacked
     ``[4]`` in ``dtype``, from (merged) :func:`diagnostic_moments`."""
     n = moments[0].clamp_min(1.0)
-    var_target, var_err = moments[5] / n, moments[7] / n
+    var_target, var_err = moments[6] / n, moments[7] / n
     ev = torch.where(var_target > 0, 1.0 - var_err / var_target, torch.nan)
-    return torch.stack((moments[1] / n, moments[2] / n, moments[3] / n, ev)).to(dtype)
+    return torch.cat((moments[1:4] / n, ev.reshape(1))).to(dtype)
 
 
 def check_shapes(

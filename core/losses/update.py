@@ -106,9 +106,9 @@ def ppo_update_(
                                                reuse)
         skipped += epoch_skipped
         num_minibatches += epoch_skipped + epoch_applied
-        epoch = tally.end_epoch()
-        if cfg.target_kl is not None and epoch is not None and moment_diagnostics(epoch)[0] > cfg.target_kl:
-            break  # one sync per epoch
+        kl = tally.end_epoch()
+        if kl is not None and kl > cfg.target_kl:  # one sync per epoch
+            break
     return _metrics(tally, skipped, num_minibatches, epochs)
 
 
@@ -123,8 +123,8 @@ class _Tally:
         self.losses: torch.Tensor | None = None  # [4] float64: loss_policy, loss_value, loss_entropy, grad_norm
         self.applied = 0
         self.kept: list[tuple] = []
-        self.epoch: torch.Tensor | None = None
-        self.total: torch.Tensor | None = None
+        self.parts: list[torch.Tensor] = []  # [8] moments per chunk, merged once at the end
+        self._epoch_start = 0
 
     def add(self, losses: torch.Tensor, diagnostic_inputs: tuple) -> None:
         self.losses = losses.to(torch.float64) if self.losses is None else self.losses.add_(losses)
@@ -135,17 +135,22 @@ class _Tally:
 
     def _flush(self) -> None:
         if self.kept:
-            chunk = diagnostic_moments(*(None if p[0] is None else torch.cat(p) for p in zip(*self.kept)), self.cfg)
+            self.parts.append(diagnostic_moments(
+                *(None if p[0] is None else torch.cat(p) for p in zip(*self.kept)), self.cfg))
             self.kept = []
-            self.epoch = chunk if self.epoch is None else merge_moments(self.epoch, chunk)
 
     def end_epoch(self) -> torch.Tensor | None:
-        """The moments of the epoch just ended (None if it applied no step), merged into the total."""
+        """Ends an epoch (its inputs are views of the shuffled copy the next epoch overwrites); the epoch's
+        approximate KL if ``target_kl`` is set and it applied a step, else None."""
         self._flush()
-        epoch, self.epoch = self.epoch, None
-        if epoch is not None:
-            self.total = epoch if self.total is None else merge_moments(self.total, epoch)
-        return epoch
+        epoch, self._epoch_start = self.parts[self._epoch_start:], len(self.parts)
+        if self.cfg.target_kl is None or not epoch:
+            return None
+        return moment_diagnostics(merge_moments(torch.stack(epoch)))[0]
+
+    def diagnostics(self) -> torch.Tensor | None:
+        """``[approx_kl, clip_fraction, entropy, explained_variance]`` over every applied step, or None."""
+        return moment_diagnostics(merge_moments(torch.stack(self.parts))) if self.parts else None
 
 
 #: Applied steps whose diagnostic inputs are reduced to moments together.
@@ -265,7 +270,8 @@ def _prepared(batch: TensorDictBase, group: str) -> tuple[TensorDictBase, int]:
 def _metrics(tally: _Tally, skipped: int, num_minibatches: int, epochs: int) -> TensorDict:
     nan = torch.full((len(LOSS_KEYS) + 1,), torch.nan)
     losses = (tally.losses / tally.applied).to(torch.float32) if tally.applied else nan
-    diag = moment_diagnostics(tally.total) if tally.total is not None else nan[: len(DIAGNOSTIC_KEYS)]
+    diag = tally.diagnostics()
+    diag = nan[: len(DIAGNOSTIC_KEYS)] if diag is None else diag
     out = dict(zip((*LOSS_KEYS, "grad_norm"), losses.unbind()))
     out.update(zip(DIAGNOSTIC_KEYS, diag.unbind()))
     out.update(skipped_steps=torch.tensor(skipped), num_minibatches=torch.tensor(num_minibatches),
