@@ -68,7 +68,9 @@ class ExternalServer(LocalPolicyHandlers):
         if not is_loopback(config.host) and not config.tls_cert and not config.insecure:
             raise ValueError(f"external.host {config.host!r} is not a loopback address: give external.tls_cert and "
                              f"external.tls_key (wss://), or pass external.insecure to serve it unencrypted")
-        self.token = config.token or secrets.token_urlsafe(24)
+        # hex: a generated token goes into launch commands (`--token {token}`), where a leading '-' (1 in 64
+        # URL-safe tokens) would read as an option
+        self.token = config.token or secrets.token_hex(24)
         self._log = log
         self._tree_doc: dict | None = None
         self._hash: str | None = None

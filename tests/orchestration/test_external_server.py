@@ -173,6 +173,13 @@ def test_off_loopback_needs_tls_or_an_explicit_insecure_flag():
     assert "WARNING" in log.getvalue() and "not encrypted" in log.getvalue()
 
 
+def test_a_generated_token_is_a_safe_command_line_argument():
+    """The run's token is substituted into launch commands (``--token {token}``): one that began with '-' made
+    argparse read it as an option, and every restart of every simulator failed (seen once in CI)."""
+    tokens = {ExternalServer(ExternalConfig()).token for _ in range(64)}
+    assert len(tokens) == 64 and all(len(t) == 48 and not t.startswith("-") and t.isalnum() for t in tokens)
+
+
 def test_wss_with_a_certificate(tmp_path, served):
     import ssl
 
