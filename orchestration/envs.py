@@ -230,7 +230,7 @@ def make_run_env(config, num_envs: int):
     in at least one in lenient mode or with an env timeout."""
     rc = config.rollout
     build = partial(make_env, config.env, check=rc.check, kwargs=parse_kwargs(config.env_kwargs),
-                    shared_state=None if config.policy.critic == "central" else False)
+                    shared_state=None if config.policy.critic != "local" else False)
     # lenient runs keep envs in a subprocess (one unless asked for more): an env that raises, returns what cannot
     # be stored (a wrong shape), hangs or dies is then restarted, its episodes truncated and counted
     processes = min(rc.env_processes or (1 if rc.env_timeout_s or rc.check == "lenient" else 0), num_envs)

@@ -163,7 +163,7 @@ def record_episodes(config, policies: Mapping[str, Any], assignment: Mapping[str
     kwargs = {**parse_kwargs(config.env_kwargs), "render_mode": "rgb_array"}
     try:
         env = make_env(name, 1, check=config.rollout.check, kwargs=kwargs,
-                       shared_state=None if config.policy.critic == "central" else False)
+                       shared_state=None if config.policy.critic != "local" else False)
     except TypeError as err:
         raise _unfilmable(name, f"its constructor takes no render_mode ({err})") from None
     out = Path(out_dir)

@@ -8,7 +8,9 @@ One forward pass serves every agent of every env: inputs are ``[*B, A, ...]`` (`
     actor         MLP trunk [-> recurrent cell] -> Linear -> action heads (one per action leaf)
     critic input  local:   encode(own observation, eval-only included) [+ id]                 [*B, A, F_c]
                   central: [own, every agent's (absent ones zeroed, slot order), shared] [+ id]
+                  joint:   [every agent's (absent ones zeroed, slot order), shared]           [*B, F_c]
     critic        separate MLP trunk [-> recurrent cell] -> Linear -> state_value             [*B, A, 1]
+                  (joint: the trunk runs once per env, its output layer has one unit per agent slot)
 
 Recurrence (``config.recurrent``): a GRU or LSTM cell (:mod:`core.policies.recurrence`) between the actor
 trunk and the heads, and with ``config.recurrent_critic`` one between the critic trunk and its output. The
@@ -80,7 +82,9 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         # in CleanRL's Atari PPO); else it has an encoder of its own, eval-only leaves included.
         self.critic_encoder = None if self._critic_reuses_actor_input else ObservationEncoder(
             group.agent.observation, include_eval_only=True, name=f"group {group.name}: critic observation", **images)
-        central = config.critic == "central"
+        central = config.critic in ("central", "joint")
+        #: whether the critic runs once per env with one output per agent slot (``PolicyConfig.critic="joint"``)
+        self.joint_critic = config.critic == "joint"
         self.shared_encoder = SharedEncoder(shared, group.population_path) if central and shared else None
         if self.shared_encoder is not None and not self.shared_encoder.paths:
             self.shared_encoder = None
@@ -110,7 +114,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         self.actor_out = init_linear_(nn.Linear(width, self.heads.num_params), config.actor_output_gain)
 
         f_c = (self.critic_encoder or self.actor_encoder).out_features
-        critic_in = f_c + ids
+        critic_in = 0 if self.joint_critic else f_c + ids
         if central:
             critic_in += a * f_c + (self.shared_encoder.out_features if self.shared_encoder is not None else 0)
         self.critic_trunk = mlp(critic_in, hidden, act, gain)
@@ -119,7 +123,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
             self._critic_cell = f"critic_{config.recurrent_cell}"
             setattr(self, self._critic_cell, make_cell(config.recurrent_cell, width, config.recurrent_size))
             width = config.recurrent_size
-        self.critic_out = init_linear_(nn.Linear(width, 1), config.critic_output_gain)
+        self.critic_out = init_linear_(nn.Linear(width, a if self.joint_critic else 1), config.critic_output_gain)
         sizes = [state_size(getattr(self, c)) for c in (self._actor_cell, self._critic_cell) if c is not None]
         #: width ``S`` of the carried state: the actor cell's part, then the critic cell's (0: feed-forward)
         self.state_size = sum(sizes)
@@ -181,26 +185,33 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         h = run_layers(self.critic_trunk, self._critic_input(obs, shared, actor_features))
         if self._critic_cell is not None:
             h, state = cell_step(self.critic_cell, h, state)
-        return self.critic_out.forward(h), state
+        return self._critic_output(h), state
+
+    def _critic_output(self, h: Tensor) -> Tensor:
+        """``state_value`` ``[*B, A, 1]`` from the critic trunk's output (``[*B, F_h]`` for a joint critic)."""
+        return self.critic_out.forward(h).unsqueeze(-1) if self.joint_critic else self.critic_out.forward(h)
 
     def _critic_input(self, obs, shared, actor_features: Tensor | None) -> Tensor:
-        """The critic trunk's input ``[*B, A, F_c]`` (module docstring)."""
+        """The critic trunk's input: ``[*B, A, F_c]``, or ``[*B, F_c]`` for a joint critic (module docstring)."""
         if actor_features is not None and self._critic_reuses_actor_input:
             own = actor_features
         else:
             own = (self.critic_encoder or self.actor_encoder).encode(obs[OBSERVATION])
-        parts = [own]
-        if self.config.critic == "central":
-            mask = obs.get(MASK, None)
-            joint = own if mask is None else own * mask.unsqueeze(-1).to(own.dtype)
-            parts.append(joint.flatten(-2).unsqueeze(-2).expand(*own.shape[:-1], -1))
-            if self.shared_encoder is not None:
-                if shared is None:
-                    raise ValueError(f"group {self.group_name}: the central critic needs the shared observation")
-                s = self.shared_encoder(shared)
-                parts.append(s.unsqueeze(-2).expand(*own.shape[:-1], -1))
-        x = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
-        return self._with_ids(x)
+        if self.config.critic == "local":
+            return self._with_ids(own)
+        mask = obs.get(MASK, None)
+        every = (own if mask is None else own * mask.unsqueeze(-1).to(own.dtype)).flatten(-2)  # [*B, A * F]
+        s = None
+        if self.shared_encoder is not None:
+            if shared is None:
+                raise ValueError(f"group {self.group_name}: the {self.config.critic} critic needs the shared observation")
+            s = self.shared_encoder(shared)
+        if self.joint_critic:  # alike for every agent of an env: one row per env
+            return every if s is None else torch.cat([every, s], -1)
+        parts = [own, every.unsqueeze(-2).expand(*own.shape[:-1], -1)]
+        if s is not None:
+            parts.append(s.unsqueeze(-2).expand(*own.shape[:-1], -1))
+        return self._with_ids(torch.cat(parts, -1))
 
     def _features(self, obs) -> Tensor:
         x = self.actor_encoder.encode(obs[OBSERVATION])

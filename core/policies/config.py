@@ -26,10 +26,13 @@ class PolicyConfig:
     """Non-linearity after every hidden layer (tanh in CleanRL; relu is ~2.6x cheaper on CPU at batch 1024)."""
     agent_id_input: bool = False
     """Append the one-hot slot index of the agent to the actor (and critic) input; breaks agent symmetry."""
-    critic: Literal["local", "central"] = "local"
+    critic: Literal["local", "central", "joint"] = "local"
     """"local" (IPPO): the critic reads the agent's own observation, eval-only leaves included. "central"
     (MAPPO): it also reads every agent's observation in the group (absent agents zeroed) and the shared
-    observations of the group's population and its ancestors, eval-only leaves included."""
+    observations of the group's population and its ancestors, eval-only leaves included. "joint" (MAPPO, one
+    critic pass per env): the same joint input without the agent's own part (or its id), which is then alike
+    for every agent of an env: the critic trunk runs once per env and its output layer gives one value per agent
+    slot (a central critic runs its trunk once per agent); not with ``recurrent_critic``."""
     recurrent: bool = False
     """Put a recurrent cell (``recurrent_cell``) between the actor trunk and the action heads; the caller
     carries its state, learners train it by truncated BPTT over sequences (``PPOConfig.sequence_length``)."""
@@ -77,7 +80,7 @@ class PolicyConfig:
                "a tuple of ints >= 1", sizes)
         _check(self.activation in ACTIVATIONS, "activation", f"one of {ACTIVATIONS}", self.activation)
         _check(isinstance(self.agent_id_input, bool), "agent_id_input", "a bool", self.agent_id_input)
-        _check(self.critic in ("local", "central"), "critic", "'local' or 'central'", self.critic)
+        _check(self.critic in ("local", "central", "joint"), "critic", "'local', 'central' or 'joint'", self.critic)
         _check(isinstance(self.recurrent, bool), "recurrent", "a bool", self.recurrent)
         _check(self.recurrent_cell in ("gru", "lstm"), "recurrent_cell", "'gru' or 'lstm'", self.recurrent_cell)
         _check(_is_int(self.recurrent_size) and self.recurrent_size >= 1, "recurrent_size", "an int >= 1",
@@ -85,6 +88,9 @@ class PolicyConfig:
         _check(isinstance(self.recurrent_critic, bool), "recurrent_critic", "a bool", self.recurrent_critic)
         _check(self.recurrent or not self.recurrent_critic, "recurrent_critic",
                "False unless recurrent is True (set recurrent=True too)", self.recurrent_critic)
+        _check(not (self.recurrent_critic and self.critic == "joint"), "recurrent_critic",
+               "False with critic='joint' (its one pass per env carries no per-agent state; use critic='central')",
+               self.recurrent_critic)
         _check(isinstance(self.squash_bounded_actions, bool), "squash_bounded_actions", "a bool",
                self.squash_bounded_actions)
         for name in ("log_std_init", "hidden_gain", "actor_output_gain", "critic_output_gain"):

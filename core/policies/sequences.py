@@ -82,7 +82,7 @@ class SequenceEvaluation:
             return self._value(obs, shared, actor_features)
         h = run_layers(self.critic_trunk, self._critic_input(obs, shared, actor_features))
         h, states = unroll(partial(cell_step, self.critic_cell), h, stored, start)
-        return self.critic_out.forward(h), states
+        return self._critic_output(h), states
 
     @torch.no_grad()
     def sequence_values(self, obs, shared, next_obs, next_shared, start: Tensor) -> tuple[Tensor, Tensor]:

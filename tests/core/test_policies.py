@@ -40,7 +40,8 @@ TREES = {
 CONFIGS = [PolicyConfig(), PolicyConfig(critic="central", agent_id_input=True),
            PolicyConfig(recurrent=True, recurrent_size=8, hidden_sizes=(16,)),
            PolicyConfig(recurrent=True, recurrent_cell="lstm", recurrent_critic=True, recurrent_size=8,
-                        hidden_sizes=(16,), critic="central")]
+                        hidden_sizes=(16,), critic="central"),
+           PolicyConfig(critic="joint", recurrent=True, recurrent_size=8, hidden_sizes=(16,))]
 
 
 def _setup(tree, config, seed=0):
@@ -53,7 +54,8 @@ def _setup(tree, config, seed=0):
 _SYMMETRIC = _setup(TREES["composite_discrete_box"], PolicyConfig())
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["local", "central_ids", "recurrent", "lstm_recurrent_critic"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["local", "central_ids", "recurrent", "lstm_recurrent_critic",
+                                                "joint_recurrent_actor"])
 @pytest.mark.parametrize("name", list(TREES))
 def test_act_and_evaluate_shapes_and_agreement(name, config):
     tree = TREES[name]
@@ -156,6 +158,39 @@ def test_central_critic_reads_other_agents_but_not_absent_ones():
             obs[MASK][:, 1] = False
             other[MASK][:, 1] = False
             torch.testing.assert_close(policy.value(obs, None)[:, [0, 2]], policy.value(other, None)[:, [0, 2]])
+
+
+def test_joint_critic_runs_once_per_env_and_equals_a_per_slot_reference():
+    """critic="joint": one trunk pass per env row on [every agent's observation (absent zeroed), shared], one
+    output unit per slot; differential against the same arithmetic written out by hand."""
+    tree = TREES["dict_evalonly_multidiscrete"]
+    policy, obs, shared = _setup(tree, PolicyConfig(critic="joint", hidden_sizes=(16, 8)))
+    obs[MASK][:, 2] = torch.tensor([True, False] * (E // 2))
+    rows, first = [], policy.critic_trunk[0]
+    first.forward = lambda x: rows.append(x.shape) or type(first).forward(first, x)  # run_layers skips hooks
+    value = policy.value(obs, shared)
+    del first.forward
+    assert value.shape == (E, 3, 1) and rows == [torch.Size([E, policy.critic_trunk[0].in_features])]
+    encoder = policy.critic_encoder or policy.actor_encoder
+    own = encoder.encode(obs[OBSERVATION]) * obs[MASK].unsqueeze(-1).float()
+    x = torch.cat([own.reshape(E, -1), policy.shared_encoder(shared)], -1)
+    h = x
+    for layer in policy.critic_trunk:
+        h = layer(h)
+    expected = torch.stack([h @ policy.critic_out.weight[i] + policy.critic_out.bias[i] for i in range(3)], 1)
+    torch.testing.assert_close(value, expected.unsqueeze(-1))
+    # every slot reads every present agent; an absent agent's observation changes nothing
+    other = obs.clone()
+    other[OBSERVATION, "pos"][:, 0] += 3.0
+    moved = (policy.value(other, shared) - value).abs().squeeze(-1)
+    assert bool((moved > 0).all())
+    hidden = obs.clone()
+    hidden[OBSERVATION, "pos"][1::2, 2] += 3.0  # agent 2 is absent in the odd rows
+    torch.testing.assert_close(policy.value(hidden, shared)[1::2], value[1::2])
+    with pytest.raises(ValueError, match="joint critic needs the shared observation"):
+        policy.value(obs, None)
+    with pytest.raises(ValueError, match="recurrent_critic must be False with critic='joint'"):
+        PolicyConfig(critic="joint", recurrent=True, recurrent_critic=True)
 
 
 @given(perm=st.permutations(range(3)), seed=st.integers(0, 2**31 - 1))

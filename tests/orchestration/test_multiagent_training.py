@@ -39,7 +39,7 @@ def test_connect_four_never_plays_illegal_moves_and_beats_a_random_opponent():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("critic", ["local", "central"])
+@pytest.mark.parametrize("critic", ["local", "central", "joint"])
 def test_simple_spread_beats_a_random_policy(critic):
     from core.policies import PolicyConfig
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from core.policies import PolicyConfig
 from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 from orchestration.wire import from_wire, to_wire
 
@@ -44,9 +45,10 @@ def _identity(acc: dict) -> bool:
             == acc["fragments_produced"])
 
 
-# Several learners: builtin:spread's four agents split between two trained policies and a fixed random one.
+# Several learners: builtin:spread's four agents split between two trained policies and a fixed random one, with
+# MAPPO's critic run once per env (critic="joint": its input holds every agent's observation and the shared state).
 SPLIT = {"env": "builtin:spread", "policy_mapping": (("agents_1", "other"), ("agents_2", "random")),
-         "eval_every": 2, "eval_episodes": 2}
+         "eval_every": 2, "eval_episodes": 2, "policy": PolicyConfig(critic="joint")}
 
 
 @pytest.mark.parametrize("overrides", [{}, SPLIT], ids=["cartpole", "spread_3_policies"])
