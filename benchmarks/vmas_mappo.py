@@ -10,10 +10,12 @@ whose parameters all agents share, a tanh-squashed Gaussian policy. torch uses `
   trunk runs once per agent (1,200 rows per minibatch).
 - ``shoal_joint``: ``PolicyConfig(critic="joint")``: the critic reads every agent's observation and gives one
   value per agent slot: its trunk runs once per env (400 rows per minibatch), as TorchRL's centralised
-  ``MultiAgentMLP`` with shared parameters does.
+  ``MultiAgentMLP`` with shared parameters does (which gives one value for all agents of an env).
 - ``torchrl``: ``VmasEnv`` + ``RewardSum``, ``MultiAgentMLP`` actor (decentralised) and critic (centralised),
-  ``ProbabilisticActor(TanhNormal)``, ``ClipPPOLoss`` with GAE, ``Collector``, a ``ReplayBuffer`` sampled
-  without replacement: the tutorial's loop.
+  ``ProbabilisticActor(TanhNormal)``, ``ClipPPOLoss`` with GAE and normalised advantages, ``Collector``, a
+  ``ReplayBuffer`` sampled without replacement: the tutorial's loop. What differs by construction: TorchRL's value
+  loss is smooth L1 (Shoal's squared error), its Adam is not fused, its ``TanhNormal`` entropy is a one-sample
+  estimate (no matmuls), and its policy's scale comes from the network (Shoal's log-std is a parameter).
 
 Each setup is built once and warmed up with one iteration; rounds then alternate the setups (``--iterations``
 iterations each per round), so slow phases of a shared machine hit all alike. Reported: frames/s per setup
@@ -105,7 +107,7 @@ def torchrl_mappo(seed: int):
     buffer = ReplayBuffer(storage=LazyTensorStorage(ENVS * STEPS), sampler=SamplerWithoutReplacement(),
                           batch_size=MINIBATCH)
     loss = ClipPPOLoss(actor_network=actor, critic_network=critic, clip_epsilon=CLIP, entropy_coeff=ENTROPY,
-                       normalize_advantage=False)
+                       normalize_advantage=True)  # as Shoal's PPOConfig and the anchor's MAPPOLoss
     loss.set_keys(reward=env.reward_key, action=env.action_key, value=("agents", "state_value"),
                   sample_log_prob=("agents", "action_log_prob"),
                   done=("agents", "done"), terminated=("agents", "terminated"))
@@ -145,8 +147,9 @@ def torchrl_mappo(seed: int):
 OBS, ACT = 18, 2  # navigation's per-agent observation and action widths (3 agents)
 #: (rows per minibatch, layer widths) of the actor and the critic of each setup: the critic's input is the agent's
 #: own observation plus all three (central), or all three once per env (joint, TorchRL's centralised critic)
-SHAPES = {"shoal_central": [(3 * MINIBATCH, [OBS, HIDDEN, HIDDEN, 2 * ACT]), (3 * MINIBATCH, [4 * OBS, HIDDEN, HIDDEN, 1])],
-          "shoal_joint": [(3 * MINIBATCH, [OBS, HIDDEN, HIDDEN, 2 * ACT]), (MINIBATCH, [3 * OBS, HIDDEN, HIDDEN, 3])],
+#: (Shoal's Gaussian has a state-independent log-std: ACT outputs; TorchRL's NormalParamExtractor takes 2 * ACT)
+SHAPES = {"shoal_central": [(3 * MINIBATCH, [OBS, HIDDEN, HIDDEN, ACT]), (3 * MINIBATCH, [4 * OBS, HIDDEN, HIDDEN, 1])],
+          "shoal_joint": [(3 * MINIBATCH, [OBS, HIDDEN, HIDDEN, ACT]), (MINIBATCH, [3 * OBS, HIDDEN, HIDDEN, 3])],
           "torchrl": [(3 * MINIBATCH, [OBS, HIDDEN, HIDDEN, 2 * ACT]), (MINIBATCH, [3 * OBS, HIDDEN, HIDDEN, 1])]}
 
 

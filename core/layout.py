@@ -74,6 +74,11 @@ SEQUENCE_START = "sequence_start"
 #: heads can compute the log-probability from them afterwards; never part of a finished fragment.
 ACTION_PARAMS = "action_params"
 
+#: Learner-side only, in a group entry ``[*B, A]`` bool: which agents are present, read by a central or joint
+#: critic instead of ``MASK`` where a learner narrowed ``MASK`` to the slots its policy trains (a group split
+#: between policies): the critic then sees the same agents at every step and at every next step. Never in a fragment.
+CRITIC_MASK = "critic_mask"
+
 POLICY_VERSION = "policy_version"
 WORKER_ID = "worker_id"
 FRAGMENT_ID = "fragment_id"

@@ -39,7 +39,7 @@ from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.curiosity import CuriosityConfig, curiosity_for
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
-from orchestration.train_batches import team_values_for, update_inputs, with_values
+from orchestration.train_batches import only_slots, team_values_for, update_inputs, with_values
 
 
 def resolve_device(name: str) -> torch.device:
@@ -168,13 +168,6 @@ class PPOLearner:
         return self.inbox.new_steps(self.version)
 
     # -- training ----------------------------------------------------------------------------------------
-    def _only_slots(self, batch: TensorDictBase, group: str) -> TensorDictBase:
-        """Narrows ``(group, "mask")`` to this policy's slots (other policies' agents are not trained on)."""
-        if (slots := self.groups[group]) is None:
-            return batch
-        g = batch.get(group).copy()
-        return batch.copy().set(group, g.set(MASK, g.get(MASK) & slots.to(g.device)))
-
     def update_(self, fragments: list[TensorDictBase], progress: float = 0.0,
                 team_values: list[TensorDictBase] | None = None) -> dict[str, float]:
         """One PPO update on ``fragments`` (the math; no inbox rules); publishes a new version.
@@ -203,7 +196,7 @@ class PPOLearner:
                     batch = self.curiosity.add_bonus_(batch, group, self.groups[group], metrics)
                 if self.returns is not None:
                     batch = self.returns.scaled(batch, group)
-                batch = self._only_slots(batch, group)
+                batch = only_slots(batch, group, self.groups[group])  # other policies' agents: not trained on
                 batch = with_values(self.policy, batch, group, team)
                 batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)
             flat, evaluate, ppo = update_inputs(self.policy, batch, group, self.ppo, team)

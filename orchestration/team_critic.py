@@ -84,7 +84,7 @@ def teams_for(config, tree: Tree, assignment: Mapping[str, Any], learning: Colle
     for bad, why in ((config.mode != "sync", "needs --mode sync (its values must reach the members' batch "
                       "before they train); train synchronously or leave it off"),
                      (config.env == "external", "does not run with --env external yet (external simulators "
-                      "bring their tree when they connect); use --policy.critic central instead"),
+                      "bring their tree when they connect); use --policy.critic central (or joint) instead"),
                      (config.curiosity.enabled, "cannot be combined with --curiosity.coef > 0 (the bonus is "
                       "per policy, the team's returns would differ per member); set --curiosity.coef 0"),
                      (config.policy.scale_rewards, "cannot be combined with --policy.scale-rewards (each member "
@@ -108,7 +108,7 @@ def teams_for(config, tree: Tree, assignment: Mapping[str, Any], learning: Colle
         raise ValueError(f"{flag}: the env has no team to share a critic: a team is a population that is not "
                          f"zero-sum with at least two learning policies acting in it, and here there are "
                          f"{'; '.join(seen)}. Map the team's agents to different policies (e.g. --policy-mapping "
-                         f"agents_0 a agents_1 b) or, for one shared policy, use --policy.critic central instead.")
+                         f"agents_0 a agents_1 b) or, for one shared policy, use --policy.critic central (or joint) instead.")
     return teams
 
 

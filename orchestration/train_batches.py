@@ -20,7 +20,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import drop_trivial_masks, flatten_transitions, sequence_starts, split_sequences
-from core.layout import EPISODE_ID, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SEQUENCE_START, SHARED, STATE_VALUE
+from core.layout import (CRITIC_MASK, EPISODE_ID, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SEQUENCE_START, SHARED,
+                         STATE_VALUE)
 from core.losses import PPOConfig
 from core.policies import GroupPolicy
 
@@ -82,8 +83,21 @@ def _chunked_values(policy: GroupPolicy, obs: TensorDict, shared, rows: int) -> 
     return out
 
 
+def only_slots(batch: TensorDictBase, group: str, slots: torch.Tensor | None) -> TensorDictBase:
+    """``batch`` (``[E, T]``, not modified) with ``(group, "mask")`` narrowed to ``slots`` (``[A]`` bool: the agents
+    of ``group`` one policy trains, when the group is split between policies; None: all). The agents present stay
+    at ``(group, "critic_mask")``: a central or joint critic reads every present agent of the group at each step,
+    as it does at each next step, whose mask is not narrowed (GAE and the loss read only the root mask)."""
+    if slots is None:
+        return batch
+    g = batch.get(group).copy()
+    present = g.get(MASK)
+    g.set(CRITIC_MASK, present)
+    return batch.copy().set(group, g.set(MASK, present & slots.to(present.device)))
+
+
 def _critic_inputs(g: TensorDictBase, *extra: str) -> TensorDict:
-    keys = [k for k in (OBSERVATION, MASK, *extra) if k in g.keys()]
+    keys = [k for k in (OBSERVATION, MASK, CRITIC_MASK, *extra) if k in g.keys()]
     return TensorDict({k: g.get(k) for k in keys}, batch_size=g.batch_size)
 
 
@@ -127,4 +141,4 @@ def update_inputs(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: P
     return drop_trivial_masks(sequences, group), evaluate_sequences, config
 
 
-__all__ = ["VALUE_CHUNK", "team_values_for", "update_inputs", "with_values"]
+__all__ = ["VALUE_CHUNK", "only_slots", "team_values_for", "update_inputs", "with_values"]

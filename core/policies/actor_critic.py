@@ -30,8 +30,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, ENTROPY, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE,
-                         STATE_VALUE)
+from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, CRITIC_MASK, ENTROPY, LOG_PROB, MASK, NEXT, OBSERVATION,
+                         RECURRENT_STATE, STATE_VALUE)
 from core.specs import GroupSpec, Node, Tree, groups, iter_leaves, shared_observations
 
 from .composite import ActionHeads
@@ -199,7 +199,9 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
             own = (self.critic_encoder or self.actor_encoder).encode(obs[OBSERVATION])
         if self.config.critic == "local":
             return self._with_ids(own)
-        mask = obs.get(MASK, None)
+        mask = obs.get(CRITIC_MASK, None)  # the agents present, where MASK holds only the trained slots
+        if mask is None:
+            mask = obs.get(MASK, None)
         every = (own if mask is None else own * mask.unsqueeze(-1).to(own.dtype)).flatten(-2)  # [*B, A * F]
         s = None
         if self.shared_encoder is not None:

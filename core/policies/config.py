@@ -86,11 +86,11 @@ class PolicyConfig:
         _check(_is_int(self.recurrent_size) and self.recurrent_size >= 1, "recurrent_size", "an int >= 1",
                self.recurrent_size)
         _check(isinstance(self.recurrent_critic, bool), "recurrent_critic", "a bool", self.recurrent_critic)
-        _check(self.recurrent or not self.recurrent_critic, "recurrent_critic",
-               "False unless recurrent is True (set recurrent=True too)", self.recurrent_critic)
         _check(not (self.recurrent_critic and self.critic == "joint"), "recurrent_critic",
                "False with critic='joint' (its one pass per env carries no per-agent state; use critic='central')",
                self.recurrent_critic)
+        _check(self.recurrent or not self.recurrent_critic, "recurrent_critic",
+               "False unless recurrent is True (set recurrent=True too)", self.recurrent_critic)
         _check(isinstance(self.squash_bounded_actions, bool), "squash_bounded_actions", "a bool",
                self.squash_bounded_actions)
         for name in ("log_std_init", "hidden_gain", "actor_output_gain", "critic_output_gain"):
