@@ -24,7 +24,7 @@ step from its stored state (no gradient into earlier steps).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from tensordict import TensorDict
@@ -35,6 +35,7 @@ from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, CRITIC_MASK, ENTROP
 from core.specs import GroupSpec, Node, Tree, groups, iter_leaves, shared_observations
 
 from .composite import ActionHeads
+from .critic_inputs import central_input, joint_input
 from .config import PolicyConfig
 from .distributions import CategoricalHead
 from .networks import (ObservationEncoder, Path, SharedEncoder, check_leaf_names, init_linear_, mlp, read_path,
@@ -199,21 +200,14 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
             own = (self.critic_encoder or self.actor_encoder).encode(obs[OBSERVATION])
         if self.config.critic == "local":
             return self._with_ids(own)
-        mask = obs.get(CRITIC_MASK, None)  # the agents present, where MASK holds only the trained slots
-        if mask is None:
-            mask = obs.get(MASK, None)
-        every = (own if mask is None else own * mask.unsqueeze(-1).to(own.dtype)).flatten(-2)  # [*B, A * F]
-        s = None
-        if self.shared_encoder is not None:
-            if shared is None:
-                raise ValueError(f"group {self.group_name}: the {self.config.critic} critic needs the shared observation")
-            s = self.shared_encoder(shared)
+        present = obs.get(CRITIC_MASK, None)  # the agents present, where MASK holds only the trained slots
+        present = obs.get(MASK, None) if present is None else present
+        if self.shared_encoder is not None and shared is None:
+            raise ValueError(f"group {self.group_name}: the {self.config.critic} critic needs the shared observation")
+        s = None if self.shared_encoder is None else self.shared_encoder(shared)
         if self.joint_critic:  # alike for every agent of an env: one row per env
-            return every if s is None else torch.cat([every, s], -1)
-        parts = [own, every.unsqueeze(-2).expand(*own.shape[:-1], -1)]
-        if s is not None:
-            parts.append(s.unsqueeze(-2).expand(*own.shape[:-1], -1))
-        return self._with_ids(torch.cat(parts, -1))
+            return joint_input(own, present, s)
+        return self._with_ids(central_input(own, present, s))
 
     def _features(self, obs) -> Tensor:
         x = self.actor_encoder.encode(obs[OBSERVATION])
@@ -221,17 +215,6 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
             raise ValueError(f"group {self.group_name}: observation batch {tuple(x.shape[:-1])} must end with "
                              f"the agent dim {self.num_agents}")
         return x
-
-    def _tree(self, leaves: Sequence[Tensor]):
-        if len(leaves) == 1 and self.heads.paths[0] == ():
-            return leaves[0]
-        out: dict = {}
-        for path, x in zip(self.heads.paths, leaves):
-            node = out
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = x
-        return out
 
     # ------------------------------------------------------------------------------------------ public API
     def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,
@@ -278,7 +261,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
                 actions, log_prob = self.heads.sample_actions(params, generator, mask), None
             else:
                 actions, log_prob = self.heads.sample(params, generator, mask)
-        out = {ACTION: self._tree(actions)}
+        out = {ACTION: self.heads.as_tree(actions)}
         if defer:
             out[ACTION_PARAMS] = params
         else:

@@ -86,6 +86,18 @@ class ActionHeads(nn.Module):
         #: every head recomputes a sampled action's log-probability exactly from its params (``Head.exact_log_prob``)
         self.exact_log_prob = all(h.exact_log_prob for h in self.heads)
 
+    def as_tree(self, leaves: Sequence[Tensor]):
+        """Per-leaf actions (``paths`` order) as the action: the tensor of a bare leaf, else nested dicts."""
+        if len(leaves) == 1 and self.paths[0] == ():
+            return leaves[0]
+        out: dict = {}
+        for path, x in zip(self.paths, leaves):
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = x
+        return out
+
     def _split(self, params: Tensor, mask: Tensor | None) -> Sequence[Tensor]:
         if mask is not None and not self.maskable:
             raise ValueError("an action mask needs a single discrete or multi_discrete action leaf")
