@@ -115,9 +115,8 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         self.actor_out = init_linear_(nn.Linear(width, self.heads.num_params), config.actor_output_gain)
 
         f_c = (self.critic_encoder or self.actor_encoder).out_features
-        critic_in = 0 if self.joint_critic else f_c + ids
-        if central:
-            critic_in += a * f_c + (self.shared_encoder.out_features if self.shared_encoder is not None else 0)
+        every = a * f_c + (self.shared_encoder.out_features if self.shared_encoder is not None else 0)
+        critic_in = {"local": f_c + ids, "central": f_c + every + ids, "joint": every}[config.critic]
         self.critic_trunk = mlp(critic_in, hidden, act, gain)
         width = hidden[-1] if hidden else critic_in
         if config.recurrent_critic:
