@@ -344,7 +344,7 @@ def test_simulators_with_local_policies_learn_off_policy(tmp_path):
     config = TrainConfig(env="external", iterations=8, seed=0, mode="async", max_staleness=3, **MEASURED_WITH,
                          ray=RayConfig(iteration_timeout_s=120),  # fail fast if the uploads stopped being trainable
                          rollout=RolloutConfig(num_envs=1, fragment_length=16), train_batch_size=512,
-                         external=ExternalConfig(command=SIM + " --local-policy 2", instances=4, start_timeout_s=60))
+                         external=ExternalConfig(command=SIM + " --local-policy 2", instances=2, start_timeout_s=60))
     trainer = build_trainer(config)
     returns = []
     try:
