@@ -30,6 +30,7 @@ from core.specs import AgentNode, Leaf, Tree, groups
 
 from ._base import BuiltinEnv
 from ._tensordicts import assemble_step, reset_output
+from .transpose import rows_to_columns
 
 GRAVITY = 9.8
 MASSCART = 1.0
@@ -135,11 +136,10 @@ def initial_states(n: int, generator: torch.Generator, dtype: torch.dtype, devic
 def observations(state: torch.Tensor) -> torch.Tensor:
     """``[env, 1, 4]`` float32 observations (a fresh tensor) of a ``[4, env]`` state.
 
-    A strided copy (``benchmarks/builtin_throughput.py`` measures the step; with torch 2.13 on this CPU a plain
-    ``.t().contiguous()`` beats the matmul with the identity that earlier versions favoured).
+    The transpose is the step's most expensive copy at large batches: :func:`rows_to_columns` interleaves
+    instead of a strided copy there (``benchmarks/builtin_throughput.py`` measures the step).
     """
-    obs = state.t().contiguous()
-    return (obs if obs.dtype == torch.float32 else obs.to(torch.float32)).unsqueeze(1)
+    return rows_to_columns(state if state.dtype == torch.float32 else state.to(torch.float32)).unsqueeze(1)
 
 
 @functools.lru_cache(maxsize=8)
