@@ -44,6 +44,7 @@ from tensordict import TensorDict
 
 from core.layout import ACTION, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
 from core.specs import Tree, from_json, groups, zeros
+from core.tensordicts import clone_td
 
 from .env_process import EnvWorkerConfig
 from .env_process import WorkerProcess as _Worker
@@ -174,7 +175,7 @@ class EnvWorkerPool:
         for i in failed:
             self._restart(i)
             self._own["episodes_lost"] += self._sizes[i]
-        out = self._out.clone()
+        out = clone_td(self._out)
         for i in failed:
             sl = self._slice(i)
             self._truncate(out, self._last[sl], sl)
@@ -280,13 +281,13 @@ class EnvWorkerPool:
         """Files worker ``k``'s reply: its output, or (a fault) its restart and truncated envs."""
         del self._sent[k]
         if self._accept(k, reply):
-            out = self._views[k].clone()
+            out = clone_td(self._views[k])
         else:
             if not self.config.restart:
                 self._raise(k)
             self._restart(k)
             self._own["episodes_lost"] += self._sizes[k]
-            out = self._views[k].clone()  # the root: the restarted env's first observations
+            out = clone_td(self._views[k])  # the root: the restarted env's first observations
             self._truncate(out, self._root(k), slice(None))
         self._results[k] = out
         self._roots[k] = out.exclude(NEXT)

@@ -35,3 +35,18 @@ def test_the_direct_path_is_taken_only_when_the_private_layout_matches():
     probe = TensorDict({"x": torch.zeros(1)}, batch_size=[1])
     layout = tuple(sorted(vars(probe)))
     assert tensordicts._DIRECT == (layout == tuple(sorted(tensordicts._FIELDS)) and tensordicts._new_unsafe is not None)
+
+
+def test_clone_td_copies_every_leaf_of_a_view_into_fresh_storage():
+    base = TensorDict({"a": torch.arange(12.0).reshape(6, 2),
+                       "next": TensorDict({"g": TensorDict({"x": torch.ones(6, 4, 1)}, [6, 4]),
+                                           "f": torch.zeros(6, 1, dtype=torch.bool)}, [6])}, batch_size=[6])
+    view = base[2:5]
+    copy, reference = tensordicts.clone_td(view), view.clone()
+    assert type(copy) is TensorDict and copy.batch_size == reference.batch_size
+    assert copy.get(("next", "g")).batch_size == (3, 4)
+    assert set(copy.keys(True, True)) == set(reference.keys(True, True)) and (copy == reference).all()
+    for key in copy.keys(True, True):
+        assert copy.get(key).untyped_storage().data_ptr() != base.get(key).untyped_storage().data_ptr()
+    base.get("a").fill_(-1.0)  # the source changes (a shared buffer's next step): the copy does not
+    assert (copy.get("a") == torch.arange(4.0, 10.0).reshape(3, 2)).all()
