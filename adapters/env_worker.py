@@ -46,11 +46,10 @@ from core.layout import ACTION, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, T
 from core.specs import Tree, from_json, groups, zeros
 from core.tensordicts import clone_td
 
-from .env_process import EnvWorkerConfig
+from .env_process import EnvWorkerConfig, step_template
 from .env_process import WorkerProcess as _Worker
 from .env_process import collect_replies as _collect
 from .env_process import kill_all as _kill_all
-from .env_process import step_template
 from .protocol import BatchedEnv
 
 
