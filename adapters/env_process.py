@@ -9,6 +9,7 @@ pool's shared-memory buffers (actions; step outputs laid out by :func:`step_temp
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 import traceback
@@ -38,6 +39,10 @@ class EnvWorkerConfig:
     """Multiprocessing start method: ``"forkserver"`` (fast restarts) or ``"spawn"``."""
     torch_threads: int = 1
     """``torch.set_num_threads`` in each worker."""
+    niceness: int = 10
+    """Added to each worker process's niceness (``os.nice``; 0 keeps the parent's), as Sample Factory does for its
+    rollout workers: the process that acts for the workers, which every one of them waits for, then never waits
+    for a core behind one of them. On a loaded machine the envs step a little slower, never the acting."""
     restart: bool = True
     """Restart a failed worker (lenient); False raises :class:`EnvWorkerFault` naming the worker, its envs and
     the fault instead (strict)."""
@@ -45,6 +50,8 @@ class EnvWorkerConfig:
     def __post_init__(self) -> None:
         if self.step_timeout_s <= 0 or self.start_timeout_s <= 0 or self.max_restarts < 0 or self.torch_threads < 1:
             raise ValueError("timeouts must be > 0, max_restarts >= 0 and torch_threads >= 1")
+        if not 0 <= self.niceness <= 19:
+            raise ValueError(f"niceness must be in 0..19 (an increment: lowering it needs privileges), got {self.niceness}")
         if self.start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}")
 
@@ -82,9 +89,11 @@ def _write(src: TensorDict, leaves: list) -> None:
         buf.copy_(value)
 
 
-def worker_main(conn, factory: Callable[[], BatchedEnv], threads: int) -> None:
+def worker_main(conn, factory: Callable[[], BatchedEnv], threads: int, niceness: int = 0) -> None:
     """Subprocess loop: build the env, then serve ``reset``/``step`` through the shared buffers."""
     torch.set_num_threads(threads)
+    if niceness:
+        os.nice(niceness)
     try:
         env = factory()
         conn.send(("ready", to_json(env.tree), env.num_envs))
@@ -113,10 +122,11 @@ def worker_main(conn, factory: Callable[[], BatchedEnv], threads: int) -> None:
 class WorkerProcess:
     """The parent's handle on one worker process: its pipe, process and incarnation."""
 
-    def __init__(self, index: int, factory, ctx, threads: int) -> None:
+    def __init__(self, index: int, factory, ctx, config: EnvWorkerConfig) -> None:
         self.index, self.factory, self.incarnation = index, factory, 0
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child, factory, threads), daemon=True,
+        self.proc = ctx.Process(target=worker_main, args=(child, factory, config.torch_threads, config.niceness),
+                                daemon=True,
                                 name=f"shoal-env-worker-{index}")
         self.proc.start()
         child.close()

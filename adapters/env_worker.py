@@ -75,7 +75,7 @@ class EnvWorkerPool:
         self._past_counters: dict[str, int] = {}
         self._seed, self._last, self._closed = None, None, False
         self._fault: tuple[str, object] = ("error", "")
-        self._workers = [_Worker(i, f, self._ctx, self.config.torch_threads) for i, f in enumerate(factories)]
+        self._workers = [_Worker(i, f, self._ctx, self.config) for i, f in enumerate(factories)]
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
         try:
             trees, sizes = zip(*[self._handshake(w) for w in self._workers])
@@ -362,7 +362,7 @@ class EnvWorkerPool:
             if self._own["env_restarts"] >= self.config.max_restarts:
                 raise RuntimeError(f"env worker {i} failed and the pool used all {self.config.max_restarts} restarts")
             self._own["env_restarts"] += 1
-            w = _Worker(i, old.factory, self._ctx, self.config.torch_threads)
+            w = _Worker(i, old.factory, self._ctx, self.config)
             w.incarnation = old.incarnation + 1
             self._workers[i], old = w, w
             try:

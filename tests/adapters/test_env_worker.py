@@ -119,6 +119,22 @@ def test_killed_worker_ends_its_episodes_truncated_and_restarts(pool_factory):
         validate(pool.step(cartpole_actions(8, generator)), pool.tree)
 
 
+def test_workers_run_nicer_than_the_acting_process_restarted_ones_too(pool_factory):
+    factory = functools.partial(CartPole, CartPoleConfig(num_envs=2))
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    pool = pool_factory([factory, factory], niceness=7)
+    pool.reset(seed=0)
+    nice = lambda: [os.getpriority(os.PRIO_PROCESS, pid) for pid in pool.worker_pids]  # noqa: E731
+    assert nice() == [min(own + 7, 19)] * 2
+    os.kill(pool.worker_pids[1], signal.SIGKILL)
+    pool.step(cartpole_actions(4, torch.Generator().manual_seed(0)))
+    assert pool.counters["env_restarts"] == 1 and nice() == [min(own + 7, 19)] * 2
+    same = pool_factory([factory], niceness=0)
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in same.worker_pids] == [own]
+    with pytest.raises(ValueError, match="niceness must be in 0..19"):
+        pool_factory([factory], niceness=-1)
+
+
 @pytest.mark.parametrize("mode, counter", [("hang", "step_timeouts"), ("raise", "worker_errors")])
 def test_hung_or_failing_worker_is_restarted(pool_factory, tmp_path, mode, counter):
     flags = [str(tmp_path / f"fault{k}") for k in range(2)]
