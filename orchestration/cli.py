@@ -94,13 +94,14 @@ def _seeds(argv: list[str]) -> tuple[list[str], list[int]]:
     return argv[:at] + argv[end:], seeds
 
 
-def train(argv: Sequence[str]) -> dict[str, float]:
+def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
     """``shoal train [ENV] [--config-file F] [--resume] [--no-progress] [--seeds S...] [TrainConfig flags]``.
 
     ``--seeds 0 1 2`` trains one run per seed, one after the other, each in its own run directory (under
-    ``--run-dir`` when given), and prints the ``shoal plot`` command that draws them together.
+    ``--run-dir`` when given), and prints the ``shoal plot`` command that draws them together. ``command``
+    names the command in error messages (``shoal serve`` is this with ``--env external``).
     """
-    with user_errors("train"):
+    with user_errors(command):
         argv, seeds = _seeds(list(argv))
         if seeds and "--resume" in argv:
             raise ValueError("--seeds starts new runs; resume each run on its own with --resume --run-dir RUN")
@@ -111,13 +112,13 @@ def train(argv: Sequence[str]) -> dict[str, float]:
             one = [*argv, "--seed", str(seed)]
             if base:
                 one += ["--run-dir", str(Path(base) / f"seed_{seed}")]
-            with user_errors("train"):
+            with user_errors(command):
                 trainer, config, resume, progress = _setup_training(one)
             metrics = _run_training(trainer, config, resume, progress)
             runs.append(config.run_dir)
         print(json.dumps({"runs": runs, "plot": "shoal plot " + " ".join(runs) + " --out curve.png"}))
         return metrics
-    with user_errors("train"):
+    with user_errors(command):
         trainer, config, resume, progress = _setup_training(argv)
     return _run_training(trainer, config, resume, progress)
 
@@ -125,7 +126,13 @@ def train(argv: Sequence[str]) -> dict[str, float]:
 def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> dict[str, float]:
     from orchestration.run_loop import run_training  # imported once a run is set up (it imports torch)
 
-    return run_training(trainer, config, resume, progress)
+    try:  # run_training wrote a checkpoint of what was trained before the error
+        return run_training(trainer, config, resume, progress)
+    except RuntimeError as err:
+        if not _users(err):
+            raise
+        print(f"shoal train: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _setup_training(argv: list[str]):
@@ -312,10 +319,28 @@ def user_errors(command: str):
         print(f"shoal {command}: {message}", file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as err:
-        if type(err).__module__.split(".")[0] != "gymnasium":  # gymnasium's own id errors name the nearest id
+        if not _users(err, gymnasium=True):
             raise
         print(f"shoal {command}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _users(err: Exception, gymnasium: bool = False) -> bool:
+    """Whether ``err`` is the user's whenever it happens: launched simulators that never connect (a wrong
+    command template), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
+    from orchestration.external_launcher import SimulatorsFailed  # light: no torch
+
+    return isinstance(err, SimulatorsFailed) or gymnasium and type(err).__module__.split(".")[0] == "gymnasium"
+
+
+def _serve_args(argv: Sequence[str]) -> None:
+    """Refuses an env other than ``external`` given to ``shoal serve`` (it would train that env, serving nothing)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--env=") else argv[i + 1] if arg == "--env" and \
+            i + 1 < len(argv) else None
+        if value is not None and value != "external":
+            raise ValueError(f"it trains on external environments only, not --env {value}: drop --env (or run "
+                             f"shoal train --env {value})")
 
 
 def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list[str]:
@@ -363,7 +388,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         league(rest)
     elif command == "serve":  # train on external environments that connect by themselves
-        train(["--env", "external", *rest])
+        with user_errors("serve"):
+            _serve_args(rest)
+        train(["--env", "external", *rest], "serve")
     elif command == "tune":
         from orchestration.sweeps import main as tune
 

@@ -181,8 +181,11 @@ class ExternalConfig:
         for name in ("start_timeout_s", "heartbeat_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ExternalConfig.{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.port < 65536 or self.max_restarts < 0 or self.wait_s < 0 or self.inference_wait_s < 0:
-            raise ValueError("ExternalConfig: port must be 0-65535, max_restarts, wait_s and inference_wait_s >= 0")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ExternalConfig.port must be 0-65535 (0: any free port), got {self.port}")
+        for name in ("max_restarts", "wait_s", "inference_wait_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ExternalConfig.{name} must be >= 0, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ExternalConfig: tls_cert and tls_key go together (wss needs both)")
 

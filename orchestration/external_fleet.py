@@ -160,15 +160,30 @@ class ExternalFleet:
         self.service.close()
 
 
-def build_external(config: TrainConfig, *, log=sys.stderr):
+def _given_tree(path: str):
+    """The tree of ``external.tree``, or a ValueError naming the flag, the file and what is wrong with it."""
+    from core.specs import from_json
+
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"external.tree {path!r}: cannot read it ({error.strerror or error})") from None
+    try:
+        return from_json(text)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        what = f"missing key {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+        raise ValueError(f"external.tree {path!r} is not a tree document ({what}); docs/external-protocol.md "
+                         f"shows the format") from None
+
+
+def build_external(config: TrainConfig, *, log=None):
     """The server, the tree, the policies, the learners (local, or Ray learner actors with ``backend="ray"``),
     the inference service and the fleet of an ``--env external`` run. Returns ``(fleet, learners, tree,
     teardown)``."""
-    from core.specs import from_json
     from orchestration.learner import FixedLearner
 
-    ec = config.external
-    given = from_json(Path(ec.tree).read_text()) if ec.tree else None
+    ec, log = config.external, sys.stderr if log is None else log  # resolved now: a default binds at import
+    given = _given_tree(ec.tree) if ec.tree else None
     server = ExternalServer(ec, given, log=log).start()
     launcher = None
     try:
@@ -191,9 +206,11 @@ def build_external(config: TrainConfig, *, log=sys.stderr):
             if launcher is not None:
                 launcher.check(server.connected)
             if time.monotonic() > deadline:
+                todo = ("check external.command, or wait longer (external.start_timeout_s, doubled with a launcher: "
+                        f"{launcher.summary()})" if launcher is not None else "start simulators (external.command "
+                        "launches them), give external.tree, or wait longer (external.start_timeout_s)")
                 raise TimeoutError(f"no simulator connected to {server.url} within {patience:.0f} s, so the "
-                                   f"environment's tree is unknown: start simulators (external.command launches "
-                                   f"them), give external.tree, or wait longer (external.start_timeout_s)")
+                                   f"environment's tree is unknown: {todo}")
         tree = server.tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)

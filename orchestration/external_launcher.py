@@ -1,8 +1,8 @@
 """Launching external simulators (seed 002): ``instances`` processes from a command template, restarted when
 they exit or do not connect in time, killed with their whole process group at the end.
 
-The template is split like a POSIX shell would (``shlex``) and each placeholder replaced in every argument:
-``{host}``, ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}``; no shell ever runs it. Each simulator also gets
+The template is :func:`adapters.external.command.render`'s (split like a POSIX shell, no shell ever runs it;
+placeholders ``{host}``, ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}``). Each simulator also gets
 ``SHOAL_TOKEN``, ``SHOAL_HOST``, ``SHOAL_PORT``, ``SHOAL_SEED`` and ``SHOAL_SIM_ID`` in its environment, and a
 process group of its own (``start_new_session``), so that closing kills whatever it started too.
 
@@ -17,37 +17,19 @@ Usage (what :class:`orchestration.external_fleet.ExternalFleet` does)::
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Collection
 
-_PLACEHOLDERS = ("host", "port", "seed", "sim_id", "token")
+from adapters.external.command import render
 
 
-def render(command: str, **values: object) -> list[str]:
-    """The argument list of ``command`` with placeholders replaced.
-
-    Raises:
-        ValueError: an empty command, unbalanced quotes, or a placeholder that is not one of ``{host}``,
-            ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}`` (named).
-    """
-    try:
-        parts = shlex.split(command)
-    except ValueError as error:
-        raise ValueError(f"external.command {command!r} does not split into arguments: {error}") from None
-    if not parts:
-        raise ValueError("external.command is empty")
-    out = []
-    for part in parts:
-        try:
-            out.append(part.format_map({k: values[k] for k in _PLACEHOLDERS}))
-        except (KeyError, IndexError, ValueError) as error:
-            raise ValueError(f"external.command argument {part!r}: unknown placeholder {error}; the placeholders are "
-                             + ", ".join("{" + p + "}" for p in _PLACEHOLDERS)) from None
-    return out
+class SimulatorsFailed(RuntimeError):
+    """A launched simulator kept exiting or never connecting, and the launcher used all its restarts. The
+    message names the simulator, what happened, and where its output is: a user's error (a wrong command
+    template, a simulator that cannot reach the server), told in one paragraph by the ``shoal`` command."""
 
 
 class SimulatorLauncher:
@@ -59,7 +41,7 @@ class SimulatorLauncher:
         host, port, token: the server's address and token.
         seed: simulator ``i``'s ``k``-th start gets ``seed + 1000 * i + 10**6 * k``.
         start_timeout_s: a simulator not connected this long after its start is killed and started again.
-        max_restarts: restarts allowed over the launcher's life; one more raises ``RuntimeError``.
+        max_restarts: restarts allowed over the launcher's life; one more raises :class:`SimulatorsFailed`.
         log_dir: each simulator's stdout and stderr go to ``log_dir/<sim_id>.log`` (None: discarded).
     """
 
@@ -74,6 +56,7 @@ class SimulatorLauncher:
         self._started = [0.0] * instances
         self._starts = [0] * instances
         self._seen: list[bool] = [False] * instances
+        self._unconnected = [0] * instances  # consecutive starts of each simulator that ended without connecting
         self.counters = dict(simulators_started=0, simulator_restarts=0, simulator_exits=0, simulator_start_timeouts=0)
         self._closed = False
 
@@ -124,13 +107,28 @@ class SimulatorLauncher:
             if not (exited or late):
                 continue
             self.counters["simulator_exits" if exited else "simulator_start_timeouts"] += 1
+            self._unconnected[i] = 0 if self._seen[i] else self._unconnected[i] + 1
             _kill_group(proc)
             if self.counters["simulator_restarts"] >= self.max_restarts:
-                raise RuntimeError(f"external simulator {self.sim_id(i)} {'exited' if exited else 'never connected'} "
-                                   f"and the launcher used all {self.max_restarts} restarts (external.max_restarts); "
-                                   f"its output is in {self.log_dir or 'nowhere: set run_dir'}")
+                raise SimulatorsFailed(f"external simulator {self.sim_id(i)} {'exited' if exited else 'never connected'}"
+                                       f" and the launcher used all {self.max_restarts} restarts (external.max_restarts)"
+                                       f"{self._hint(i)}; its output is in {self.log_dir or 'nowhere: set run_dir'}")
             self.counters["simulator_restarts"] += 1
             self._launch(i)
+
+    def _hint(self, i: int) -> str:
+        k = self._unconnected[i]
+        if k < 2:
+            return ""
+        return (f"; none of its last {k} starts connected to the server: check external.command (does it pass "
+                f"{{port}} and {{token}}, or read SHOAL_PORT and SHOAL_TOKEN?)")
+
+    def summary(self) -> str:
+        """What the simulators did so far, for a message: starts, exits, start timeouts, where the logs are."""
+        c = self.counters
+        return (f"the launcher started simulators {c['simulators_started']} times ({c['simulator_exits']} exited, "
+                f"{c['simulator_start_timeouts']} did not connect in time); their output is in "
+                f"{self.log_dir or 'nowhere: set run_dir'}")
 
     @property
     def pids(self) -> list[int]:
@@ -169,4 +167,4 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-__all__ = ["SimulatorLauncher", "render"]
+__all__ = ["SimulatorLauncher", "SimulatorsFailed", "render"]

@@ -54,16 +54,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def server_url(host: str, port: int, tls: bool) -> str:
+    """``ws://host:port`` (``wss`` with TLS); an IPv6 address in brackets (RFC 3986)."""
+    return f"{'wss' if tls else 'ws'}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 class ExternalServer(LocalPolicyHandlers):
     """Accepts simulators (module docstring).
 
     Args:
         config: address, token, limits, TLS.
         tree: the tree every simulator must send; None: the first simulator's is adopted.
-        log: where the start banner and warnings go.
+        log: where the start banner and warnings go (None: ``sys.stderr``).
     """
 
-    def __init__(self, config: ExternalConfig, tree: Tree | None = None, *, log=sys.stderr) -> None:
+    def __init__(self, config: ExternalConfig, tree: Tree | None = None, *, log=None) -> None:
         self.config = config
         if not is_loopback(config.host) and not config.tls_cert and not config.insecure:
             raise ValueError(f"external.host {config.host!r} is not a loopback address: give external.tls_cert and "
@@ -71,7 +76,7 @@ class ExternalServer(LocalPolicyHandlers):
         # hex: a generated token goes into launch commands (`--token {token}`), where a leading '-' (1 in 64
         # URL-safe tokens) would read as an option
         self.token = config.token or secrets.token_hex(24)
-        self._log = log
+        self._log = sys.stderr if log is None else log  # resolved now: a default would bind at import
         self._tree_doc: dict | None = None
         self._hash: str | None = None
         self.tree: Tree | None = None
@@ -92,17 +97,24 @@ class ExternalServer(LocalPolicyHandlers):
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> ExternalServer:
         """Binds and serves in a background thread."""
-        context = None
-        if self.config.tls_cert:
+        c, context = self.config, None
+        if c.tls_cert:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
-        elif not is_loopback(self.config.host):
-            print(f"shoal: WARNING: the external-environment server on {self.config.host} is not encrypted "
+            try:
+                context.load_cert_chain(c.tls_cert, c.tls_key)
+            except (OSError, ssl.SSLError) as error:  # missing or unreadable files, not a certificate and its key
+                raise ValueError(f"external.tls_cert {c.tls_cert!r} and external.tls_key {c.tls_key!r}: cannot load "
+                                 f"them ({error})") from None
+        elif not is_loopback(c.host):
+            print(f"shoal: WARNING: the external-environment server on {c.host} is not encrypted "
                   f"(external.insecure): anyone on the network can read the token and the data", file=self._log)
-        c = self.config
-        self._server = serve(self._handle, c.host, c.port, ssl=context, compression=None, max_size=c.max_message_bytes,
-                             ping_interval=c.heartbeat_s, ping_timeout=c.heartbeat_s, max_queue=16,
-                             open_timeout=c.heartbeat_s, close_timeout=2, server_header=None)
+        try:
+            self._server = serve(self._handle, c.host, c.port, ssl=context, compression=None,
+                                 max_size=c.max_message_bytes, ping_interval=c.heartbeat_s, ping_timeout=c.heartbeat_s,
+                                 max_queue=16, open_timeout=c.heartbeat_s, close_timeout=2, server_header=None)
+        except OSError as error:  # the port is taken, the host is not this machine's or does not resolve
+            raise ValueError(f"cannot serve on external.host {c.host!r}, external.port {c.port}: "
+                             f"{error.strerror or error} (port 0: any free port; the host: this machine's)") from None
         self._thread = threading.Thread(target=self._server.serve_forever, name="shoal-external-server", daemon=True)
         self._thread.start()
         return self
@@ -114,7 +126,7 @@ class ExternalServer(LocalPolicyHandlers):
 
     @property
     def url(self) -> str:
-        return f"{'wss' if self.config.tls_cert else 'ws'}://{self.config.host}:{self.port}"
+        return server_url(self.config.host, self.port, bool(self.config.tls_cert))
 
     def wait_for_tree(self, timeout_s: float) -> Tree:
         """The run's tree: given, or the first simulator's (waits up to ``timeout_s``)."""
@@ -385,4 +397,4 @@ def _inputs(request, group: str) -> dict:
     return out
 
 
-__all__ = ["ExternalServer", "is_loopback"]
+__all__ = ["server_url", "ExternalServer", "is_loopback"]

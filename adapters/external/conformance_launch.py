@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shlex
 import signal
 import subprocess
 import tempfile
@@ -19,6 +18,7 @@ import traceback
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection, serve
 
+from adapters.external.command import render
 from adapters.external.conformance_report import Findings, Report
 from adapters.external.conformance_session import Session, SessionOptions
 from adapters.external.messages import ProtocolError, encode
@@ -27,14 +27,6 @@ HOST = "127.0.0.1"
 _QUIET = logging.getLogger("shoal.conformance.websockets")
 _QUIET.addHandler(logging.NullHandler())
 _QUIET.propagate = False
-
-
-def command_argv(command: str, values: dict[str, str]) -> list[str]:
-    """The command template split like a POSIX shell (no shell runs it), ``{key}`` placeholders replaced."""
-    argv = shlex.split(command)
-    for key, value in values.items():
-        argv = [a.replace("{" + key + "}", value) for a in argv]
-    return argv
 
 
 class _Launch:
@@ -127,7 +119,7 @@ def main_launch(command: str, options: SessionOptions, report: Report, findings:
         values = dict(host=HOST, port=str(server.port), seed=str(options.seed), sim_id=options.sim_id,
                       token=options.token)
         try:
-            launch = _Launch(command_argv(command, values), options.token)
+            launch = _Launch(render(command, flag="--command", **values), options.token)
         except (OSError, ValueError) as error:  # not found, not executable, unbalanced quotes
             findings.fail("launch", f"cannot start the command: {error}")
             return
@@ -177,7 +169,7 @@ def token_launch(command: str, options: SessionOptions, report: Report, findings
     launch = None
     try:
         try:
-            launch = _Launch(command_argv(command, values), wrong)
+            launch = _Launch(render(command, flag="--command", **values), wrong)
         except (OSError, ValueError) as error:
             findings.fail("token.launch", f"wrong-token launch: cannot start the command: {error}")
             return
@@ -220,4 +212,4 @@ def token_launch(command: str, options: SessionOptions, report: Report, findings
         server.close()
 
 
-__all__ = ["HOST", "command_argv", "main_launch", "token_launch"]
+__all__ = ["HOST", "main_launch", "token_launch"]

@@ -204,6 +204,12 @@ def test_a_command_that_cannot_start_fails():
     assert "cannot start the command" in failures(report)
 
 
+def test_a_misspelt_placeholder_is_named_as_shoal_train_names_it():
+    """The kit takes the template ``shoal train --external.command`` takes: one renderer, the same refusals."""
+    report = run_conformance(f"{sys.executable} -c pass --port {{prot}}", timeout_s=2.0, check_token=False)
+    assert "--command argument '{prot}': unknown placeholder 'prot'" in failures(report), report.format()
+
+
 def test_main_prints_the_report_and_returns_the_verdict(sim, capsys):
     ok = main(["--command", f"{sys.executable} {sim} {{port}} {{token}} none", "--episodes", "2", "--timeout-s", "10"])
     assert ok == 0 and "shoal conformance: PASSED" in capsys.readouterr().out
