@@ -113,13 +113,13 @@ def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
             if base:
                 one += ["--run-dir", str(Path(base) / f"seed_{seed}")]
             with user_errors(command):
-                trainer, config, resume, progress = _setup_training(one)
+                trainer, config, resume, progress = _setup_training(one, command)
             metrics = _run_training(trainer, config, resume, progress)
             runs.append(config.run_dir)
         print(json.dumps({"runs": runs, "plot": "shoal plot " + " ".join(runs) + " --out curve.png"}))
         return metrics
     with user_errors(command):
-        trainer, config, resume, progress = _setup_training(argv)
+        trainer, config, resume, progress = _setup_training(argv, command)
     return _run_training(trainer, config, resume, progress)
 
 
@@ -135,7 +135,7 @@ def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool) ->
         raise SystemExit(2) from None
 
 
-def _setup_training(argv: list[str]):
+def _setup_training(argv: list[str], command: str = "train"):
     """Config, trainer and restored state of ``shoal train``: every user error surfaces here."""
     from orchestration.envs import imports_code
 
@@ -160,7 +160,7 @@ def _setup_training(argv: list[str]):
             raise SystemExit(f"shoal train --resume: the checkpoint names env {saved.env!r}; {why}, and an env "
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
-    config = tyro.cli(TrainConfig, args=rest, default=default, prog="shoal train",
+    config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(presets=", ".join(preset_names())))
     if config.backend == "local":
         _import_torchrl_without_ray()

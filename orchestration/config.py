@@ -21,9 +21,10 @@ class RolloutConfig:
     num_workers: int = 1
     """Rollout workers (actors), each with ``num_envs`` envs."""
     check: Literal["strict", "lenient"] = "strict"
-    """Bad env output: raise a named error (strict) or truncate that env's episode and count it (lenient).
-    Lenient runs keep the envs in a subprocess (``env_processes``, at least one), so that an env that raises, returns
-    an observation of the wrong shape, hangs or dies is restarted and its lost episodes counted."""
+    """Bad env output: raise a named error (strict) or restart and count it (lenient). Lenient runs keep the
+    envs in a subprocess (``env_processes``, at least one), so that an env that raises, returns an observation of
+    the wrong shape, hangs or dies is restarted: the episodes of every env of its process end truncated and are
+    counted (``env/episodes_lost``); more processes lose fewer episodes per fault."""
     env_processes: int = 0
     """Run each actor's envs in this many subprocesses (``adapters.env_worker.EnvWorkerPool``): slow Python envs
     use more cores, and an env that hangs, crashes or raises is restarted, its episodes truncated and counted
@@ -188,6 +189,10 @@ class ExternalConfig:
                 raise ValueError(f"ExternalConfig.{name} must be >= 0, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ExternalConfig: tls_cert and tls_key go together (wss needs both)")
+        if self.command:  # a bad template is told before the server starts waiting
+            from adapters.external.command import render
+
+            render(self.command, host=self.host, port=self.port, seed=0, sim_id="sim-0", token="token")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

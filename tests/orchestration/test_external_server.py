@@ -275,6 +275,8 @@ def test_launcher_restarts_a_simulator_that_never_connects_and_kills_its_process
     _wait(lambda: not any(_alive(pid) for pid in grandchildren))
     with pytest.raises(ValueError, match=r"unknown placeholder.*\{port\}"):
         render("sim --port {prot}", host="h", port=1, seed=0, sim_id="s", token="t")
+    with pytest.raises(ValueError, match=r"external.command argument '\{prot\}': unknown placeholder"):
+        ExternalConfig(command="sim --port {prot}")  # told with the config, before a server waits
 
 
 @pytest.mark.slow
