@@ -114,16 +114,17 @@ def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
                 one += ["--run-dir", str(Path(base) / f"seed_{seed}")]
             with user_errors(command):
                 trainer, config, resume, progress = _setup_training(one, command)
-            metrics = _run_training(trainer, config, resume, progress)
+            metrics = _run_training(trainer, config, resume, progress, command)
             runs.append(config.run_dir)
         print(json.dumps({"runs": runs, "plot": "shoal plot " + " ".join(runs) + " --out curve.png"}))
         return metrics
     with user_errors(command):
         trainer, config, resume, progress = _setup_training(argv, command)
-    return _run_training(trainer, config, resume, progress)
+    return _run_training(trainer, config, resume, progress, command)
 
 
-def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> dict[str, float]:
+def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
+                  command: str = "train") -> dict[str, float]:
     from orchestration.run_loop import run_training  # imported once a run is set up (it imports torch)
 
     try:  # run_training wrote a checkpoint of what was trained before the error
@@ -131,7 +132,7 @@ def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool) ->
     except RuntimeError as err:
         if not _users(err):
             raise
-        print(f"shoal train: {err}", file=sys.stderr)
+        print(f"shoal {command}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -336,9 +337,13 @@ def _users(err: Exception, gymnasium: bool = False) -> bool:
 def _serve_args(argv: Sequence[str]) -> None:
     """Refuses an env other than ``external`` given to ``shoal serve`` (it would train that env, serving nothing)."""
     for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--env=") else argv[i + 1] if arg == "--env" and \
-            i + 1 < len(argv) else None
-        if value is not None and value != "external":
+        if arg.startswith("--env="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--env" and i + 1 < len(argv):
+            value = argv[i + 1]
+        else:
+            continue
+        if value != "external":
             raise ValueError(f"it trains on external environments only, not --env {value}: drop --env (or run "
                              f"shoal train --env {value})")
 

@@ -120,7 +120,7 @@ def main_launch(command: str, options: SessionOptions, report: Report, findings:
                       token=options.token)
         try:
             launch = _Launch(render(command, flag="--command", **values), options.token)
-        except (OSError, ValueError) as error:  # not found, not executable, unbalanced quotes
+        except (OSError, ValueError) as error:  # not found, not executable, unbalanced quotes, unknown placeholder
             findings.fail("launch", f"cannot start the command: {error}")
             return
         deadline = time.monotonic() + options.timeout_s
