@@ -25,7 +25,6 @@ Each ``shoal train`` writes to a fresh ``runs/<env>__<seed>__<time>`` unless ``-
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import importlib
@@ -39,6 +38,7 @@ from typing import Sequence
 import tyro
 
 from orchestration.config import TrainConfig
+from orchestration.user_errors import is_users_mistake, user_errors
 
 
 def _config_from_file(path: str, base: TrainConfig | None = None) -> TrainConfig:
@@ -130,7 +130,7 @@ def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     try:  # run_training wrote a checkpoint of what was trained before the error
         return run_training(trainer, config, resume, progress)
     except RuntimeError as err:
-        if not _users(err):
+        if not is_users_mistake(err):
             raise
         print(f"shoal {command}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -306,32 +306,6 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results,
                       **({"videos": [str(v) for v in videos]} if videos is not None else {})}))
     return results["eval_return_mean"]
-
-
-@contextlib.contextmanager
-def user_errors(command: str):
-    """Turns a user's mistake found while setting a run up (a bad flag value, an unknown env id, agent or
-    policy, a missing or refused checkpoint) into one paragraph on stderr and exit status 2, not a traceback.
-    Errors once training runs (an env that raises, a diverging update) keep their traceback."""
-    try:
-        yield
-    except (ValueError, KeyError, LookupError, FileNotFoundError, ImportError, TimeoutError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"shoal {command}: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except Exception as err:
-        if not _users(err, gymnasium=True):
-            raise
-        print(f"shoal {command}: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def _users(err: Exception, gymnasium: bool = False) -> bool:
-    """Whether ``err`` is the user's whenever it happens: launched simulators that never connect (a wrong
-    command template), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
-    from orchestration.external_launcher import SimulatorsFailed  # light: no torch
-
-    return isinstance(err, SimulatorsFailed) or gymnasium and type(err).__module__.split(".")[0] == "gymnasium"
 
 
 def _serve_args(argv: Sequence[str]) -> None:

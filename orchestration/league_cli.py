@@ -96,7 +96,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
 
 def run(argv: Sequence[str]) -> dict:
     """Parses, builds the league, trains ``config.iterations`` league iterations, writes its outputs."""
-    from orchestration.cli import user_errors
+    from orchestration.user_errors import user_errors
 
     with user_errors("league"):
         config, league_config, progress, checkpoint = parse(argv)

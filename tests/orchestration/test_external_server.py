@@ -27,7 +27,7 @@ from orchestration.config import ExternalConfig, RolloutConfig, TrainConfig
 from adapters.external.codec import TreeCodec
 from orchestration.external_episodes import Lanes
 from orchestration.external_launcher import SimulatorLauncher, render
-from orchestration.external_server import ExternalServer, server_url
+from orchestration.external_server import ExternalServer
 from orchestration.inference import InferenceService
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,57 +171,6 @@ def test_off_loopback_needs_tls_or_an_explicit_insecure_flag():
     server = ExternalServer(ExternalConfig(host="0.0.0.0", insecure=True), log=log).start()
     server.close()
     assert "WARNING" in log.getvalue() and "not encrypted" in log.getvalue()
-
-
-def test_setup_mistakes_name_the_flag_at_fault(tmp_path):
-    """A taken port, a host that is not this machine's, TLS files that do not load: ValueErrors (the CLI tells
-    them in one paragraph) naming the flags, never an OSError from deep in the socket layer."""
-    taken = ExternalServer(ExternalConfig(), log=io.StringIO()).start()
-    try:
-        with pytest.raises(ValueError, match=rf"external.host '127.0.0.1', external.port {taken.port}: .*in use"):
-            ExternalServer(ExternalConfig(port=taken.port), log=io.StringIO()).start()
-    finally:
-        taken.close()
-    with pytest.raises(ValueError, match=r"external.host 'nohost.invalid'"):
-        ExternalServer(ExternalConfig(host="nohost.invalid", insecure=True), log=io.StringIO()).start()
-    missing = str(tmp_path / "cert.pem")
-    with pytest.raises(ValueError, match=rf"external.tls_cert '{missing}' and external.tls_key .*cannot load them"):
-        ExternalServer(ExternalConfig(tls_cert=missing, tls_key=missing), log=io.StringIO()).start()
-    assert server_url("::1", 80, False) == "ws://[::1]:80" and server_url("a.b", 1, True) == "wss://a.b:1"
-
-
-def test_the_cli_tells_external_setup_mistakes_in_one_paragraph(tmp_path, capsys, monkeypatch):
-    from orchestration import run_loop
-    from orchestration.cli import main
-    from orchestration.external_launcher import SimulatorsFailed
-
-    def told(*argv: str) -> str:
-        with pytest.raises(SystemExit) as stop:
-            main(list(argv))
-        err = capsys.readouterr().err
-        assert stop.value.code == 2 and "Traceback" not in err, err
-        return err
-
-    assert "shoal serve: it trains on external environments only, not --env CartPole-v1" in told(
-        "serve", "--env", "CartPole-v1")
-    (tmp_path / "tree.json").write_text(json.dumps({"format": "shoal.tree/1", "tree": {"array": {
-        "template": {"action": TREE["tree"]["array"]["template"]["action"]}, "capacity": 1}}}))
-    assert "is not a tree document (missing key 'observation')" in told(
-        "serve", "--external.tree", str(tmp_path / "tree.json"))
-    err = told("train", "--env", "external", "--external.command", f"{sys.executable} -c pass", "--external.max-restarts",
-               "2", "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "run"))  # exits, never connects
-    assert "used all 2 restarts (external.max_restarts); none of its last 3 starts connected" in err, err
-    assert f"its output is in {tmp_path / 'run' / 'simulators'}" in err
-
-    def failing(*args):  # the same error once training runs: a checkpoint is written, then one paragraph
-        raise SimulatorsFailed("external simulator sim-1 exited ...")
-
-    monkeypatch.setattr(run_loop, "run_training", failing)
-    args = ("train", "builtin:cartpole", "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "cp"))
-    assert "shoal train: external simulator sim-1 exited" in told(*args)
-    monkeypatch.setattr(run_loop, "run_training", lambda *a: (_ for _ in ()).throw(RuntimeError("a bug")))
-    with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
-        main(list(args[:-1]) + [str(tmp_path / "cp2")])
 
 
 def test_a_generated_token_is_a_safe_command_line_argument():

@@ -1,0 +1,35 @@
+"""How the ``shoal`` commands tell a user's mistake: one paragraph on stderr and exit status 2, not a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+@contextlib.contextmanager
+def user_errors(command: str):
+    """Turns a user's mistake found while setting a run up (a bad flag value, an unknown env id, agent or
+    policy, a missing or refused checkpoint) into one paragraph on stderr and exit status 2, not a traceback.
+    Errors once training runs (an env that raises, a diverging update) keep their traceback."""
+    try:
+        yield
+    except (ValueError, KeyError, LookupError, FileNotFoundError, ImportError, TimeoutError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"shoal {command}: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as err:
+        if not is_users_mistake(err, gymnasium=True):
+            raise
+        print(f"shoal {command}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def is_users_mistake(err: Exception, gymnasium: bool = False) -> bool:
+    """Whether ``err`` is the user's whenever it happens: launched simulators that never connect (a wrong
+    command template), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
+    from orchestration.external_launcher import SimulatorsFailed  # light: no torch
+
+    return isinstance(err, SimulatorsFailed) or gymnasium and type(err).__module__.split(".")[0] == "gymnasium"
+
+
+__all__ = ["is_users_mistake", "user_errors"]
