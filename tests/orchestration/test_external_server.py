@@ -289,10 +289,10 @@ def test_external_simulators_train_with_ray_learners_asynchronously(ray_session,
     try:
         returns = [trainer.train()["episode_return_mean"] for _ in range(config.iterations)]
         version = trainer.weights["agents"][0]
-        # the newest weights reached the service: staged, they are loaded before its next batch (the version it
-        # acted with last can still be the one before, when no simulator asked since the last publish)
-        assert trainer.fleet.service.latest("agents")[0] == version
-        served = trainer.fleet.actor_weights("agents")[0]
+        # the newest weights reached the service: staged, they are loaded before its next batch (the ones it
+        # acted with last can still be the version before, when no simulator asked since the last publish)
+        staged, served = trainer.fleet.service.latest("agents")
+        assert staged == version
         learned = trainer.learners["agents"].weights()[1]
         assert all((served[k] == learned[k]).all() for k in learned.keys(True, True))
     finally:
