@@ -218,6 +218,9 @@ def test_launcher_restarts_a_simulator_that_never_connects_and_kills_its_process
     time.sleep(1.2)
     launcher.check(connected=set())
     assert launcher.counters["simulator_start_timeouts"] == 2 and launcher.counters["simulator_restarts"] == 2
+    # what the "no simulator connected" error of a launched run reports
+    assert launcher.summary() == ("the launcher started simulators 4 times (0 exited, 2 did not connect in time); "
+                                  "their output is in nowhere: set run_dir")
     _wait(lambda: len(list(pid_dir.iterdir())) == 4)
     grandchildren = [int(p.read_text()) for p in pid_dir.iterdir()]
     launcher.close()
