@@ -291,9 +291,10 @@ def test_external_simulators_train_with_ray_learners_asynchronously(ray_session,
     trainer = build_trainer(config)
     try:
         returns = [trainer.train()["episode_return_mean"] for _ in range(config.iterations)]
+        # the trainer hands its newest weights to the fleet at its next step: hand them now (async: an update can
+        # end after the last iteration's broadcast); staged, they are loaded before the service's next batch
         version = trainer.weights["agents"][0]
-        # the newest weights reached the service: staged, they are loaded before its next batch (the ones it
-        # acted with last can still be the version before, when no simulator asked since the last publish)
+        trainer.fleet.broadcast(trainer.weights)
         staged, served = trainer.fleet.service.latest("agents")
         assert staged == version
         learned = trainer.learners["agents"].weights()[1]
