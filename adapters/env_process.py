@@ -21,6 +21,7 @@ from tensordict import TensorDict
 
 from core.layout import ACTION, ACTION_MASK, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
 from core.specs import Tree, groups, to_json, zeros
+from core.tensordicts import clone_td
 
 from .protocol import BatchedEnv
 
@@ -79,8 +80,13 @@ def step_template(tree: Tree, num_envs: int) -> TensorDict:
 
 
 def _write(src: TensorDict, leaves: list) -> None:
+    """Copies ``src``'s leaves into the shared buffers ``leaves`` (``[(key tuple, buffer)]``).
+
+    One walk over ``src`` instead of a nested ``get`` per buffer: about half the cost of the copy for a step.
+    """
+    values = {k if isinstance(k, tuple) else (k,): v for k, v in src.items(True, True)}
     for key, buf in leaves:
-        value = src.get(key, None)
+        value = values.get(key)
         if value is None and key[-1] == ACTION_MASK:
             buf.fill_(True)  # the env has no action mask: everything is legal
             continue
@@ -111,7 +117,7 @@ def worker_main(conn, factory: Callable[[], BatchedEnv], threads: int, niceness:
             if cmd == "reset":
                 _write(env.reset(seed=arg), root_leaves)
             else:
-                _write(env.step(actions.clone()), leaves)
+                _write(env.step(clone_td(actions)), leaves)  # the env may keep what it is given
             conn.send(("ok", dict(env.counters)))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone or stopping us

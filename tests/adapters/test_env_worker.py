@@ -166,3 +166,20 @@ def test_close_is_idempotent_and_stops_the_processes(pool_factory):
     pool.close()
     pool.close()
     assert not any(p.is_alive() for p in procs)
+
+
+def test_a_worker_writes_every_leaf_of_a_step_and_fills_a_missing_action_mask():
+    from adapters.env_process import _write
+
+    env = CartPole(CartPoleConfig(num_envs=3))
+    env.reset(seed=0)
+    out = env.step(cartpole_actions(3, torch.Generator().manual_seed(0)))
+    buffers = step_template(env.tree, 3)
+    leaves = [(k if isinstance(k, tuple) else (k,), v) for k, v in buffers.items(True, True)]
+    buffers.get(("agent", "action_mask")).fill_(False)  # left from a step of an env that had one
+    without_mask = out.exclude(("agent", "action_mask"))
+    _write(without_mask, leaves)
+    assert (buffers.exclude(("agent", "action_mask")) == without_mask).all()
+    assert buffers.get(("agent", "action_mask")).all()
+    with pytest.raises(KeyError, match="'next', 'agent', 'reward'"):
+        _write(out.exclude(("next", "agent", "reward")), leaves)
