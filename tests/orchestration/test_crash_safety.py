@@ -261,24 +261,26 @@ def test_kill_9_at_50_random_points_then_resume_ends_with_the_uninterrupted_weig
 
 
 # -- schedules and non-finite training ---------------------------------------------------------------------------
-def test_resume_with_more_iterations_keeps_the_learning_rate_schedule(tmp_path):
+def test_resume_with_more_iterations_keeps_the_learning_rate_schedule(tmp_path, monkeypatch):
+    """In-process ``shoal`` calls (test_cli.py resumes in a new process)."""
+    import shutil
+
     from safetensors.torch import load_file
 
-    _shoal("train", *ARGS, "--iterations", "4", "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
-    _shoal("train", *ARGS, "--iterations", "4", "--checkpoint-every", "2", "--run-dir", str(tmp_path / "b"),
-           cwd=tmp_path)
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["train", *ARGS, "--iterations", "4", "--run-dir", "a"])
+    main(["train", *ARGS, "--iterations", "4", "--checkpoint-every", "2", "--run-dir", "b"])
     root = tmp_path / "b" / "checkpoints"
     (root / "latest").write_text("ckpt-000002")  # as if it had stopped at 2
     for d in root.glob("ckpt-000004*"):
-        import shutil
-
         shutil.rmtree(d)
-    _shoal("train", "--resume", "--run-dir", str(tmp_path / "b"), "--iterations", "4", "--checkpoint-every", "2",
-           "--no-progress", cwd=tmp_path)
+    main(["train", "--resume", "--run-dir", "b", "--iterations", "4", "--checkpoint-every", "2", "--no-progress"])
     wa = load_file(str(ckpt.resolve(tmp_path / "a/checkpoints") / "weights.safetensors"))
     wb = load_file(str(ckpt.resolve(root) / "weights.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    _shoal("train", "--resume", "--run-dir", str(tmp_path / "b"), "--iterations", "6", "--no-progress", cwd=tmp_path)
+    main(["train", "--resume", "--run-dir", "b", "--iterations", "6", "--no-progress"])
     state = json.loads((ckpt.resolve(root) / "state.json").read_text())
     assert state["config"]["anneal_iterations"] == 4  # the schedule's horizon survived --iterations 6
 
