@@ -47,9 +47,12 @@ def test_resume_in_a_new_process_equals_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_evaluate_and_export_a_checkpoint(tmp_path):
+def test_evaluate_and_export_a_checkpoint(tmp_path, monkeypatch):
+    from orchestration.cli import main
+
     run = tmp_path / "run"
-    _shoal("train", *ARGS, "--iterations", "2", "--run-dir", str(run), cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    main(["train", *ARGS, "--iterations", "2", "--run-dir", str(run)])  # in-process: evaluate and export are the subject
     result = json.loads(_shoal("evaluate", str(run / "checkpoints"), "--episodes", "3", "--num-envs", "3",
                                cwd=tmp_path).splitlines()[-1])
     # The same checkpoint evaluated in this process by the trainer's own evaluator (same seed, envs, weights)

@@ -222,17 +222,19 @@ def test_an_env_exception_leaves_a_checkpoint_of_the_iterations_before_it(tmp_pa
     assert state["iteration"] == 3 == _iterations(run / "metrics.csv")[-1]
 
 
-def test_metrics_rows_past_the_checkpoint_are_cut_on_resume(tmp_path):
-    run = tmp_path / "run"
-    _shoal("train", *ARGS, "--iterations", "3", "--checkpoint-every", "2", "--run-dir", str(run), cwd=tmp_path)
-    root = run / "checkpoints"
-    for d in root.glob("ckpt-000003*"):  # the run died after writing row 3, before its checkpoint
-        import shutil
+def test_metrics_rows_past_the_checkpoint_are_cut_on_resume(tmp_path, monkeypatch):
+    import shutil
 
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["train", *ARGS, "--iterations", "3", "--checkpoint-every", "2", "--run-dir", "run"])
+    root = tmp_path / "run" / "checkpoints"
+    for d in root.glob("ckpt-000003*"):  # the run died after writing row 3, before its checkpoint
         shutil.rmtree(d)
     (root / "latest").write_text("ckpt-000002")
-    _shoal("train", "--resume", "--run-dir", str(run), "--iterations", "4", "--no-progress", cwd=tmp_path)
-    assert _iterations(run / "metrics.csv") == [1, 2, 3, 4]
+    main(["train", "--resume", "--run-dir", "run", "--iterations", "4", "--no-progress"])
+    assert _iterations(tmp_path / "run" / "metrics.csv") == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
