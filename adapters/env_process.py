@@ -52,7 +52,8 @@ class EnvWorkerConfig:
         if self.step_timeout_s <= 0 or self.start_timeout_s <= 0 or self.max_restarts < 0 or self.torch_threads < 1:
             raise ValueError("timeouts must be > 0, max_restarts >= 0 and torch_threads >= 1")
         if not 0 <= self.niceness <= 19:
-            raise ValueError(f"niceness must be in 0..19 (an increment: lowering it needs privileges), got {self.niceness}")
+            raise ValueError(f"niceness must be in 0..19 (an increment: lowering it needs privileges), "
+                             f"got {self.niceness}")
         if self.start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}")
 

@@ -52,7 +52,7 @@ def test_evaluate_and_export_a_checkpoint(tmp_path, monkeypatch):
 
     run = tmp_path / "run"
     monkeypatch.chdir(tmp_path)
-    main(["train", *ARGS, "--iterations", "2", "--run-dir", str(run)])  # in-process: evaluate and export are the subject
+    main(["train", *ARGS, "--iterations", "2", "--run-dir", str(run)])  # in-process: evaluate, export are the subject
     result = json.loads(_shoal("evaluate", str(run / "checkpoints"), "--episodes", "3", "--num-envs", "3",
                                cwd=tmp_path).splitlines()[-1])
     # The same checkpoint evaluated in this process by the trainer's own evaluator (same seed, envs, weights)
