@@ -28,6 +28,10 @@ class ExternalConfig:
     the longest wait for the first simulator's tree."""
     max_restarts: int = 20
     """Restarts of launched simulators allowed over the run; one more stops the run with an error."""
+    restart_backoff_s: float = 1.0
+    """Pause before restarting a launched simulator that had connected, doubled for each such restart of it in a
+    row (at most 60 s; a start connected for a minute resets it). One that never connected restarts at once,
+    so a wrong ``command`` fails within seconds."""
     tree: str = ""
     """A tree document (JSON) the simulators must match; empty: the first simulator's tree is the run's."""
     heartbeat_s: float = 10.0
@@ -62,7 +66,7 @@ class ExternalConfig:
                 raise ValueError(f"ExternalConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"ExternalConfig.port must be 0-65535 (0: any free port), got {self.port}")
-        for name in ("max_restarts", "wait_s", "inference_wait_s"):
+        for name in ("max_restarts", "restart_backoff_s", "wait_s", "inference_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ExternalConfig.{name} must be >= 0, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):

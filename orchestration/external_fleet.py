@@ -196,7 +196,7 @@ def build_external(config: TrainConfig, *, log=None):
         if ec.command:
             launcher = SimulatorLauncher(ec.command, ec.instances, host=ec.host, port=server.port, token=server.token,
                                          seed=config.seed, start_timeout_s=ec.start_timeout_s,
-                                         max_restarts=ec.max_restarts,
+                                         max_restarts=ec.max_restarts, restart_backoff_s=ec.restart_backoff_s,
                                          log_dir=Path(config.run_dir) / "simulators" if config.run_dir else None)
             launcher.start()
         # launched simulators get a second start_timeout_s: one that failed to connect is restarted once by then

@@ -1,6 +1,12 @@
 """Launching external simulators (seed 002): ``instances`` processes from a command template, restarted when
 they exit or do not connect in time, killed with their whole process group at the end.
 
+Restarts: a start that never connected is restarted at once (a wrong command then fails within seconds, after
+``max_restarts``). One that had connected is restarted after a pause of ``restart_backoff_s``, doubled for
+each such restart of that simulator in a row, at most :data:`MAX_BACKOFF_S`; a start that stayed connected
+:data:`STABLE_S` resets the doubling. So a simulator that works, then fails for a while (a licence server or
+a robot's network down), does not use up every restart within seconds.
+
 The template is :func:`adapters.external.command.render`'s (split like a POSIX shell, no shell ever runs it;
 placeholders ``{host}``, ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}``). Each simulator also gets
 ``SHOAL_TOKEN``, ``SHOAL_HOST``, ``SHOAL_PORT``, ``SHOAL_SEED`` and ``SHOAL_SIM_ID`` in its environment, and a
@@ -21,9 +27,14 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Collection
+from typing import Callable, Collection
 
 from adapters.external.command import render
+
+#: Longest pause before restarting a simulator that had connected.
+MAX_BACKOFF_S = 60.0
+#: A start connected this long resets its simulator's pause to ``restart_backoff_s``.
+STABLE_S = 60.0
 
 
 class SimulatorsFailed(RuntimeError):
@@ -43,21 +54,29 @@ class SimulatorLauncher:
         start_timeout_s: a simulator not connected this long after its start is killed and started again.
         max_restarts: restarts allowed over the launcher's life; one more raises :class:`SimulatorsFailed`.
         log_dir: each simulator's stdout and stderr go to ``log_dir/<sim_id>.log`` (None: discarded).
+        restart_backoff_s: first pause before restarting a simulator that had connected (module docstring).
+        clock: monotonic seconds (time is an argument: tests pass their own).
     """
 
     def __init__(self, command: str, instances: int, *, host: str, port: int, token: str, seed: int = 0,
-                 start_timeout_s: float = 60.0, max_restarts: int = 20, log_dir: str | Path | None = None) -> None:
+                 start_timeout_s: float = 60.0, max_restarts: int = 20, log_dir: str | Path | None = None,
+                 restart_backoff_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         render(command, host=host, port=port, seed=seed, sim_id="sim-0", token=token)  # fails early, named
         self.command, self.instances = command, instances
         self.host, self.port, self.token, self.seed = host, port, token, seed
         self.start_timeout_s, self.max_restarts = start_timeout_s, max_restarts
+        self.restart_backoff_s, self._clock = restart_backoff_s, clock
         self.log_dir = Path(log_dir) if log_dir else None
         self._procs: list[subprocess.Popen | None] = [None] * instances
         self._started = [0.0] * instances
         self._starts = [0] * instances
         self._seen: list[bool] = [False] * instances
         self._unconnected = [0] * instances  # consecutive starts of each simulator that ended without connecting
-        self.counters = dict(simulators_started=0, simulator_restarts=0, simulator_exits=0, simulator_start_timeouts=0)
+        self._connected_at: list[float | None] = [None] * instances  # when check() first saw the start connected
+        self._short = [0] * instances  # consecutive connected starts of each simulator that ended before STABLE_S
+        self._relaunch_at: list[float | None] = [None] * instances  # a paused restart's time
+        self.counters = dict(simulators_started=0, simulator_restarts=0, simulator_exits=0, simulator_start_timeouts=0,
+                             simulator_restart_pauses=0)
         self._closed = False
 
     def sim_id(self, index: int) -> str:
@@ -88,20 +107,23 @@ class SimulatorLauncher:
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
-        self._started[i] = time.monotonic()
-        self._seen[i] = False
+        self._started[i] = self._clock()
+        self._seen[i], self._connected_at[i], self._relaunch_at[i] = False, None, None
         self.counters["simulators_started"] += 1
 
     def check(self, connected: Collection[str]) -> None:
-        """Restarts simulators that exited, and ones not connected ``start_timeout_s`` after their start."""
+        """Restarts simulators that exited, and ones not connected ``start_timeout_s`` after their start (those
+        that had connected after a pause: module docstring)."""
         if self._closed:
             return
-        now = time.monotonic()
+        now = self._clock()
         for i, proc in enumerate(self._procs):
             if proc is None:
+                if self._relaunch_at[i] is not None and now >= self._relaunch_at[i]:
+                    self._launch(i)
                 continue
-            if self.sim_id(i) in connected:
-                self._seen[i] = True
+            if self.sim_id(i) in connected and not self._seen[i]:
+                self._seen[i], self._connected_at[i] = True, now
             exited = proc.poll() is not None
             late = not self._seen[i] and now - self._started[i] > self.start_timeout_s
             if not (exited or late):
@@ -114,7 +136,20 @@ class SimulatorLauncher:
                                        f" and the launcher used all {self.max_restarts} restarts (external.max_restarts)"
                                        f"{self._hint(i)}; its output is in {self.log_dir or 'nowhere: set run_dir'}")
             self.counters["simulator_restarts"] += 1
-            self._launch(i)
+            pause = self._pause(i, now)
+            if pause:
+                self._procs[i], self._relaunch_at[i] = None, now + pause
+                self.counters["simulator_restart_pauses"] += 1
+            else:
+                self._launch(i)
+
+    def _pause(self, i: int, now: float) -> float:
+        """Seconds before restarting simulator ``i``, whose start just ended (module docstring)."""
+        if not self._seen[i]:
+            return 0.0
+        stable = now - self._connected_at[i] >= STABLE_S
+        self._short[i] = 0 if stable else self._short[i] + 1
+        return 0.0 if stable else min(self.restart_backoff_s * 2 ** (self._short[i] - 1), MAX_BACKOFF_S)
 
     def _hint(self, i: int) -> str:
         k = self._unconnected[i]
