@@ -1,0 +1,112 @@
+"""Faulty envs from the ``shoal`` command: a hang, a crash, a raise or a wrong shape restarts the env process in
+lenient mode (each fault counted once, the run finishes) and stops a strict run with a named error and a
+checkpoint of the iterations before it."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import textwrap
+
+import pytest
+
+from orchestration import checkpoint as ckpt
+from tests.orchestration.test_crash_safety import _shoal
+
+
+FAULTY_ENV = textwrap.dedent("""
+    import os, time
+    import gymnasium as gym
+    from gymnasium.envs.classic_control import CartPoleEnv
+
+    MARKER = os.environ["SHOAL_TEST_MARKER"]
+    CLAIMED = []  # the fault this process (this incarnation) claimed
+
+    class FaultyCartPole(CartPoleEnv):
+        \"\"\"Fails at its 40th step with the first fault of ``fault`` (a comma-separated list) that no env of the
+        run has had yet, unless another env of its process has one: each fault happens once per run, whichever
+        env and process (or restart) reaches it, and every fault restarts its process.\"\"\"
+
+        def __init__(self, fault="hang", **kw):
+            super().__init__(**kw)
+            self.faults, self.steps = fault.split(","), 0
+
+        def step(self, action):
+            self.steps += 1
+            fault = self._claim() if self.steps == 40 else None
+            if fault == "hang":
+                time.sleep(3600)
+            elif fault == "crash":
+                os._exit(9)
+            elif fault == "shape":
+                obs, reward, terminated, truncated, info = super().step(action)
+                return obs[:2], reward, terminated, truncated, info  # 2 numbers where the space says 4
+            elif fault == "raise":
+                raise RuntimeError("the simulator raised")
+            return super().step(action)
+
+        def _claim(self):
+            if CLAIMED:  # one fault per process: a wrong shape is only found after every env of it stepped
+                return None
+            for fault in self.faults:
+                try:
+                    os.close(os.open(f"{MARKER}-{fault}", os.O_CREAT | os.O_EXCL))  # atomic: one env of all wins
+                    CLAIMED.append(fault)
+                    return fault
+                except FileExistsError:
+                    continue
+            return None
+
+    gym.register("FaultyCartPole-v0", entry_point=FaultyCartPole, max_episode_steps=500)
+""")
+
+
+def _faulty_env(tmp_path) -> dict:
+    """Writes the faulty env module into ``tmp_path``; the environment variables a ``shoal`` run needs to use it."""
+    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
+    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+
+
+@pytest.mark.slow
+def test_faulty_envs_from_the_cli_are_restarted_counted_and_the_run_finishes(tmp_path):
+    """One run meets a hang, a crash, a raise and a wrong shape (two at step 40, two at step 40 of the restarted
+    envs): each fault restarts its process, and each is counted once, under its own counter."""
+    run, env = tmp_path / "run", _faulty_env(tmp_path)
+    _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", "hang,crash,raise,shape",
+           "--rollout.num-envs", "4", "--rollout.fragment-length", "32", "--rollout.env-processes", "2",
+           "--rollout.env-timeout-s", "2", "--rollout.check", "lenient", "--iterations", "4", "--no-progress",
+           "--run-dir", str(run), cwd=tmp_path, env=env)
+    with open(run / "metrics.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert all((tmp_path / f"fault-happened-{fault}").exists() for fault in ("hang", "crash", "raise", "shape"))
+    counts = {k: float(last[f"env/{k}"]) for k in ("step_timeouts", "worker_crashes", "worker_errors",
+                                                   "env_restarts", "episodes_lost")}
+    assert counts == {"step_timeouts": 1, "worker_crashes": 1, "worker_errors": 2, "env_restarts": 4,
+                      "episodes_lost": 8}  # two envs lost with each restarted process
+    assert int(float(last["iteration"])) == 4
+
+
+@pytest.mark.slow
+def test_lenient_mode_alone_restarts_an_env_that_raises_or_returns_a_wrong_shape(tmp_path):
+    """No process or timeout flag: lenient mode keeps the envs in a subprocess by itself."""
+    run, env = tmp_path / "run", _faulty_env(tmp_path)
+    _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", "shape,raise", "--rollout.num-envs", "2",
+           "--rollout.fragment-length", "32", "--rollout.check", "lenient", "--iterations", "3", "--no-progress",
+           "--run-dir", str(run), cwd=tmp_path, env=env)
+    with open(run / "metrics.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert float(last["env/worker_errors"]) == 2 and float(last["env/episodes_lost"]) == 4
+
+
+@pytest.mark.slow
+def test_in_strict_mode_a_faulty_env_stops_the_run_with_a_named_error_and_a_checkpoint(tmp_path):
+    run, env = tmp_path / "run", _faulty_env(tmp_path)
+    out = _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", "raise", "--rollout.num-envs", "4",
+                 "--rollout.fragment-length", "32", "--rollout.env-processes", "2", "--iterations", "3",
+                 "--no-progress", "--run-dir", str(run), cwd=tmp_path, env=env, check=False)
+    assert out.returncode != 0
+    assert re.search(r"env worker \d \(envs \d\.\.\d of the batch\) raised RuntimeError: the simulator raised",
+                     out.stderr), out.stderr[-2000:]
+    assert ckpt.load_checkpoint(run / "checkpoints")[2]["iteration"] == 1  # the iteration before the fault survives
