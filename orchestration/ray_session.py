@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -40,13 +41,33 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
         return False
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, configure_logging=False)
+        flag = "--address" if config.address else "RAY_ADDRESS"
+        check_reachable(address, flag)  # ray.init retries an address where nothing listens for minutes
+        try:
+            ray.init(address=address, configure_logging=False)
+        except ConnectionError as error:
+            raise ValueError(f"cannot join a Ray cluster at {flag} {address!r}: {error} Start one "
+                             f"(`ray start --head`) or leave out {flag} for a local Ray instance") from None
     else:
         num_cpus = ray_config.num_cpus or max(os.cpu_count() or 1, math.ceil(min_cpus))
         if ray_config.worker_niceness is not None:  # read by Ray when it starts its worker processes
             os.environ.setdefault("RAY_worker_niceness", str(ray_config.worker_niceness))
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     return True
+
+
+def check_reachable(address: str, flag: str, timeout_s: float = 5.0) -> None:
+    """Raises ValueError naming ``flag`` when ``address`` is ``host:port`` and nothing accepts a TCP connection
+    there within ``timeout_s`` (``auto`` and ``ray://`` addresses are left to Ray)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ValueError(f"cannot reach a Ray cluster at {flag} {address!r} ({error.strerror or error}): start one "
+                         f"(`ray start --head` prints its address) or leave out {flag} for a local Ray "
+                         f"instance") from None
 
 
 def cpus_needed(config: TrainConfig, ray_config: RayConfig, num_learners: int) -> float:
@@ -288,5 +309,5 @@ def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwar
             ray.shutdown()
 
 
-__all__ = ["build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed", "init_ray", "kill_actor",
-           "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable", "try_get"]
+__all__ = ["build_ray_learners", "build_ray_parts", "check_reachable", "check_resources", "cpus_needed", "init_ray",
+           "kill_actor", "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable", "try_get"]
