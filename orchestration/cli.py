@@ -163,6 +163,11 @@ def _setup_training(argv: list[str], command: str = "train"):
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(presets=", ".join(preset_names())))
+    if config.anneal_lr and config.iterations > config.schedule_iterations:  # legal, but rarely what is meant
+        print(f"shoal {command}: the learning rate anneals to 0 at iteration {config.schedule_iterations} "
+              f"(--anneal-iterations{', kept from the run resumed' if resume else ''}), so iterations "
+              f"{config.schedule_iterations + 1}..{config.iterations} will not learn: pass --anneal-iterations "
+              f"{config.iterations} to stretch the schedule, or --no-anneal-lr", file=sys.stderr)
     if config.backend == "local":
         _import_torchrl_without_ray()
     import torch  # the first heavy import of a training run: after parsing, so --help stays fast

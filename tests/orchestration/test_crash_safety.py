@@ -262,7 +262,7 @@ def test_kill_9_at_50_random_points_then_resume_ends_with_the_uninterrupted_weig
 
 
 # -- schedules and non-finite training ---------------------------------------------------------------------------
-def test_resume_with_more_iterations_keeps_the_learning_rate_schedule(tmp_path, monkeypatch):
+def test_resume_with_more_iterations_keeps_the_learning_rate_schedule(tmp_path, monkeypatch, capsys):
     """In-process ``shoal`` calls (test_cli.py resumes in a new process)."""
     import shutil
 
@@ -281,9 +281,13 @@ def test_resume_with_more_iterations_keeps_the_learning_rate_schedule(tmp_path, 
     wa = load_file(str(ckpt.resolve(tmp_path / "a/checkpoints") / "weights.safetensors"))
     wb = load_file(str(ckpt.resolve(root) / "weights.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert "anneals to 0" not in capsys.readouterr().err
     main(["train", "--resume", "--run-dir", "b", "--iterations", "6", "--no-progress"])
     state = json.loads((ckpt.resolve(root) / "state.json").read_text())
     assert state["config"]["anneal_iterations"] == 4  # the schedule's horizon survived --iterations 6
+    # ... and the user is told that the 2 iterations past it do not learn, and how to stretch it
+    assert ("shoal train: the learning rate anneals to 0 at iteration 4 (--anneal-iterations, kept from the run "
+            "resumed), so iterations 5..6 will not learn: pass --anneal-iterations 6") in capsys.readouterr().err
 
 
 def test_training_that_only_skips_updates_stops_naming_the_policy_and_tensor():
