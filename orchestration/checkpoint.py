@@ -214,6 +214,7 @@ def validate_state(state: Any) -> None:
     _expect(isinstance(state.get("tree"), str), "'tree'", "a string (the env's tree as JSON)")
     for key in ("iteration", "env_steps"):
         _expect(_is_int(state.get(key)), f"'{key}'", "an integer >= 0")
+    _expect(_is_int(state.get("episodes_total", 0)), "'episodes_total'", "an integer >= 0")  # older runs: none
     history = state.get("history", {})
     _expect(isinstance(history, dict) and all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
                                               for v in history.values()), "'history'", "an object of number lists")

@@ -42,7 +42,7 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     weights, tensors = {}, {}
     state: dict[str, Any] = {"config": config_to_dict(trainer.config), "tree": to_json(trainer.tree),
                              "iteration": raw["iteration"], "env_steps": raw["env_steps"], "produced": raw["produced"],
-                             "history": raw["history"], "agent_history": raw["agent_history"],
+                             "episodes_total": raw["episodes_total"], "history": raw["history"], "agent_history": raw["agent_history"],
                              "learners": {}, "actors": [],
                              "resume_exact": raw["resume_exact"]}
     for pid, learner in raw["learners"].items():
@@ -108,7 +108,8 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
             "generator": tensors["rng/team_critic"], "version": entry["version"], "counters": entry["counters"],
             "inbox": entry["inbox"]}
     trainer.load_state_({"iteration": state["iteration"], "env_steps": state["env_steps"],
-                         "produced": state.get("produced", 0), "history": state["history"],
+                         "produced": state.get("produced", 0), "episodes_total": state.get("episodes_total", 0),
+                         "history": state["history"],
                          "agent_history": state.get("agent_history", {}), "learners": learners,
                          "actors": actors, **extra})
 

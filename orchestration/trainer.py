@@ -76,6 +76,7 @@ class Trainer:
         """Group -> every agent's return in the last 100 finished episodes (``[A]`` each)."""
         self._group_specs = groups(tree)
         self._produced = 0
+        self._episodes_before = self._episodes_total = 0  # finished episodes before a resume, and in all
         self._started = self._closed = False
         self._final: dict[str, float] | None = None
         self._on_close = on_close
@@ -240,8 +241,9 @@ class Trainer:
         for key, rows in drained["episodes"].items():
             if key.startswith("agents/"):
                 self.agent_history.setdefault(key.split("/", 1)[1], deque(maxlen=100)).extend(rows)
+        self._episodes_total = self._episodes_before + int(drained["summary"]["episodes_total"])
         return {"episodes": len(self.last_episodes.get("length", [])), **drained["summary"],
-                **episode_metrics(self.history), **structure_metrics(self.agent_history, self._group_specs), **by_env}
+                "episodes_total": float(self._episodes_total), **episode_metrics(self.history), **structure_metrics(self.agent_history, self._group_specs), **by_env}
 
     def learner_reports(self) -> dict[str, dict]:
         """Each learning policy's ledger and counters (``Learner.report()``)."""
@@ -293,7 +295,7 @@ class Trainer:
         """Counters, episode history, every learner's state, the fleet's actors' states and, with a
         collection, its driver's state (:meth:`CollectionDriver.state_dict`)."""
         return {"iteration": self.iteration, "env_steps": self.env_steps, "produced": self._produced,
-                "history": {k: list(v) for k, v in self.history.items()},
+                "episodes_total": self._episodes_total, "history": {k: list(v) for k, v in self.history.items()},
                 "agent_history": {g: [list(r) for r in rows] for g, rows in self.agent_history.items()},
                 "learners": {pid: lrn.state() for pid, lrn in self.learners.items()},
                 "actors": self.fleet.state(), "resume_exact": self.resume_exact,
@@ -304,6 +306,7 @@ class Trainer:
         """Loads a :meth:`state` into a freshly built trainer of the same config; the fleet's actors load the
         restored weights before producing anything."""
         self.iteration, self.env_steps = int(state["iteration"]), int(state["env_steps"])
+        self._episodes_before = self._episodes_total = int(state.get("episodes_total", 0))  # older runs: 0
         for key, values in state["history"].items():
             self.history.setdefault(key, deque(maxlen=100)).extend(values)
         for group, rows in state.get("agent_history", {}).items():

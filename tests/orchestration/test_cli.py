@@ -36,7 +36,7 @@ def test_resume_in_a_new_process_equals_an_uninterrupted_run(tmp_path):
     straight, split = _rows(tmp_path / "straight/metrics.csv"), _rows(tmp_path / "split/metrics.csv")
     assert len(straight) == len(split) == 4
     for a, b in zip(straight, split):
-        for key in ("env_steps", "loss_policy", "loss_value", "approx_kl", "episode_return_mean"):
+        for key in ("env_steps", "episodes_total", "loss_policy", "loss_value", "approx_kl", "episode_return_mean"):
             assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-6, abs=1e-7), key
     from safetensors.torch import load_file
 
