@@ -99,10 +99,10 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
                             {"ret": f"{metrics['episode_return_mean']:.1f}"})
                 bar.set_postfix(**headline, sps=f"{metrics['env_steps_per_s']:.0f}",
                                 **({"env_faults": faults} if faults else {}))
-                if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration
-                    shown = {k: round(v, 2) for k, v in metrics.items()
+                if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration,
+                    shown = {k: round(v, 2) for k, v in metrics.items()  # on stderr: stdout ends with the result
                              if k.startswith(("pipeline/", "fragments_", "workers_restarted", "learners_restarted"))}
-                    bar.write(f"iteration {trainer.iteration}: " + json.dumps(shown))
+                    bar.write(f"iteration {trainer.iteration}: " + json.dumps(shown), file=sys.stderr)
                 due = config.checkpoint_every and trainer.iteration % config.checkpoint_every == 0
                 late = config.checkpoint_every_s and time.monotonic() - last_save >= config.checkpoint_every_s
                 if due or late:

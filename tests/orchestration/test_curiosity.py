@@ -178,9 +178,12 @@ def test_shoal_train_with_curiosity_on_the_local_backend(tmp_path):
 
 
 @pytest.mark.ray
-def test_shoal_train_with_curiosity_on_the_ray_backend(tmp_path, ray_session):
+def test_shoal_train_with_curiosity_on_the_ray_backend(tmp_path, ray_session, capsys):
     metrics = _cli_run(tmp_path, "--backend", "ray", "--ray.worker-num-cpus", "0", "--ray.learner-num-cpus", "0")
     assert metrics["curiosity/intrinsic_reward"] > 0 and metrics["curiosity/predictor_loss"] > 0
+    out, err = capsys.readouterr()
+    assert len(out.strip().splitlines()) == 1 and '"run_dir"' in out  # stdout: the result alone, as locally
+    assert "iteration 2: {" in err  # the fleet's health every iteration goes to stderr
 
 
 def test_curiosity_and_data_parallel_learners_are_refused_in_one_message():
