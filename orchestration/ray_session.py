@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -25,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict
 
 from core.specs import Tree, to_json
+from orchestration.addresses import check_reachable
 from orchestration.config import RayConfig, TrainConfig
 from orchestration.sweeps import config_from_params, run_trial
 
@@ -54,20 +54,6 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
             os.environ.setdefault("RAY_worker_niceness", str(ray_config.worker_niceness))
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     return True
-
-
-def check_reachable(address: str, flag: str, timeout_s: float = 5.0) -> None:
-    """Raises ValueError naming ``flag`` when ``address`` is ``host:port`` and nothing accepts a TCP connection
-    there within ``timeout_s`` (``auto`` and ``ray://`` addresses are left to Ray)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address:
-        return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as error:
-        raise ValueError(f"cannot reach a Ray cluster at {flag} {address!r} ({error.strerror or error}): start one "
-                         f"(`ray start --head` prints its address) or leave out {flag} for a local Ray "
-                         f"instance") from None
 
 
 def cpus_needed(config: TrainConfig, ray_config: RayConfig, num_learners: int) -> float:
@@ -309,5 +295,5 @@ def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwar
             ray.shutdown()
 
 
-__all__ = ["build_ray_learners", "build_ray_parts", "check_reachable", "check_resources", "cpus_needed", "init_ray",
-           "kill_actor", "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable", "try_get"]
+__all__ = ["build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed", "init_ray", "kill_actor",
+           "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable", "try_get"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from orchestration.ray_session import check_reachable
+from orchestration.addresses import check_reachable
 
 
 def _closed_port() -> int:
