@@ -42,7 +42,8 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     weights, tensors = {}, {}
     state: dict[str, Any] = {"config": config_to_dict(trainer.config), "tree": to_json(trainer.tree),
                              "iteration": raw["iteration"], "env_steps": raw["env_steps"], "produced": raw["produced"],
-                             "episodes_total": raw["episodes_total"], "history": raw["history"], "agent_history": raw["agent_history"],
+                             "episodes_total": raw["episodes_total"], "history": raw["history"],
+                             "agent_history": raw["agent_history"],
                              "learners": {}, "actors": [],
                              "resume_exact": raw["resume_exact"]}
     for pid, learner in raw["learners"].items():

@@ -243,7 +243,8 @@ class Trainer:
                 self.agent_history.setdefault(key.split("/", 1)[1], deque(maxlen=100)).extend(rows)
         self._episodes_total = self._episodes_before + int(drained["summary"]["episodes_total"])
         return {"episodes": len(self.last_episodes.get("length", [])), **drained["summary"],
-                "episodes_total": float(self._episodes_total), **episode_metrics(self.history), **structure_metrics(self.agent_history, self._group_specs), **by_env}
+                "episodes_total": float(self._episodes_total), **episode_metrics(self.history),
+                **structure_metrics(self.agent_history, self._group_specs), **by_env}
 
     def learner_reports(self) -> dict[str, dict]:
         """Each learning policy's ledger and counters (``Learner.report()``)."""
