@@ -19,8 +19,8 @@ from core.specs import validate
 
 
 class FaultyCartPole(CartPole):
-    """CartPole that hangs (``"hang"``) or raises (``"raise"``) in ``step`` once ``flag`` exists (it deletes the
-    file first, so the restarted worker behaves)."""
+    """CartPole that hangs (``"hang"``) or raises (``"raise"``) in ``step`` once ``flag`` exists (``arm_fault``
+    writes it; the env deletes it first, so the restarted worker behaves)."""
 
     def __init__(self, flag: str, num_envs: int = 4) -> None:
         super().__init__(CartPoleConfig(num_envs=num_envs))
@@ -35,6 +35,15 @@ class FaultyCartPole(CartPole):
                 time.sleep(60)
             raise RuntimeError("injected env failure")
         return super().step(actions)
+
+
+def arm_fault(flag, mode: str) -> None:
+    """Makes the env watching ``flag`` fail with ``mode`` at its next step. Written aside and renamed:
+    a worker stepping meanwhile must never see the file empty (it would read "" and raise instead of hang)."""
+    aside = f"{flag}.tmp"
+    with open(aside, "w") as f:
+        f.write(mode)
+    os.replace(aside, flag)
 
 
 def cartpole_actions(n: int, generator) -> TensorDict:
@@ -142,8 +151,7 @@ def test_hung_or_failing_worker_is_restarted(pool_factory, tmp_path, mode, count
     generator = torch.Generator().manual_seed(0)
     pool.reset(seed=0)
     pool.step(cartpole_actions(8, generator))
-    with open(flags[1], "w") as f:
-        f.write(mode)
+    arm_fault(flags[1], mode)
     start = time.monotonic()
     out = pool.step(cartpole_actions(8, generator))
     elapsed = time.monotonic() - start

@@ -15,7 +15,7 @@ from adapters.builtin import CartPole, CartPoleConfig
 from adapters.env_worker import EnvWorkerFault
 from core.layout import DONE, NEXT, OBSERVATION, TERMINATED, TRUNCATED
 from core.specs import validate
-from tests.adapters.test_env_worker import cartpole_actions
+from tests.adapters.test_env_worker import arm_fault, cartpole_actions
 
 
 class SlowCartPole(CartPole):
@@ -39,6 +39,7 @@ class SlowCartPole(CartPole):
         if self._delay:
             time.sleep(self._delay)
         return super().step(actions)
+
 
 
 def test_split_phase_steps_equal_in_process_stepping(pool_factory):
@@ -129,8 +130,7 @@ def test_a_hung_worker_times_out_from_its_own_send_while_the_others_keep_steppin
                          functools.partial(SlowCartPole, 0.0, 3, flag)], step_timeout_s=1.0)
     pool.reset(seed=0)
     generator = torch.Generator().manual_seed(0)
-    with open(flag, "w") as f:
-        f.write("hang")
+    arm_fault(flag, "hang")
     last_root = pool.root(1)
     pool.send(cartpole_actions(5, generator), [0, 1])
     sent, fast_steps = time.monotonic(), 0
@@ -171,8 +171,7 @@ def test_a_failed_worker_is_restarted_and_only_its_envs_truncated(pool_factory, 
     if mode == "kill":
         os.kill(old_pid, signal.SIGKILL)
     else:
-        with open(flag, "w") as f:
-            f.write("raise")
+        arm_fault(flag, "raise")
     actions = cartpole_actions(4, generator)
     pool.send(actions, [0, 1])
     finished: list[int] = []
@@ -192,8 +191,7 @@ def test_strict_mode_raises_from_poll(pool_factory, tmp_path):
     flag = str(tmp_path / "fault")
     pool = pool_factory([functools.partial(SlowCartPole, 0.0, 2, flag)], restart=False)
     pool.reset(seed=0)
-    with open(flag, "w") as f:
-        f.write("raise")
+    arm_fault(flag, "raise")
     pool.send(cartpole_actions(2, torch.Generator().manual_seed(0)), [0])
     with pytest.raises(EnvWorkerFault, match="env worker 0"):
         pool.poll(timeout_s=None)

@@ -19,6 +19,7 @@ from core.policies import PolicyConfig, make_policies
 from orchestration.actor import Actor
 from orchestration.assignment import assign
 from orchestration.polling_actor import PollingActor
+from tests.adapters.test_env_worker import arm_fault
 from tests.adapters.test_env_worker_polling import SlowCartPole
 
 G = "agent"  # CartPole's one group
@@ -148,7 +149,7 @@ def test_a_hung_process_is_restarted_and_only_its_envs_are_truncated(pool_factor
     actor = PollingActor(pool, _policies(), assign(pool.tree), fragment_length=length, seed=0,
                          worker_ids=[0, 1])
     streams = _collect(actor, lambda s: len(s[1]) >= 2)
-    flag.write_text("hang")
+    arm_fault(flag, "hang")  # (process 1 may be mid-step: it must never read the flag half written)
     steps_before = actor.process_steps
     streams = {w: streams[w] + more for w, more in _collect(actor, lambda s: len(s[1]) >= 3).items()}
     # while process 1 hung for >= 1 s, process 0 stepped on (~2 ms a step)
