@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
-import json
 import math
 import sys
 import time
@@ -38,6 +37,7 @@ from typing import Sequence
 import tyro
 
 from orchestration.config import TrainConfig
+from orchestration.result_line import print_result
 from orchestration.user_errors import is_users_mistake, user_errors
 
 
@@ -116,7 +116,7 @@ def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
                 trainer, config, resume, progress = _setup_training(one, command)
             metrics = _run_training(trainer, config, resume, progress, command)
             runs.append(config.run_dir)
-        print(json.dumps({"runs": runs, "plot": "shoal plot " + " ".join(runs) + " --out curve.png"}))
+        print_result({"runs": runs, "plot": "shoal plot " + " ".join(runs) + " --out curve.png"})
         return metrics
     with user_errors(command):
         trainer, config, resume, progress = _setup_training(argv, command)
@@ -269,7 +269,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
 
         per_seat = play_seats(checkpoint, opponent, episodes=episodes, seats=tuple(seats), env=config.env,
                               num_envs=num_envs, sample=sample)
-        print(json.dumps({"checkpoint": str(checkpoint), "opponent": opponent, "seats": per_seat}))
+        print_result({"checkpoint": str(checkpoint), "opponent": opponent, "seats": per_seat})
         return min(r["win"] for r in per_seat.values())
     tree = from_json(state["tree"])
     assignment = assignment_for(config, tree)
@@ -308,8 +308,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
                     returns.setdefault(key, []).extend(values)
                     returns.setdefault(f"{key}/env:{env_id}", []).extend(values)
         results = summarize(returns)
-    print(json.dumps({"checkpoint": str(checkpoint), "episodes": episodes, **results,
-                      **({"videos": [str(v) for v in videos]} if videos is not None else {})}))
+    print_result({"checkpoint": str(checkpoint), "episodes": episodes, **results,
+                  **({"videos": [str(v) for v in videos]} if videos is not None else {})})
     return results["eval_return_mean"]
 
 
@@ -344,7 +344,7 @@ def plot(runs: tyro.conf.Positional[list[str]], out: str = "runs.png", metric: s
     from orchestration.metrics_log import plot_runs
 
     summary = plot_runs(runs, out, y=metric)
-    print(json.dumps(summary))
+    print_result(summary)
     return summary
 
 

@@ -9,6 +9,7 @@ import torch
 import tyro
 
 from orchestration.checkpoint import load_checkpoint
+from orchestration.result_line import print_result
 from orchestration.run_state import load_config
 
 
@@ -82,7 +83,7 @@ def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list
     order = [a for spec in group_specs.values() for a in spec.agent_names]
     manifest["agents"] = {a: manifest["agents"][a] for a in order if a in manifest["agents"]}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(json.dumps({"exported": written, "manifest": str(out_dir / "manifest.json")}))
+    print_result({"exported": written, "manifest": str(out_dir / "manifest.json")})
     return written
 
 

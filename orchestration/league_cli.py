@@ -30,6 +30,7 @@ import tyro
 
 from orchestration.config import TrainConfig
 from orchestration.league_config import LeagueConfig
+from orchestration.result_line import print_result
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     table = league.table()
     summary = {"run_dir": str(run_dir), "iterations": league.iteration, **written,
                "ratings": {p["name"]: round(p["rating"], 1) for p in table["players"]}}
-    print(json.dumps(summary))
+    print_result(summary)
     return summary
 
 

@@ -17,6 +17,7 @@ import torch
 from orchestration.checkpoint import save_checkpoint
 from orchestration.config import TrainConfig
 from orchestration.metrics_log import MetricsLog, plot_learning_curve
+from orchestration.result_line import print_result, result_json
 from orchestration.run_state import trainer_state
 
 
@@ -102,7 +103,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
                 if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration,
                     shown = {k: round(v, 2) for k, v in metrics.items()  # on stderr: stdout ends with the result
                              if k.startswith(("pipeline/", "fragments_", "workers_restarted", "learners_restarted"))}
-                    bar.write(f"iteration {trainer.iteration}: " + json.dumps(shown), file=sys.stderr)
+                    bar.write(f"iteration {trainer.iteration}: " + result_json(shown), file=sys.stderr)
                 due = config.checkpoint_every and trainer.iteration % config.checkpoint_every == 0
                 late = config.checkpoint_every_s and time.monotonic() - last_save >= config.checkpoint_every_s
                 if due or late:
@@ -119,8 +120,8 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
         raise SystemExit(128 + stopped)
     png = plot_learning_curve(log.csv_path, run_dir / "learning_curve.png", title=config.env)
     final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10", "env_steps")}
-    print(json.dumps({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
-                      "checkpoint": str(ckpt_root), **final}))
+    print_result({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
+                  "checkpoint": str(ckpt_root), **final})
     return metrics
 
 

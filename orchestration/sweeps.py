@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from orchestration.config import TrainConfig
+from orchestration.result_line import print_result, result_json
 
 
 def config_from_params(base: TrainConfig, params: Mapping[str, Any]) -> TrainConfig:
@@ -295,15 +296,15 @@ def main(argv: list[str]) -> int:
     print(_format(rows))
     finite = [r for r in rows if isinstance(r[args.metric], (int, float)) and math.isfinite(r[args.metric])]
     best = (max if args.mode == "max" else min)(finite, key=lambda r: r[args.metric]) if finite else None
-    print(json.dumps({"experiment": str(out), "results": str(out / "results.csv"), "trials": len(rows),
-                      "failed": sum(r["status"] != "ok" for r in rows),
-                      "best": {k: best[k] for k in ("trial", *space, args.metric, "checkpoint")} if best else None}))
+    print_result({"experiment": str(out), "results": str(out / "results.csv"), "trials": len(rows),
+                  "failed": sum(r["status"] != "ok" for r in rows),
+                  "best": {k: best[k] for k in ("trial", *space, args.metric, "checkpoint")} if best else None})
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
 def _write(rows: list[dict[str, Any]], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "results.json").write_text(json.dumps(rows, indent=1, default=str))
+    (directory / "results.json").write_text(result_json(rows, indent=1, default=str))
     with open(directory / "results.csv", "w", newline="") as f:
         if rows:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
