@@ -178,7 +178,9 @@ def fragment_accounting(reports: Mapping[str, Mapping], reported: Mapping[int, i
     ``accepted + stale + lost + in_flight == produced`` holds exactly.
 
     Returns:
-        ``(produced, {policy id: {"fragments_accepted", ..., "weights_serializations", "policy_version"}})``.
+        ``(produced, {policy id: {"fragments_accepted", ..., "weights_serializations", "policy_version",
+        "env_steps_trained"}})``; ``env_steps_trained`` sums the env steps of the batches the learner trained on
+        (a batch once, whatever its epochs; a fragment reused by the inbox once per use).
     """
     heard: dict[int, int] = {}
     for report in reports.values():
@@ -199,6 +201,9 @@ def fragment_accounting(reports: Mapping[str, Mapping], reported: Mapping[int, i
                       trained_max_lag=counters["max_trained_lag"], policy_version=report["version"])
         if "serializations" in counters:  # Ray learners: weights put in the object store once per version
             values["weights_serializations"] = counters["serializations"]
+        trained = report.get("learner", {}).get("env_steps_trained")
+        if trained is not None:  # in async mode env_steps counts what the fleet sampled, this what was learnt from
+            values["env_steps_trained"] = trained
         out[pid] = values
     return sum(produced.values()), out
 

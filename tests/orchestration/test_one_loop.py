@@ -34,6 +34,7 @@ def test_async_mode_in_one_process_is_deterministic_and_trains_on_lagging_data()
     second, weights_b = _run(ASYNC, 6)
     assert (weights_a == weights_b).all()  # a deterministic serial interleaving
     assert [m["policy_version"] for m in first] == list(range(1, 7))  # one training step per iteration
+    assert [m["env_steps_trained"] for m in first] == [64 * (k + 1) for k in range(6)]  # one batch each
     assert [m["fragments_produced"] for m in first] == [m["fragments_produced"] for m in second]
     # A batch is one fragment of two produced per round: the second one reaches the learner one version late.
     assert max(m["trained_max_lag"] for m in first) == 1

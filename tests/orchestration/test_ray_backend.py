@@ -178,6 +178,8 @@ def test_slow_worker_data_beyond_max_staleness_is_dropped_and_counted(streaming,
     assert metrics["fragments_stale"] >= 1  # the slow worker's fragments arrived too late
     assert _identity(metrics)
     assert metrics["policy_version"] == 12 and metrics["pipeline/fragments"] > 0
+    # the workers sample while the learner trains: env_steps counts all of it, env_steps_trained the batches
+    assert metrics["env_steps_trained"] == 12 * 128 < metrics["env_steps"]
     ray_session.get(streaming.fleet.handles()[1].set_fragment_delay.remote(0.0))
 
 
