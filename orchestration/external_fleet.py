@@ -216,9 +216,10 @@ def build_external(config: TrainConfig, *, log=None):
         policies, fixed = build_policies(config, tree, assignment)
         teardown, resolve = None, (lambda w: w)
         if config.backend == "ray":
-            from orchestration.ray_session import build_ray_learners, resolve_weights
+            from orchestration.ray_session import await_started, build_ray_learners, resolve_weights
 
             learners, _, _, teardown = build_ray_learners(config, tree, policies, fixed)
+            await_started(learners, teardown)
             learners.update({pid: FixedLearner(policies[pid]) for pid in fixed})
             resolve = resolve_weights
         else:

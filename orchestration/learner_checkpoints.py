@@ -1,6 +1,6 @@
 """The registry a restarted Ray learner resumes from (:mod:`orchestration.ray_learner` makes it an actor):
-per policy, the driver's latest learner state (object refs, kept opaque here), the highest version published
-and the restarts so far. Plain bookkeeping, no Ray calls."""
+per policy, the weights it started from and the driver's latest learner state (object refs, kept opaque
+here), the highest version published and the restarts so far. Plain bookkeeping, no Ray calls."""
 
 from __future__ import annotations
 
@@ -12,8 +12,16 @@ class LearnerCheckpoints:
 
     def __init__(self) -> None:
         self.refs: dict[str, list] = {}
+        self.initial: dict[str, list] = {}
         self.versions: dict[str, int] = {}
         self.restarts: dict[str, int] = {}
+
+    def set_initial(self, policy_id: str, refs: Sequence[Any]) -> None:
+        """``[ref]`` of the weights ``policy_id``'s learner starts from (its constructor reads them here)."""
+        self.initial[policy_id] = list(refs)
+
+    def initial_weights(self, policy_id: str) -> list | None:
+        return self.initial.get(policy_id)
 
     def save(self, policy_id: str, refs: Sequence[Any], version: int) -> None:
         self.refs[policy_id] = list(refs)

@@ -70,7 +70,12 @@ class RayFleet:
         self.dead: set[int] = set()  # worker ids of incarnations that died
         self.env_ids: list[str | None] = [None] * config.rollout.num_workers  # collection member per slot
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
-        ray.get([s.handle.info.remote() for s in self.slots])  # construction errors surface here
+        try:
+            ray.get([s.handle.info.remote() for s in self.slots])  # construction errors surface here
+        except BaseException:
+            for slot in self.slots:
+                kill_actor(slot.handle)
+            raise
 
     def _spawn(self, slot: int, incarnation: int, weights: Weights) -> _Slot:
         options: dict[str, Any] = {"num_cpus": self.ray_config.worker_num_cpus, "max_restarts": 0}

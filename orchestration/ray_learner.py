@@ -58,11 +58,22 @@ def take_push(inbox, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef], tim
 
 class LearnerServer:
     """The learner actor of ``policy_id``: built from the config by the one builder, started from
-    ``initial_weights`` (a :func:`to_wire` message), resumed from ``checkpoints`` after a restart."""
+    ``initial_weights`` (a :func:`to_wire` message; None: the ones registered in ``checkpoints``), resumed from
+    ``checkpoints`` after a restart.
 
-    def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping, *,
+    The driver registers the initial weights instead of passing them, and names the registry instead of
+    passing its handle: Ray keeps a constructor argument that is, or holds, an object ref (a handle holds
+    one) only as long as its owner does, so a restart might not read it again (ray-project/ray#53727; Ray
+    logs an error for every such restartable actor).
+    """
+
+    def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping | None, *,
                  resolve_timeout_s: float = 30.0, num_threads: int = 1, checkpoints: Any = None) -> None:
         torch.set_num_threads(num_threads)
+        if isinstance(checkpoints, str):  # the registry's actor name
+            checkpoints = ray.get_actor(checkpoints)
+        if initial_weights is None:
+            initial_weights = ray.get(_registered(checkpoints, policy_id, resolve_timeout_s)[0])
         tree = from_json(tree_json)
         assignment = assignment_for(config, tree)
         policy = policy_module(config, tree, assignment, policy_id)
@@ -279,6 +290,17 @@ class _Pending:
         return self.learner.finish(self.ref)
 
 
+def _registered(checkpoints, policy_id: str, timeout_s: float) -> list:
+    """``[ref]`` of ``policy_id``'s initial weights in the registry. The driver registers them right after
+    creating the registry, a call from another process than this one, so it may land a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while (refs := ray.get(checkpoints.initial_weights.remote(policy_id))) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"learner {policy_id!r}: its initial weights were never registered")
+        time.sleep(0.01)
+    return refs
+
+
 class RayLearner:
     """The driver's handle on a learner actor, with the Learner protocol (:mod:`orchestration.learner`).
 
@@ -289,12 +311,19 @@ class RayLearner:
     learns = True
 
     def __init__(self, policy_id: str, handle, registry, *, checkpoint_every: int, restart_timeout_s: float,
-                 peers: Sequence[Any] = ()) -> None:
+                 peers: Sequence[Any] = (), initial: tuple[int, list] | None = None) -> None:
         self.policy_id, self.handle, self.registry = policy_id, handle, registry
         self.checkpoint_every, self.restart_timeout_s, self.peers = checkpoint_every, restart_timeout_s, list(peers)
-        self._published = ray.get(handle.published.remote())
+        # ``initial``: the weights the actor was created with, ``(0, [ref])``, put by the driver: the rollout
+        # workers start from them while the actor is still starting (wait with :meth:`started`)
+        self._published = initial if initial is not None else ray.get(handle.published.remote())
+        self._initial = initial  # its ref: what a restarted actor's constructor reads again
         self._steps = 0
         self.recoveries = 0
+
+    def started(self):
+        """A ref that resolves once the actor is constructed (``ray.get`` raises its construction error)."""
+        return self.handle.published.remote()
 
     def _get(self, ref):
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -127,7 +128,8 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
 
     Returns:
         ``(policy id -> RayLearner, policy id -> actor handle, placement options, teardown)``; the teardown
-        releases the checkpoint registry and a Ray instance this call started.
+        releases the checkpoint registry and a Ray instance this call started. The learner actors may still
+        be starting: :func:`await_started` waits for them.
     """
     from orchestration.assignment import groups_of
     from orchestration.builder import assignment_for
@@ -141,17 +143,20 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
     check_resources(config, rc, placed, strict=owns_ray and not joined)
     options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, placed, dict(rc.learner_resources))
-    wire = {pid: to_wire(TensorDict.from_module(policies[pid]).detach()) for pid in trained}
+    initial = {pid: [ray.put(to_wire(TensorDict.from_module(policies[pid]).detach()))] for pid in trained}
     # The checkpoint registry stays near the driver (it reserves nothing, so it never competes with the
     # learners for pinned resources); statistics live beside the learners when they are pinned.
     near_driver = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                          soft=True)}
     placement = {"resources": dict(rc.learner_resources)} if rc.learner_resources else near_driver
-    registry = RemoteLearnerCheckpoints.options(max_restarts=-1, **near_driver).remote()
+    registry_name = f"shoal-learner-checkpoints-{uuid.uuid4().hex}"  # the learners look it up by name
+    registry = RemoteLearnerCheckpoints.options(name=registry_name, max_restarts=-1, **near_driver).remote()
+    for pid, refs in initial.items():  # the learners read them there (see LearnerServer)
+        registry.set_initial.remote(pid, refs)
     restarts = rc.max_learner_restarts if rc.learners_per_policy == 1 else 0  # a rank 0 takes its group down
     handles = {pid: RemoteLearner.options(max_restarts=restarts, **options).remote(
-        pid, config, to_json(tree), wire[pid], resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads,
-        checkpoints=registry) for pid in trained}
+        pid, config, to_json(tree), None, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads,
+        checkpoints=registry_name) for pid in trained}
     peers: dict[str, list] = {pid: [] for pid in trained}
     if rc.learners_per_policy > 1:  # rank 0 is the learner actor; its peers train shards of every batch
         assignment, world = assignment_for(config, tree), rc.learners_per_policy
@@ -162,8 +167,11 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
             address, port = ray.get(server.rendezvous.remote())
             ray.get([server.join_data_parallel.remote(peers[pid], address, port)]
                     + [peer.join.remote(r, world, address, port) for r, peer in enumerate(peers[pid], 1)])
+    # Not waited for here: the actors start (import torch, build) while the caller creates the rest; the
+    # caller waits with await_started. A fresh learner's version-0 weights are the ones it was given.
     learners = {pid: RayLearner(pid, h, registry, checkpoint_every=rc.learner_checkpoint_every,
-                                restart_timeout_s=rc.iteration_timeout_s, peers=peers[pid]) for pid, h in handles.items()}
+                                restart_timeout_s=rc.iteration_timeout_s, peers=peers[pid],
+                                initial=(0, initial[pid])) for pid, h in handles.items()}
 
     def teardown() -> None:
         kill_actor(registry)
@@ -171,6 +179,23 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
             ray.shutdown()
 
     return learners, handles, placement, teardown
+
+
+def await_started(learners: Mapping[str, Any], teardown: Callable[[], None],
+                  others: Sequence[Any] = ()) -> None:
+    """Waits until every learner actor is constructed; on a construction error kills them, ``others`` (actor
+    handles) and runs ``teardown`` before raising it (a shared Ray instance keeps no half-built run)."""
+    try:
+        ray.get([learner.started() for learner in learners.values()])
+    except BaseException:
+        _discard(learners, teardown, others)
+        raise
+
+
+def _discard(learners: Mapping[str, Any], teardown: Callable[[], None], others: Sequence[Any]) -> None:
+    for actor in [*others, *(learner.handle for learner in learners.values())]:
+        kill_actor(actor)
+    teardown()
 
 
 def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any], fixed: set[str],
@@ -209,7 +234,13 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         gpus = min(1.0, left) if left >= 0.1 else 0.0  # what the learners leave, else the CPU
         inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
-    fleet = RayFleet(config, rc, handles, stats, weights, inference)
+    others = [*([critic.handle] if critic else [])]
+    try:  # the workers start while the learners do: each imports torch, which takes seconds
+        fleet = RayFleet(config, rc, handles, stats, weights, inference)
+    except BaseException:  # (RayFleet kills the workers it started)
+        _discard(learners, teardown, [*others, stats, *([inference] if inference else [])])
+        raise
+    await_started(learners, lambda: (fleet.close(), teardown()), others)
     return fleet, learners, critic, teardown
 
 
@@ -295,5 +326,5 @@ def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwar
             ray.shutdown()
 
 
-__all__ = ["build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed", "init_ray", "kill_actor",
+__all__ = ["await_started", "build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed", "init_ray", "kill_actor",
            "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable", "try_get"]

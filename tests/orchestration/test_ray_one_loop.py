@@ -80,3 +80,55 @@ def test_two_learners_on_one_node_read_one_object_store_copy_of_a_shared_fragmen
     for server in servers:
         ray_session.kill(server)
     local.close()
+
+
+def _refs_in(value) -> list:
+    """The object refs and actor handles anywhere inside ``value`` (dicts, lists, tuples)."""
+    import ray
+    from ray.actor import ActorHandle
+
+    if isinstance(value, (ray.ObjectRef, ActorHandle)):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [r for v in value for r in _refs_in(v)]
+    return []
+
+
+def test_restartable_learners_take_no_object_ref_and_start_from_the_registered_weights(ray_session, monkeypatch):
+    """Ray keeps a restartable actor's constructor argument that is, or holds, an object ref (an actor handle
+    holds one) only while its owner does, and logs an error for each such actor (ray-project/ray#53727). The
+    learner takes plain values, looks the checkpoint registry up by name and reads its initial weights
+    there: the ones the workers start from."""
+    import ray
+
+    import orchestration.ray_learner as ray_learner
+    from orchestration.wire import from_wire
+
+    seen, real = [], ray_learner.RemoteLearner
+
+    class Recording:  # RemoteLearner.options(...).remote(...), recording the constructor's arguments
+        def options(self, **options):
+            chosen = real.options(**options)
+
+            class Creator:
+                def remote(self, *args, **kwargs):
+                    seen.append((options, args, kwargs))
+                    return chosen.remote(*args, **kwargs)
+            return Creator()
+
+    monkeypatch.setattr(ray_learner, "RemoteLearner", Recording())
+    config = TrainConfig(env="builtin:cartpole", seed=0, iterations=1, backend="ray", ray=RAY, train_batch_size=16,
+                         rollout=RolloutConfig(num_envs=2, fragment_length=8, num_workers=1))
+    trainer = build_trainer(config)
+    try:
+        (options, args, kwargs), = seen
+        assert options["max_restarts"] > 0 and not _refs_in([list(args), kwargs])
+        learner = trainer.learners["agent"]
+        version, refs = ray.get(learner.handle.published.remote())  # what the actor itself holds
+        (worker,) = trainer.fleet.actor_weights("agent")
+        assert version == 0 and (from_wire(ray.get(refs[0])) == worker).all()
+        assert trainer.train()["policy_version"] == 1
+    finally:
+        trainer.close()
