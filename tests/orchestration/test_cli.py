@@ -14,11 +14,22 @@ ARGS = ["builtin:cartpole", "--rollout.num-envs", "8", "--rollout.fragment-lengt
         "--no-progress", "--no-anneal-lr"]
 
 
+def _start(*args: str, cwd) -> subprocess.Popen:
+    """``shoal ARGS`` in a new process, started (independent commands run side by side: each spends seconds
+    importing torch)."""
+    return subprocess.Popen([sys.executable, "-m", "orchestration.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen) -> str:
+    """The stdout of a :func:`_start` ed command, which must succeed."""
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
 def _shoal(*args: str, cwd) -> str:
-    result = subprocess.run([sys.executable, "-m", "orchestration.cli", *args], cwd=cwd, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return _finish(_start(*args, cwd=cwd))
 
 
 def _rows(path) -> list[dict[str, str]]:
@@ -28,8 +39,9 @@ def _rows(path) -> list[dict[str, str]]:
 
 @pytest.mark.slow
 def test_resume_in_a_new_process_equals_an_uninterrupted_run(tmp_path):
-    _shoal("train", *ARGS, "--iterations", "4", "--run-dir", str(tmp_path / "straight"), cwd=tmp_path)
+    straight = _start("train", *ARGS, "--iterations", "4", "--run-dir", str(tmp_path / "straight"), cwd=tmp_path)
     _shoal("train", *ARGS, "--iterations", "2", "--run-dir", str(tmp_path / "split"), cwd=tmp_path)
+    _finish(straight)
     out = _shoal("train", "--resume", "--run-dir", str(tmp_path / "split"), "--iterations", "4", "--no-progress",
                  cwd=tmp_path)
     assert json.loads(out.strip().splitlines()[-1])["env_steps"] == 4 * 8 * 32
@@ -53,8 +65,8 @@ def test_evaluate_and_export_a_checkpoint(tmp_path, monkeypatch):
     run = tmp_path / "run"
     monkeypatch.chdir(tmp_path)
     main(["train", *ARGS, "--iterations", "2", "--run-dir", str(run)])  # in-process: evaluate, export are the subject
-    result = json.loads(_shoal("evaluate", str(run / "checkpoints"), "--episodes", "3", "--num-envs", "3",
-                               cwd=tmp_path).splitlines()[-1])
+    evaluating = _start("evaluate", str(run / "checkpoints"), "--episodes", "3", "--num-envs", "3", cwd=tmp_path)
+    exporting = _start("export", str(run / "checkpoints"), "--out", str(tmp_path / "policy"), cwd=tmp_path)
     # The same checkpoint evaluated in this process by the trainer's own evaluator (same seed, envs, weights)
     # gives the same returns: the command loaded the checkpoint's policies, not fresh ones.
     from orchestration.builder import build_trainer
@@ -69,9 +81,10 @@ def test_evaluate_and_export_a_checkpoint(tmp_path, monkeypatch):
     expected = trainer.evaluate(3)["eval_return_mean"]
     fresh = build_trainer(type(config)(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
                                           "eval_every": 1, "eval_episodes": 3})).evaluate(3)["eval_return_mean"]
+    result = json.loads(_finish(evaluating).splitlines()[-1])
     assert result["episodes"] == 3 and result["eval_return_mean"] == expected != fresh
     assert result["eval_return_std"] >= 0.0
-    _shoal("export", str(run / "checkpoints"), "--out", str(tmp_path / "policy"), cwd=tmp_path)
+    _finish(exporting)
     manifest = json.loads((tmp_path / "policy/manifest.json").read_text())
     # The exported program runs with torch alone (no Shoal import) and acts like the trained policy.
     code = f"""

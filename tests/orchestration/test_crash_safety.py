@@ -164,10 +164,13 @@ def test_a_checkpoint_naming_a_module_env_imports_nothing(tmp_path):
     os.rename(directory, run_dir / "checkpoints" / directory.name)
     (run_dir / "checkpoints" / "latest").write_text(directory.name)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for args in (["evaluate", str(run_dir / "checkpoints")], ["train", "--resume", "--run-dir", str(run_dir)]):
-        out = _shoal(*args, cwd=tmp_path, check=False, env=env)
-        assert out.returncode != 0 and "never allowed to import code" in out.stderr, out.stderr[-2000:]
-        assert "Traceback" not in out.stderr
+    commands = (["evaluate", str(run_dir / "checkpoints")], ["train", "--resume", "--run-dir", str(run_dir)])
+    processes = [subprocess.Popen([sys.executable, "-m", "orchestration.cli", *args], cwd=tmp_path, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in commands]  # side by side
+    for process in processes:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode != 0 and "never allowed to import code" in err, err[-2000:]
+        assert "Traceback" not in err
     assert not marker.exists()
 
 
