@@ -57,15 +57,9 @@ def take_push(inbox, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef], tim
 
 
 class LearnerServer:
-    """The learner actor of ``policy_id``: built from the config by the one builder, started from
-    ``initial_weights`` (a :func:`to_wire` message; None: the ones registered in ``checkpoints``), resumed from
-    ``checkpoints`` after a restart.
-
-    The driver registers the initial weights instead of passing them, and names the registry instead of
-    passing its handle: Ray keeps a constructor argument that is, or holds, an object ref (a handle holds
-    one) only as long as its owner does, so a restart might not read it again (ray-project/ray#53727; Ray
-    logs an error for every such restartable actor).
-    """
+    """The learner actor of ``policy_id``: built by the one builder, started from ``initial_weights`` (a
+    :func:`to_wire` message; None: those registered in ``checkpoints``, the registry or its actor name: the
+    driver passes no object ref, which a restart might not read again, ray-project/ray#53727)."""
 
     def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping | None, *,
                  resolve_timeout_s: float = 30.0, num_threads: int = 1, checkpoints: Any = None) -> None:
@@ -197,8 +191,7 @@ class LearnerServer:
         return [to_wire(e.fragment, e.meta) for e in self._last]
 
     def pooled_memory(self) -> dict[str, Any]:
-        """Data addresses of the first leaf of every pooled fragment and this process's memory map (tests:
-        learners on a node map one object-store copy)."""
+        """Addresses of each pooled fragment's first leaf and this process's memory map (tests: one copy)."""
         with open("/proc/self/maps") as f:
             maps = f.read()
         return {"addresses": [next(iter(e.fragment.values(True, True))).data_ptr()
@@ -291,8 +284,7 @@ class _Pending:
 
 
 def _registered(checkpoints, policy_id: str, timeout_s: float) -> list:
-    """``[ref]`` of ``policy_id``'s initial weights in the registry. The driver registers them right after
-    creating the registry, a call from another process than this one, so it may land a moment later."""
+    """``[ref]`` of ``policy_id``'s initial weights in the registry (the driver's call may land later)."""
     deadline = time.monotonic() + timeout_s
     while (refs := ray.get(checkpoints.initial_weights.remote(policy_id))) is None:
         if time.monotonic() > deadline:
@@ -314,10 +306,8 @@ class RayLearner:
                  peers: Sequence[Any] = (), initial: tuple[int, list] | None = None) -> None:
         self.policy_id, self.handle, self.registry = policy_id, handle, registry
         self.checkpoint_every, self.restart_timeout_s, self.peers = checkpoint_every, restart_timeout_s, list(peers)
-        # ``initial``: the weights the actor was created with, ``(0, [ref])``, put by the driver: the rollout
-        # workers start from them while the actor is still starting (wait with :meth:`started`)
+        # ``initial``: ``(0, [ref])``, the actor's first weights: workers start from them meanwhile (:meth:`started`)
         self._published = initial if initial is not None else ray.get(handle.published.remote())
-        self._initial = initial  # its ref: what a restarted actor's constructor reads again
         self._steps = 0
         self.recoveries = 0
 

@@ -326,5 +326,6 @@ def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwar
             ray.shutdown()
 
 
-__all__ = ["await_started", "build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed", "init_ray", "kill_actor",
-           "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable", "try_get"]
+__all__ = ["await_started", "build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed", "init_ray",
+           "kill_actor", "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable",
+           "try_get"]
