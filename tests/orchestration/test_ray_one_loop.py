@@ -132,3 +132,33 @@ def test_restartable_learners_take_no_object_ref_and_start_from_the_registered_w
         assert trainer.train()["policy_version"] == 1
     finally:
         trainer.close()
+
+
+class _FailingLearner:
+    def __init__(self, *args, **kwargs) -> None:
+        raise ValueError("this learner cannot start")
+
+    def published(self):
+        return None
+
+
+def test_a_learner_that_fails_to_start_raises_its_error_and_leaves_no_actor_behind(ray_session, monkeypatch):
+    """The workers start while the learners do: when a learner's constructor fails, the build raises that
+    error and kills what it started (the workers' CPUs are free again on the shared Ray instance)."""
+    import time
+
+    import ray
+
+    import orchestration.ray_learner as ray_learner
+
+    monkeypatch.setattr(ray_learner, "RemoteLearner", ray.remote(_FailingLearner))
+    free = ray.available_resources().get("CPU", 0.0)
+    config = TrainConfig(env="builtin:cartpole", iterations=1, backend="ray", train_batch_size=16,
+                         ray=RayConfig(worker_num_cpus=0.5, learner_num_cpus=0.5),
+                         rollout=RolloutConfig(num_envs=2, fragment_length=8, num_workers=2))
+    with pytest.raises(ray.exceptions.RayActorError, match="this learner cannot start"):
+        build_trainer(config)
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0.0) < free and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0.0) == free
