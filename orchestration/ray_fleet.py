@@ -55,8 +55,6 @@ class RayFleet:
     league's opponent) are put in the object store once per version.
     """
 
-    resume_exact = False
-    """A resumed Ray run restarts its workers' envs (learners resume exactly; sampling does not)."""
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], stats,
                  weights: Weights, inference=None) -> None:
@@ -70,8 +68,8 @@ class RayFleet:
         self.dead: set[int] = set()  # worker ids of incarnations that died
         self.env_ids: list[str | None] = [None] * config.rollout.num_workers  # collection member per slot
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
-        try:
-            ray.get([s.handle.info.remote() for s in self.slots])  # construction errors surface here
+        try:  # construction errors surface here
+            self._env_state = all(info["env_state"] for info in ray.get([s.handle.info.remote() for s in self.slots]))
         except BaseException:
             for slot in self.slots:
                 kill_actor(slot.handle)
@@ -199,12 +197,26 @@ class RayFleet:
         """The weights every worker acts with for ``policy_id``."""
         return [from_wire(m) for m in ray.get([s.handle.policy_weights.remote(policy_id) for s in self.slots])]
 
+    @property
+    def resume_exact(self) -> bool:
+        """Synchronous mode, envs that save their state and no re-created worker: a resumed run continues
+        exactly, as a local one does."""
+        return self.config.mode == "sync" and self._env_state and not self.restarts
+
+    def _checkpointable(self) -> bool:
+        # asynchronous mode: the workers are sampling; a re-created worker's stream cannot go on under the
+        # ids of a fresh fleet: a resumed run then restarts the workers' envs and counts
+        return self.config.mode == "sync" and not self.restarts
+
     def state(self) -> list[dict]:
-        """Workers' envs are not checkpointed: a resumed Ray run restarts them."""
-        return []
+        """Every worker's actor state (taken between collects), or ``[]`` (see :meth:`_checkpointable`)."""
+        return ray.get([s.handle.state.remote() for s in self.slots]) if self._checkpointable() else []
 
     def load_state_(self, states) -> None:
-        """Nothing to restore (see :meth:`state`)."""
+        """Inverse of :meth:`state`; the produced-fragment counts follow the workers' sequence numbers."""
+        if states and self._checkpointable():
+            for counts in ray.get([s.handle.load_state_.remote(st) for s, st in zip(self.slots, states)]):
+                self.reported.update(counts)
 
     def monitors(self, timeout: float = 0.5) -> list[dict]:
         """Reports of the workers answering within ``timeout`` (served beside sampling; others skipped)."""

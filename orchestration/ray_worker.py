@@ -89,8 +89,9 @@ class RolloutWorker(Sampler):
             self.push_failures += 1
 
     def info(self) -> dict[str, Any]:
-        """Where this worker runs: worker id, node id, process id."""
-        return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        """Where this worker runs: worker id, node id, process id; whether its envs can save their state."""
+        return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "env_state": hasattr(self.actor.env, "state_dict")}
 
 #: The rollout worker actor: threaded, so control calls (weights refs, monitor, stop) run beside sampling.
 RemoteRolloutWorker = ray.remote(max_concurrency=4)(RolloutWorker)

@@ -199,6 +199,16 @@ class Sampler:
         """Ends :meth:`run` after the current fragment."""
         self._stop.set()
 
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The actor's :meth:`orchestration.actor.Actor.state` (synchronous mode: taken between collects)."""
+        return self.actor.state()
+
+    def load_state_(self, state: Mapping[str, Any]) -> dict[int, int]:
+        """Loads a :meth:`state`; returns the restored fragment counts (worker id -> fragments built)."""
+        self.actor.load_state_(state)
+        return self.actor.sequences()
+
     # -- reports and test hooks --------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """Fragments produced and sent by this incarnation, and the pipeline monitor's window (then reset)."""

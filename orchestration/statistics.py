@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -117,13 +116,11 @@ def merge_monitors(snapshots: list[Mapping[str, float]]) -> dict[str, float]:
 class EpisodeStatistics:
     """Aggregates completed episodes from all rollout workers: overall, per policy and per agent.
 
-    Keeps the last ``window`` episodes of every agent and the episodes added since the last :meth:`drain`,
-    from which the driver computes exactly the local trainer's episode metrics.
+    Keeps the episodes added since the last :meth:`drain`, from which the driver computes exactly the local
+    trainer's episode metrics (its windows are part of its checkpoint; nothing here needs one).
     """
 
-    def __init__(self, window: int = 100) -> None:
-        self.window = window
-        self.history: dict[str, deque] = {}
+    def __init__(self) -> None:
         self.total_episodes = 0
         self.by_worker: dict[int, int] = {}
         self._new: list[tuple[int, int, Mapping[str, Any]]] = []
@@ -132,9 +129,6 @@ class EpisodeStatistics:
         """Records the episodes of fragment ``sequence`` of a worker (:func:`episode_arrays`); returns how many."""
         if not episodes:
             return 0
-        for key, values in episodes.items():
-            if key.startswith("agents/"):
-                self.history.setdefault(key, deque(maxlen=self.window)).extend(list(np.asarray(values)))
         self._new.append((worker_id, sequence, episodes))  # even with no episode: the keys exist, as locally
         count = len(episodes["length"])
         self.total_episodes += count
@@ -142,13 +136,8 @@ class EpisodeStatistics:
         return count
 
     def summary(self) -> dict[str, float]:
-        """Running means over the window: every agent slot's return (``episode_return_mean/agent/<g>/<i>``)."""
-        out = {"episodes_total": float(self.total_episodes)}
-        for key, rows in self.history.items():
-            if key.startswith("agents/") and rows:
-                for slot, value in enumerate(np.mean(np.stack(list(rows)), axis=0).tolist()):
-                    out[f"episode_return_mean/agent/{key.split('/', 1)[1]}/{slot}"] = value
-        return out
+        """``episodes_total``: episodes added since this aggregator started."""
+        return {"episodes_total": float(self.total_episodes)}
 
     def drain(self) -> dict[str, Any]:
         """``{"episodes": {key: values added since the last drain}, "summary": summary()}``.
@@ -230,9 +219,10 @@ def structure_metrics(agent_history: Mapping[str, Sequence[Sequence[float]]],
     """Metrics that follow the population's structure, over the last finished episodes of each group.
 
     Every group: ``episode_return_mean/group/<g>`` (its agents' returns summed: a team's return, reported
-    per group so that opposing groups never add up). Zero-sum populations: ``win_rate/<agent>``,
-    ``draw_rate/<agent>``, ``loss_rate/<agent>`` per seat (return > 0, == 0, < 0), since their summed
-    return is always 0.
+    per group so that opposing groups never add up) and each agent slot's ``episode_return_mean/agent/<g>/<i>``
+    (from the trainer's window, which a checkpoint holds: a resumed run's means go on). Zero-sum populations:
+    ``win_rate/<agent>``, ``draw_rate/<agent>``, ``loss_rate/<agent>`` per seat (return > 0, == 0, < 0),
+    since their summed return is always 0.
 
     Args:
         agent_history: group -> per-episode ``[A]`` returns of its agents.
@@ -244,6 +234,8 @@ def structure_metrics(agent_history: Mapping[str, Sequence[Sequence[float]]],
         if not len(rows):
             continue
         out[f"episode_return_mean/group/{group}"] = float(rows.sum(1).mean())
+        for slot, value in enumerate(rows.mean(0).tolist()):
+            out[f"episode_return_mean/agent/{group}/{slot}"] = value
         if spec.payoff == "zero_sum":
             for slot, agent in enumerate(spec.agent_names):
                 out[f"win_rate/{agent}"] = float((rows[:, slot] > 0).mean())

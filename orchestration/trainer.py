@@ -78,6 +78,7 @@ class Trainer:
         self._produced = 0
         self._episodes_before = self._episodes_total = 0  # finished episodes before a resume, and in all
         self._started = self._closed = False
+        self._actors_restored: bool | None = None  # set by load_state_
         self._final: dict[str, float] | None = None
         self._on_close = on_close
         self._env_counters: dict[int, dict[str, int]] = {}
@@ -289,8 +290,9 @@ class Trainer:
     @property
     def resume_exact(self) -> bool:
         """Whether a run resumed from :meth:`state` continues bit for bit: synchronous mode (nothing waits in a
-        learner's pool between iterations) and every env saves its state."""
-        return self.config.mode == "sync" and bool(self.fleet.resume_exact)
+        learner's pool between iterations) and every env saves its state (and, after a restore, the checkpoint
+        held the actors' states: a Ray run saved after a worker was re-created holds none)."""
+        return self.config.mode == "sync" and bool(self.fleet.resume_exact) and self._actors_restored is not False
 
     def state(self) -> dict[str, Any]:
         """Counters, episode history, every learner's state, the fleet's actors' states and, with a
@@ -313,6 +315,7 @@ class Trainer:
         for group, rows in state.get("agent_history", {}).items():
             self.agent_history.setdefault(group, deque(maxlen=100)).extend(rows)
         restores_actors = bool(state["actors"]) and bool(self.fleet.state())
+        self._actors_restored = restores_actors
         for pid, learner in self.learners.items():
             learner_state = dict(state["learners"][pid])
             if not restores_actors:  # fresh workers restart their sequence numbers: an old ledger would refuse them

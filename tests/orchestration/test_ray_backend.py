@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import ray
 import torch
 from tensordict import TensorDict
 
@@ -84,6 +85,8 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
                 if not key.startswith("time") and not key.endswith("per_s") and value == value:
                     assert ray_metrics[key] == value, key
         _assert_same_checkpoint(local, remote)
+        if not overrides:
+            _assert_resumes_exactly(config, local, remote)
         prefix = "" if not overrides else "other/"
         assert ray_metrics[f"{prefix}fragments_in_flight"] == 0
         assert ray_metrics[f"{prefix}weights_serializations"] == version + 1  # one put per version
@@ -112,6 +115,24 @@ def _assert_same_checkpoint(local, remote) -> None:
     assert {p: v["version"] for p, v in s_local["learners"].items()} == \
         {p: v["version"] for p, v in s_ray["learners"].items()}
     assert s_local["history"] == s_ray["history"] and s_local["env_steps"] == s_ray["env_steps"]
+
+
+def _assert_resumes_exactly(config: TrainConfig, local, remote) -> None:
+    """A new Ray trainer restored from ``remote``'s checkpoint continues as the uninterrupted ``local`` one:
+    the same next iteration (its workers' envs, sampling streams and fragment counts restored, not reset)."""
+    from orchestration.run_state import restore_trainer_, trainer_state
+
+    assert remote.resume_exact
+    resumed = _ray(config)
+    try:
+        restore_trainer_(resumed, *trainer_state(remote))
+        expected, got = local.train(), resumed.train()
+        compared = [k for k, v in expected.items() if not k.startswith("time") and not k.endswith("per_s") and v == v]
+        assert {k: got[k] for k in compared} == {k: expected[k] for k in compared}  # per-agent means too
+        (pid, learner), = local.trainable.items()
+        assert (from_wire(ray.get(resumed.weights[pid][1][0])) == TensorDict.from_module(learner.policy)).all()
+    finally:
+        resumed.close()
 
 
 def _server(config: TrainConfig):
