@@ -67,6 +67,7 @@ class RayFleet:
         self.reported: dict[int, int] = {}  # worker id -> fragments produced, as last reported
         self.dead: set[int] = set()  # worker ids of incarnations that died
         self.env_ids: list[str | None] = [None] * config.rollout.num_workers  # collection member per slot
+        self._collecting = False
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
         try:  # construction errors surface here
             self._env_state = all(info["env_state"] for info in ray.get([s.handle.info.remote() for s in self.slots]))
@@ -117,6 +118,7 @@ class RayFleet:
         (None: nothing learns, nothing to top up).
         """
         weights = self._refs(weights)
+        self._collecting = True  # stays set if this raises: the workers' states may be mid-fragment
         n = len(self.slots)
         rounds = math.ceil(target_steps / (self.fragment_steps * n))
         requests = dict.fromkeys(range(n), rounds)
@@ -136,6 +138,7 @@ class RayFleet:
                 reports.append(report)
             missing = target_steps - new_steps() if new_steps is not None else 0
             if missing <= 0:
+                self._collecting = False
                 return reports
             share = math.ceil(math.ceil(missing / self.fragment_steps) / n)
             requests = dict.fromkeys(range(n), share)
@@ -199,18 +202,25 @@ class RayFleet:
 
     @property
     def resume_exact(self) -> bool:
-        """Synchronous mode, envs that save their state and no re-created worker: a resumed run continues
-        exactly, as a local one does."""
-        return self.config.mode == "sync" and self._env_state and not self.restarts
+        """Synchronous mode, envs that save their state, no re-created worker and no central inference (the
+        server's sampling stream is not saved): a resumed run continues exactly, as a local one does."""
+        return (self.config.mode == "sync" and self._env_state and not self.restarts
+                and not self.config.rollout.central_inference)
 
     def _checkpointable(self) -> bool:
-        # asynchronous mode: the workers are sampling; a re-created worker's stream cannot go on under the
-        # ids of a fresh fleet: a resumed run then restarts the workers' envs and counts
-        return self.config.mode == "sync" and not self.restarts
+        # asynchronous mode, or a collect that failed: the workers may be mid-fragment; a re-created worker's
+        # stream cannot go on under the ids of a fresh fleet: a resumed run then restarts envs and counts
+        return self.config.mode == "sync" and not self.restarts and not self._collecting
 
     def state(self) -> list[dict]:
-        """Every worker's actor state (taken between collects), or ``[]`` (see :meth:`_checkpointable`)."""
-        return ray.get([s.handle.state.remote() for s in self.slots]) if self._checkpointable() else []
+        """Every worker's actor state (taken between collects), or ``[]`` (see :meth:`_checkpointable`, and
+        when a worker does not answer: the checkpoint is still written, without them)."""
+        if not self._checkpointable():
+            return []
+        try:
+            return ray.get([s.handle.state.remote() for s in self.slots])
+        except ray.exceptions.RayError:
+            return []
 
     def load_state_(self, states) -> None:
         """Inverse of :meth:`state`; the produced-fragment counts follow the workers' sequence numbers."""

@@ -64,8 +64,7 @@ class LearnerServer:
     def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping | None, *,
                  resolve_timeout_s: float = 30.0, num_threads: int = 1, checkpoints: Any = None) -> None:
         torch.set_num_threads(num_threads)
-        if isinstance(checkpoints, str):  # the registry's actor name
-            checkpoints = ray.get_actor(checkpoints)
+        checkpoints = ray.get_actor(checkpoints) if isinstance(checkpoints, str) else checkpoints  # or its name
         if initial_weights is None:
             initial_weights = ray.get(_registered(checkpoints, policy_id, resolve_timeout_s)[0])
         tree = from_json(tree_json)
@@ -138,6 +137,7 @@ class LearnerServer:
                    for peer, shard in zip(self._peers, shards[1:])]
         metrics = self.learner.update_([shards[0]], progress)
         ray.get(futures)  # every rank ran the same number of averaged steps
+        self.learner.counters["env_steps_trained"] += sum(s.batch_size.numel() for s in shards[1:])
         return metrics
 
     # -- data-parallel group -----------------------------------------------------------------------------

@@ -193,8 +193,10 @@ def await_started(learners: Mapping[str, Any], teardown: Callable[[], None],
 
 
 def _discard(learners: Mapping[str, Any], teardown: Callable[[], None], others: Sequence[Any]) -> None:
-    for actor in [*others, *(learner.handle for learner in learners.values())]:
+    for actor in others:
         kill_actor(actor)
+    for learner in learners.values():
+        learner.close()  # its actor and data-parallel peers
     teardown()
 
 

@@ -100,6 +100,11 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
                 after = remote.train()
             assert after["learners_restarted"] == 1 and after["policy_version"] == version + 3
             assert after["fragments_in_flight"] == 0 and _identity(after)
+            # a worker dead at a checkpoint: the checkpoint is written all the same, without the workers' states
+            from orchestration.run_state import trainer_state
+
+            ray_session.kill(remote.fleet.handles()[0])
+            assert remote.fleet.state() == [] and trainer_state(remote)[2]["actors"] == []
     finally:
         remote.close()
 

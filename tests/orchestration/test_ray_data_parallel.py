@@ -105,6 +105,7 @@ def test_ray_backend_trains_each_policy_with_two_data_parallel_learners(ray_sess
         for _ in range(3):
             metrics = trainer.train()
         assert metrics["policy_version"] == 3 and metrics["fragments_lost"] == 0
+        assert metrics["env_steps_trained"] == metrics["env_steps"]  # both ranks' shards, every batch once
         after = trainer.learners["agent"].weights()[1]
         assert not (after == before).all()
         server = trainer.learners["agent"].handle

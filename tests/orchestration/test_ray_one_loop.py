@@ -161,4 +161,4 @@ def test_a_learner_that_fails_to_start_raises_its_error_and_leaves_no_actor_behi
     deadline = time.monotonic() + 30
     while ray.available_resources().get("CPU", 0.0) < free and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0.0) == free
+    assert ray.available_resources().get("CPU", 0.0) >= free
