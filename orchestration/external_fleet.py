@@ -185,7 +185,9 @@ def build_external(config: TrainConfig, *, log=None):
     ec, log = config.external, sys.stderr if log is None else log  # resolved now: a default binds at import
     given = _given_tree(ec.tree) if ec.tree else None
     server = ExternalServer(ec, given, log=log).start()
-    launcher = None
+    launcher = service = None
+    learners: dict[str, Any] = {}
+    teardown = None
     try:
         print(f"shoal: waiting for external environments at {server.url} (token {server.token})", file=log)
         if config.run_dir:
@@ -214,12 +216,13 @@ def build_external(config: TrainConfig, *, log=None):
         tree = server.tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
-        teardown, resolve = None, (lambda w: w)
+        resolve = lambda w: w  # noqa: E731
         if config.backend == "ray":
             from orchestration.ray_session import await_started, build_ray_learners, resolve_weights
 
-            learners, _, _, teardown = build_ray_learners(config, tree, policies, fixed)
-            await_started(learners, teardown)
+            ray_learners, _, _, release = build_ray_learners(config, tree, policies, fixed)
+            await_started(ray_learners, release)  # on an error it kills them and releases itself
+            learners, teardown = ray_learners, release
             learners.update({pid: FixedLearner(policies[pid]) for pid in fixed})
             resolve = resolve_weights
         else:
@@ -240,6 +243,13 @@ def build_external(config: TrainConfig, *, log=None):
         if launcher is not None:
             launcher.close()
         server.close()
+        if service is not None:
+            service.close()
+        if teardown is not None:  # Ray learners that started: their actors and the registry go too
+            for learner in learners.values():
+                if hasattr(learner, "close"):
+                    learner.close()
+            teardown()
         raise
 
 

@@ -303,11 +303,11 @@ class RayLearner:
     learns = True
 
     def __init__(self, policy_id: str, handle, registry, *, checkpoint_every: int, restart_timeout_s: float,
-                 peers: Sequence[Any] = (), initial: tuple[int, list] | None = None) -> None:
+                 initial: tuple[int, list], peers: Sequence[Any] = ()) -> None:
         self.policy_id, self.handle, self.registry = policy_id, handle, registry
         self.checkpoint_every, self.restart_timeout_s, self.peers = checkpoint_every, restart_timeout_s, list(peers)
         # ``initial``: ``(0, [ref])``, the actor's first weights: workers start from them meanwhile (:meth:`started`)
-        self._published = initial if initial is not None else ray.get(handle.published.remote())
+        self._published = initial
         self._steps = 0
         self.recoveries = 0
 

@@ -158,26 +158,33 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
         pid, config, to_json(tree), None, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads,
         checkpoints=registry_name) for pid in trained}
     peers: dict[str, list] = {pid: [] for pid in trained}
-    if rc.learners_per_policy > 1:  # rank 0 is the learner actor; its peers train shards of every batch
-        assignment, world = assignment_for(config, tree), rc.learners_per_policy
-        for pid, server in handles.items():
-            peers[pid] = [RemoteRank.options(**options).remote(
-                policies[pid], groups_of(assignment, pid), ppo=config.ppo, lr=config.lr, batch_steps=config.steps_per_iteration // world,
-                seed=config.seed, device="cuda" if options.get("num_gpus") else "cpu") for _ in range(world - 1)]
-            address, port = ray.get(server.rendezvous.remote())
-            ray.get([server.join_data_parallel.remote(peers[pid], address, port)]
-                    + [peer.join.remote(r, world, address, port) for r, peer in enumerate(peers[pid], 1)])
-    # Not waited for here: the actors start (import torch, build) while the caller creates the rest; the
-    # caller waits with await_started. A fresh learner's version-0 weights are the ones it was given.
-    learners = {pid: RayLearner(pid, h, registry, checkpoint_every=rc.learner_checkpoint_every,
-                                restart_timeout_s=rc.iteration_timeout_s, peers=peers[pid],
-                                initial=(0, initial[pid])) for pid, h in handles.items()}
 
     def teardown() -> None:
         kill_actor(registry)
         if owns_ray:
             ray.shutdown()
 
+    if rc.learners_per_policy > 1:  # rank 0 is the learner actor; its peers train shards of every batch
+        assignment, world = assignment_for(config, tree), rc.learners_per_policy
+        try:  # the rendezvous waits for every rank: a failed one leaves nothing of the group behind
+            for pid, server in handles.items():
+                peers[pid] = [RemoteRank.options(**options).remote(
+                    policies[pid], groups_of(assignment, pid), ppo=config.ppo, lr=config.lr,
+                    batch_steps=config.steps_per_iteration // world, seed=config.seed,
+                    device="cuda" if options.get("num_gpus") else "cpu") for _ in range(world - 1)]
+                address, port = ray.get(server.rendezvous.remote())
+                ray.get([server.join_data_parallel.remote(peers[pid], address, port)]
+                        + [peer.join.remote(r, world, address, port) for r, peer in enumerate(peers[pid], 1)])
+        except BaseException:
+            for actor in [*handles.values(), *(p for group in peers.values() for p in group)]:
+                kill_actor(actor)
+            teardown()
+            raise
+    # Not waited for here: the actors start (import torch, build) while the caller creates the rest; the
+    # caller waits with await_started. A fresh learner's version-0 weights are the ones it was given.
+    learners = {pid: RayLearner(pid, h, registry, checkpoint_every=rc.learner_checkpoint_every,
+                                restart_timeout_s=rc.iteration_timeout_s, peers=peers[pid],
+                                initial=(0, initial[pid])) for pid, h in handles.items()}
     return learners, handles, placement, teardown
 
 

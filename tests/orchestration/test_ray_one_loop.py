@@ -162,3 +162,72 @@ def test_a_learner_that_fails_to_start_raises_its_error_and_leaves_no_actor_behi
     while ray.available_resources().get("CPU", 0.0) < free and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0.0) >= free
+
+
+def _cpus_back(ray, free: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0.0) < free and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray.available_resources().get("CPU", 0.0) >= free
+
+
+def _registries(ray) -> set[str]:
+    return {n for n in ray.util.list_named_actors() if n.startswith("shoal-learner-checkpoints")}
+
+
+class _FailingRank:
+    def __init__(self, *args, **kwargs) -> None:
+        raise ValueError("this rank cannot start")
+
+    def join(self, *args) -> None:
+        pass
+
+
+def test_a_data_parallel_rank_that_fails_to_start_leaves_no_actor_behind(ray_session, monkeypatch):
+    """With two learners per policy the build waits for every rank at the rendezvous: when a rank fails, the
+    error is raised and the learner actor already started, its peers and the checkpoint registry go too."""
+    import ray
+
+    import orchestration.ray_learner as ray_learner
+
+    monkeypatch.setattr(ray_learner, "RemoteRank", ray.remote(_FailingRank))
+    free, registries = ray.available_resources().get("CPU", 0.0), _registries(ray)
+    config = TrainConfig(env="builtin:cartpole", iterations=1, backend="ray", train_batch_size=16,
+                         ray=RayConfig(worker_num_cpus=0.5, learner_num_cpus=0.5, learners_per_policy=2),
+                         rollout=RolloutConfig(num_envs=2, fragment_length=8, num_workers=1))
+    with pytest.raises(ray.exceptions.RayActorError, match="this rank cannot start") as raised:
+        build_trainer(config)
+    # checked while the error (whose traceback holds the build's handles) is alive, as a caller that keeps it
+    assert _cpus_back(ray, free), "the rank-0 learner actor still holds its CPUs"
+    assert _registries(ray) <= registries and raised.value
+
+
+def test_an_external_run_that_fails_after_its_ray_learners_started_releases_them(ray_session, monkeypatch, tmp_path):
+    """``--env external`` on Ray: when the build fails after the learner actors started (here the inference
+    service cannot start), they, the checkpoint registry and the server are released, and the error is raised."""
+    import json
+
+    import ray
+
+    import orchestration.external_fleet as external_fleet
+    from orchestration.config import ExternalConfig
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples"))
+    from external_sim import TREE
+
+    class NoService:
+        def __init__(self, *args, **kwargs) -> None:
+            raise RuntimeError("no inference service here")
+
+    monkeypatch.setattr(external_fleet, "InferenceService", NoService)
+    (tmp_path / "tree.json").write_text(json.dumps(TREE))
+    free, registries = ray.available_resources().get("CPU", 0.0), _registries(ray)
+    config = TrainConfig(env="external", iterations=1, backend="ray", train_batch_size=16,
+                         ray=RayConfig(learner_num_cpus=0.5), rollout=RolloutConfig(num_envs=1, fragment_length=8),
+                         external=ExternalConfig(tree=str(tmp_path / "tree.json")))
+    with pytest.raises(RuntimeError, match="no inference service here") as raised:
+        build_trainer(config)
+    assert _cpus_back(ray, free), "the learner actor still holds its CPU"  # while the error is alive (above)
+    assert _registries(ray) <= registries and raised.value
