@@ -177,6 +177,15 @@ def _registries(ray) -> set[str]:
     return {n for n in ray.util.list_named_actors() if n.startswith("shoal-learner-checkpoints")}
 
 
+def _registries_back(ray, before: set[str]) -> bool:
+    import time
+
+    deadline = time.monotonic() + 30
+    while not _registries(ray) <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _registries(ray) <= before
+
+
 class _FailingRank:
     def __init__(self, *args, **kwargs) -> None:
         raise ValueError("this rank cannot start")
@@ -201,7 +210,7 @@ def test_a_data_parallel_rank_that_fails_to_start_leaves_no_actor_behind(ray_ses
         build_trainer(config)
     # checked while the error (whose traceback holds the build's handles) is alive, as a caller that keeps it
     assert _cpus_back(ray, free), "the rank-0 learner actor still holds its CPUs"
-    assert _registries(ray) <= registries and raised.value
+    assert _registries_back(ray, registries) and raised.value
 
 
 def test_an_external_run_that_fails_after_its_ray_learners_started_releases_them(ray_session, monkeypatch, tmp_path):
@@ -230,4 +239,4 @@ def test_an_external_run_that_fails_after_its_ray_learners_started_releases_them
     with pytest.raises(RuntimeError, match="no inference service here") as raised:
         build_trainer(config)
     assert _cpus_back(ray, free), "the learner actor still holds its CPU"  # while the error is alive (above)
-    assert _registries(ray) <= registries and raised.value
+    assert _registries_back(ray, registries) and raised.value
