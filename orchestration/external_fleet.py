@@ -185,9 +185,7 @@ def build_external(config: TrainConfig, *, log=None):
     ec, log = config.external, sys.stderr if log is None else log  # resolved now: a default binds at import
     given = _given_tree(ec.tree) if ec.tree else None
     server = ExternalServer(ec, given, log=log).start()
-    launcher = service = None
-    learners: dict[str, Any] = {}
-    teardown = None
+    launcher = service = teardown = discard = None
     try:
         print(f"shoal: waiting for external environments at {server.url} (token {server.token})", file=log)
         if config.run_dir:
@@ -218,12 +216,12 @@ def build_external(config: TrainConfig, *, log=None):
         policies, fixed = build_policies(config, tree, assignment)
         resolve = lambda w: w  # noqa: E731
         if config.backend == "ray":
-            from orchestration.ray_session import await_started, build_ray_learners, resolve_weights
+            from orchestration.ray_session import await_started, build_ray_learners, discard_learners, resolve_weights
 
-            ray_learners, _, _, release = build_ray_learners(config, tree, policies, fixed)
-            await_started(ray_learners, release)  # on an error it kills them and releases itself
-            learners, teardown = ray_learners, release
-            learners.update({pid: FixedLearner(policies[pid]) for pid in fixed})
+            ray_learners, _, _, teardown = build_ray_learners(config, tree, policies, fixed)
+            await_started(ray_learners, teardown)  # on an error it kills them and releases itself
+            discard = lambda: discard_learners(ray_learners, teardown)  # noqa: E731 - on a later error
+            learners = {**ray_learners, **{pid: FixedLearner(policies[pid]) for pid in fixed}}
             resolve = resolve_weights
         else:
             learners = build_learners(config, assignment, {pid: copy.deepcopy(p) for pid, p in policies.items()},
@@ -245,11 +243,8 @@ def build_external(config: TrainConfig, *, log=None):
         server.close()
         if service is not None:
             service.close()
-        if teardown is not None:  # Ray learners that started: their actors and the registry go too
-            for learner in learners.values():
-                if hasattr(learner, "close"):
-                    learner.close()
-            teardown()
+        if discard is not None:  # Ray learners that started: their actors and the registry go too
+            discard()
         raise
 
 

@@ -195,11 +195,13 @@ def await_started(learners: Mapping[str, Any], teardown: Callable[[], None],
     try:
         ray.get([learner.started() for learner in learners.values()])
     except BaseException:
-        _discard(learners, teardown, others)
+        discard_learners(learners, teardown, others)
         raise
 
 
-def _discard(learners: Mapping[str, Any], teardown: Callable[[], None], others: Sequence[Any]) -> None:
+def discard_learners(learners: Mapping[str, Any], teardown: Callable[[], None], others: Sequence[Any] = ()) -> None:
+    """Kills ``others`` (actor handles) and every learner's actor and data-parallel peers, then runs ``teardown``
+    (a build that fails after the learners started leaves nothing behind)."""
     for actor in others:
         kill_actor(actor)
     for learner in learners.values():
@@ -247,7 +249,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
     try:  # the workers start while the learners do: each imports torch, which takes seconds
         fleet = RayFleet(config, rc, handles, stats, weights, inference)
     except BaseException:  # (RayFleet kills the workers it started)
-        _discard(learners, teardown, [*others, stats, *([inference] if inference else [])])
+        discard_learners(learners, teardown, [*others, stats, *([inference] if inference else [])])
         raise
     await_started(learners, lambda: (fleet.close(), teardown()), others)
     return fleet, learners, critic, teardown
@@ -335,6 +337,7 @@ def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwar
             ray.shutdown()
 
 
-__all__ = ["await_started", "build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed", "init_ray",
+__all__ = ["await_started", "build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed",
+           "discard_learners", "init_ray",
            "kill_actor", "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable",
            "try_get"]
