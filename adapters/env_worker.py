@@ -69,7 +69,7 @@ class EnvWorkerPool:
             raise ValueError("need at least one factory")
         self._ctx = mp.get_context(self.config.start_method)
         if self.config.start_method == "forkserver":
-            self._ctx.set_forkserver_preload(["torch", "tensordict", "core.specs"])
+            self._ctx.set_forkserver_preload(["core", "torch", "tensordict", "core.specs"])  # core first: its dynamo deferral
         self._own = dict.fromkeys(_OWN_COUNTERS, 0)
         self._worker_counters: list[dict] = [{} for _ in factories]
         self._past_counters: dict[str, int] = {}

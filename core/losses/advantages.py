@@ -10,13 +10,15 @@ zeros (padding may hold anything, NaN included) and it is made a trajectory boun
 ``("next", group, "state_value")`` unless it is ``terminated``: an agent that leaves without a terminal
 flag is treated as truncated, and one that joins later starts a new trajectory. Hence the advantage and
 value target are exactly 0 at absent steps and nothing flows across an absence in either direction.
+
+TorchRL's kernels are imported on first use: ``torchrl`` imports ``torch._dynamo``, which a process that only
+samples (a rollout worker importing the learner's modules) need not pay for (``benchmarks/worker_start.py``).
 """
 
 from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
-from torchrl.objectives.value.functional import generalized_advantage_estimate, vtrace_advantage_estimate
 
 from core.layout import ADVANTAGE, DONE, LOG_PROB, MASK, NEXT, REWARD, STATE_VALUE, TERMINATED, VALUE_TARGET
 
@@ -55,6 +57,8 @@ def gae(
     Raises:
         ValueError: on a shape or dtype that does not match ``state_value``.
     """
+    from torchrl.objectives.value.functional import generalized_advantage_estimate
+
     sv, nsv, r, d, term = _prepared(state_value, next_state_value, reward, done, terminated, mask)
     with torch.no_grad():
         # The exact backward loop: faster than the vectorised kernel for fragments up to a few hundred steps
@@ -103,6 +107,8 @@ def vtrace(
     Raises:
         ValueError: on a shape or dtype that does not match ``state_value``.
     """
+    from torchrl.objectives.value.functional import vtrace_advantage_estimate
+
     _check_float("behaviour_log_prob", behaviour_log_prob, state_value.shape)
     _check_float("target_log_prob", target_log_prob, state_value.shape)
     sv, nsv, r, d, term = _prepared(state_value, next_state_value, reward, done, terminated, mask)

@@ -10,15 +10,21 @@ A *step* of a tree with batch ``B`` (e.g. ``(env,)`` or ``(env, time)``) is::
                                                               action, plus "@present" per non-atomic element;
                                                               :mod:`core.specs.structure`)
     td["shared"...]               [*B, *leaf.shape]           (shared observations, when the tree has any)
+
+torchrl is imported by the functions that build or read its specs, not by this module: ``torchrl.data`` also
+imports ``torch._dynamo`` (through its replay buffers), a cost a rollout worker that never converts a tree
+need not pay (``benchmarks/worker_start.py``).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from tensordict import TensorDict
-from torchrl.data import Binary, Bounded, Categorical, Composite, MultiCategorical, TensorSpec, Unbounded
+
+if TYPE_CHECKING:
+    from torchrl.data import Composite, TensorSpec
 
 from core.layout import ACTION, ACTION_MASK, MASK, OBSERVATION, SHARED
 
@@ -49,6 +55,8 @@ def leaf_bounds(leaf: Leaf) -> tuple[torch.Tensor, torch.Tensor]:
 
 def leaf_to_torchrl(leaf: Leaf) -> TensorSpec:
     """The torchrl spec of one leaf (Bounded/Unbounded, Categorical, MultiCategorical, Binary)."""
+    from torchrl.data import Binary, Bounded, Categorical, MultiCategorical, Unbounded
+
     if leaf.kind == "box":
         low, high = leaf_bounds(leaf)
         if bool(torch.isinf(low).all() and torch.isinf(high).all()):
@@ -66,6 +74,8 @@ def leaf_to_torchrl(leaf: Leaf) -> TensorSpec:
 
 def leaf_from_torchrl(spec: TensorSpec, *, eval_only: bool = False) -> Leaf:
     """The leaf of a torchrl leaf spec (inverse of :func:`leaf_to_torchrl`)."""
+    from torchrl.data import Binary, Bounded, Categorical, MultiCategorical, Unbounded
+
     shape = tuple(spec.shape)
     # Binary and MultiCategorical subclass Categorical in torchrl: test the subclasses first.
     if isinstance(spec, MultiCategorical):
@@ -86,6 +96,8 @@ def leaf_from_torchrl(spec: TensorSpec, *, eval_only: bool = False) -> Leaf:
 
 def node_to_torchrl(node: Node, batch: tuple[int, ...] = ()) -> TensorSpec:
     """A torchrl spec of ``node`` with leading ``batch`` dims (a :class:`Composite` for dict nodes)."""
+    from torchrl.data import Composite
+
     if isinstance(node, Leaf):
         spec = leaf_to_torchrl(node)
         return spec.expand(*batch, *spec.shape) if batch else spec
@@ -98,6 +110,8 @@ def _action_mask_size(node: Node) -> int | None:
 
 def to_composite(tree: Tree, batch: Iterable[int] = ()) -> Composite:
     """The step spec of ``tree`` as a torchrl :class:`Composite` with leading ``batch`` dims (module doc)."""
+    from torchrl.data import Binary, Composite
+
     batch = tuple(batch)
     entries: dict[str, TensorSpec] = {}
     for name, g in groups(tree).items():
@@ -119,6 +133,8 @@ def to_composite(tree: Tree, batch: Iterable[int] = ()) -> Composite:
 
 def _mask_tree_spec(action: Node, gb: tuple[int, ...]) -> Composite | None:
     """The spec of a structured action's mask tree (:func:`core.specs.structure.action_mask_shapes`)."""
+    from torchrl.data import Binary, Composite
+
     shapes = action_mask_shapes(action)
     if shapes is None:
         return None
@@ -141,6 +157,8 @@ def _mask_tree(action: Node, gb: tuple[int, ...]) -> TensorDict | None:
 
 
 def _shared_spec(shared: dict[tuple[str, ...], Node], batch: tuple[int, ...]) -> TensorSpec:
+    from torchrl.data import Composite
+
     if () in shared and (len(shared) > 1 and isinstance(shared[()], Leaf)):
         raise TreeError("shared_observation", "a leaf shared observation at the root cannot sit beside nested ones")
     root = node_to_torchrl(shared[()], batch) if () in shared else Composite(shape=batch)
@@ -221,6 +239,8 @@ def rand(tree: Tree, batch: Iterable[int] = (), generator: torch.Generator | Non
 
 
 def _node_from_spec(spec: TensorSpec, batch_ndim: int) -> Node:
+    from torchrl.data import Composite
+
     if isinstance(spec, Composite):
         return DictNode({k: _node_from_spec(spec[k], batch_ndim) for k in spec.keys()})
     return leaf_from_torchrl(spec[(0,) * batch_ndim] if batch_ndim else spec)
