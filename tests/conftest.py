@@ -52,10 +52,18 @@ def pool_factory():
         pool.close()
 
 
+# Modules whose tests start Ray clusters of their own (a test cluster, an unreachable address), which must not
+# overlap the session instance nor another test's.
+_OWN_RAY = ("test_ray_cluster.py", "test_ray_address_errors.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    """Every test that touches Ray joins one ``xdist_group``: under ``pytest -n 2 --dist loadgroup`` (the README's
+    command) they all run in one worker process, one after another, beside the session's single Ray instance,
+    while the other worker runs tests without Ray. Tests that need CUDA are skipped without it."""
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        if "ray_session" in item.fixturenames or item.path.name in _OWN_RAY or item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
