@@ -20,11 +20,10 @@ Test: ``tests/core/test_dynamo_deferral.py`` (same functions marked, all registe
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 import threading
+import warnings
 from typing import Any, Callable
 
 _lock = threading.RLock()
@@ -36,39 +35,42 @@ _dynamo_loaded = False  # torch._dynamo finished importing: a later call registe
 
 def deferred() -> list[Callable]:
     """The functions whose ``allow_in_graph`` registration waits for ``torch._dynamo`` (for tests)."""
-    return list(_deferred)
+    with _lock:
+        return list(_deferred)
 
 
 def _allow_in_graph(fn):
     if isinstance(fn, (list, tuple)):
         return [_allow_in_graph(f) for f in fn]
-    if _dynamo_loaded:  # dynamo finished importing while tensordict loads: no need to wait
-        import torch._dynamo
-
-        return torch._dynamo.allow_in_graph(fn)
+    if not callable(fn):  # torch's own check, at the same moment
+        raise AssertionError("allow_in_graph expects a callable")
     with _lock:
-        _deferred.append(fn)
-    return fn
+        if not _dynamo_loaded:
+            _deferred.append(fn)
+            return fn
+    import torch._dynamo  # dynamo finished importing while tensordict loads: no need to wait
+
+    return torch._dynamo.allow_in_graph(fn)
 
 
 def _assume_constant_result(fn):
-    fn._dynamo_marked_constant = True
+    fn._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result does
     return fn
 
 
 def _patch() -> None:
     global _depth, _saved
+    import torch.compiler  # before taking the lock: an import that fails leaves nothing half-done
+
     with _lock:
         _depth += 1
         if _depth == 1:
-            import torch.compiler
-
             _saved = (torch.compiler.allow_in_graph, torch.compiler.assume_constant_result)
             torch.compiler.allow_in_graph = _allow_in_graph
             torch.compiler.assume_constant_result = _assume_constant_result
 
 
-def _unpatch() -> None:
+def _unpatch(module: Any, executed: bool) -> None:
     global _depth, _saved
     with _lock:
         _depth -= 1
@@ -79,19 +81,30 @@ def _unpatch() -> None:
             _saved = None
 
 
-def _register_deferred(dynamo, imported: bool) -> None:
+def _register_deferred(module: Any, executed: bool) -> None:
+    """After ``torch._dynamo`` executed: registers what waited. Never raises (an exception here would fail the
+    importer's ``import torch._dynamo``); a function dynamo refuses is named in a warning."""
     global _dynamo_loaded
-    if not imported:  # its import failed: whoever imports it next gets another go
+    if not executed:  # its import failed: whoever imports it next gets another go
         return
     with _lock:
         _dynamo_loaded = True
         pending, _deferred[:] = list(_deferred), []
     for fn in pending:
-        dynamo.allow_in_graph(fn)
+        try:
+            module.allow_in_graph(fn)
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            warnings.warn(f"core.dynamo_deferral: torch._dynamo.allow_in_graph({fn!r}) raised {error!r}; "
+                          "torch.compile will trace into it", RuntimeWarning, stacklevel=2)
 
 
-class _Wrapped(importlib.abc.Loader):
-    """Runs ``before()`` and ``after(module, executed)`` around another loader's ``exec_module``."""
+def _no_before() -> None:
+    pass
+
+
+class _Wrapped:
+    """A loader that runs ``before()`` and ``after(module, executed)`` around another's ``exec_module`` and is
+    that loader for everything else (``get_source``, ``get_resource_reader``, ...)."""
 
     def __init__(self, loader, before: Callable[[], None], after: Callable[[Any, bool], None]) -> None:
         self._loader, self._before, self._after = loader, before, after
@@ -108,34 +121,35 @@ class _Wrapped(importlib.abc.Loader):
         finally:
             self._after(module, executed)
 
-    def __getattr__(self, name: str):  # get_resource_reader, get_filename, ...: the wrapped loader's
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_loader", "_before", "_after"):  # copy/pickle probing
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps the loaders of ``tensordict`` (and its submodules) and of ``torch._dynamo``."""
-
-    def __init__(self) -> None:
-        self._busy = threading.local()
+class _Finder:
+    """A ``sys.meta_path`` finder that wraps the loaders of ``tensordict`` (and its submodules) and of
+    ``torch._dynamo``, as found by the finders after it."""
 
     def find_spec(self, name: str, path=None, target=None):
         if name == "torch._dynamo":
-            wrap: tuple = (lambda: None, _register_deferred)
+            wrap: tuple = (_no_before, _register_deferred)
         elif name == "tensordict" or name.startswith("tensordict."):
-            wrap = (_patch, lambda module, executed: _unpatch())
+            wrap = (_patch, _unpatch)
         else:
             return None
-        if getattr(self._busy, "on", False):
-            return None
-        self._busy.on = True
-        try:  # the spec the rest of sys.meta_path would give
-            spec = importlib.util.find_spec(name)
-        finally:
-            self._busy.on = False
-        if spec is None or spec.loader is None:
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is None:
+                continue
+            loader = spec.loader
+            if loader is not None and hasattr(loader, "exec_module") and hasattr(loader, "create_module") \
+                    and not isinstance(loader, _Wrapped):
+                spec.loader = _Wrapped(loader, *wrap)
             return spec
-        spec.loader = _Wrapped(spec.loader, *wrap)
-        return spec
+        return None
 
 
 _finder: _Finder | None = None

@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
     while the other worker runs tests without Ray. Tests that need CUDA are skipped without it."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "ray_session" in item.fixturenames or item.path.name in _OWN_RAY or item.get_closest_marker("ray"):
+        if "ray_session" in getattr(item, "fixturenames", ()) or item.path.name in _OWN_RAY or item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
