@@ -119,7 +119,8 @@ def test_fast_workers_are_not_held_back_by_a_slow_one(pool_factory):
             assert out.batch_size == torch.Size([2]) and not out.get((NEXT, TRUNCATED)).any()
             steps[k] += 1
         pool.send(cartpole_actions(2 * len(finished), generator), finished)
-    assert min(steps[0], steps[1]) >= 5 * steps[2], steps
+    # ~10x on idle cores; 3x leaves room for cores shared with the suite's other process (lock-step: 1x)
+    assert min(steps[0], steps[1]) >= 3 * steps[2], steps
     assert polls < sum(steps) + 1  # a poll may report several workers, never none (no timeout here)
     assert pool.counters["env_restarts"] == 0
 

@@ -93,8 +93,8 @@ def test_one_process_equals_the_plain_actor(pool_factory):
 
 
 def test_fast_processes_keep_their_pace_beside_a_ten_times_slower_one(pool_factory):
-    """Process 2 sleeps 10x longer per step. Counted in steps: the fast processes make >= 5x its steps (in
-    lock-step they would make exactly as many), and every stream's fragments are consistent and complete:
+    """Process 2 sleeps 10x longer per step. Counted in steps: the fast processes make >= 3x its steps (about
+    10x on idle cores, less when the suite's other process shares them; in lock-step exactly as many), and every stream's fragments are consistent and complete:
     nothing lost, nothing counted twice, every episode counted once (a recurrent policy: its state stays
     with its process's envs)."""
     n, length = 2, 8
@@ -113,8 +113,8 @@ def test_fast_processes_keep_their_pace_beside_a_ten_times_slower_one(pool_facto
     streams = {w: streams[w] + more for w, more in _collect(actor, until).items()}
     fast = [actor.process_steps[k] - warm[k] for k in (0, 1)]
     slow = actor.process_steps[2] - warm[2]
-    assert slow >= 12 and min(fast) >= 5 * slow, (warm, actor.process_steps)
-    assert min(len(streams[10]), len(streams[11])) >= 4 * len(streams[12])
+    assert slow >= 12 and min(fast) >= 3 * slow, (warm, actor.process_steps)
+    assert min(len(streams[10]), len(streams[11])) >= 2 * len(streams[12])
     for wid, items in streams.items():
         _check_stream(wid, items, n, length)
     delivered = sum(f.batch_size.numel() for items in streams.values() for f, _ in items)
@@ -152,9 +152,10 @@ def test_a_hung_process_is_restarted_and_only_its_envs_are_truncated(pool_factor
     arm_fault(flag, "hang")  # (process 1 may be mid-step: it must never read the flag half written)
     steps_before = actor.process_steps
     streams = {w: streams[w] + more for w, more in _collect(actor, lambda s: len(s[1]) >= 3).items()}
-    # while process 1 hung for >= 1 s, process 0 stepped on (~2 ms a step)
+    # while process 1 hung for >= 1 s, process 0 stepped on (~2 ms a step: ~500 steps on idle cores, 83 seen
+    # with the cores shared by the suite's other process; a lock-step pool would keep the two level)
     hung_for = actor.process_steps[0] - steps_before[0] - (actor.process_steps[1] - steps_before[1])
-    assert hung_for >= 100, (steps_before, actor.process_steps)
+    assert hung_for >= 20, (steps_before, actor.process_steps)
     streams = {w: streams[w] + more for w, more in _collect(actor, lambda s: len(s[1]) >= 2).items()}
     counters = pool.counters
     assert counters["step_timeouts"] == 1 and counters["env_restarts"] == 1 and counters["episodes_lost"] == n
