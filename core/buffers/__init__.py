@@ -4,7 +4,8 @@ Stateful: :class:`FragmentBuilder` (steps -> fragments, on the actor) with its :
 the seed-001 facade :class:`MultiAgentRolloutBuffer`. Everything else takes and returns TensorDicts.
 """
 
-from core.buffers.batching import concat_fragments, drop_trivial_masks, flatten_transitions, minibatches
+from core.buffers.batching import (concat_fragments, drop_trivial_masks, flatten_transitions, gathered_minibatches,
+                                   minibatches)
 from core.buffers.episodes import (
     advance_carry,
     agent_trajectory,
@@ -35,6 +36,7 @@ __all__ = [
     "flatten_transitions",
     "is_fresh",
     "is_ready",
+    "gathered_minibatches",
     "minibatches",
     "retired",
     "scan_episodes",

@@ -80,7 +80,9 @@ class TimeSlots:
         t = self._count
         if self._time_major:
             part = self._data[:t]
-            return part.transpose(0, 1).contiguous()  # a copy either way: the storage is dropped
+            if consume:  # dropped now, not at clear(): a boundary holds one leaf's storage twice, not every leaf's
+                self._data = None
+            return part.transpose(0, 1).contiguous()  # a copy either way
         whole = t == self._data.shape[1]
         if consume and whole:
             data, self._data = self._data, None

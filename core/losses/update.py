@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from core.buffers.batching import minibatches
+from core.buffers.batching import gathered_minibatches
 from core.layout import (ADVANTAGE, ENV_ID, EPISODE_ID, FRAGMENT_ID, LOG_PROB, MASK, NEXT, POLICY_VERSION,
                          STATE_VALUE, VALUE_TARGET, WORKER_ID)
 from core.losses.adam_step import OptimizerStep
@@ -43,12 +43,13 @@ def ppo_update_(
     of batch ``[N, A]`` holding ``advantage``, ``log_prob``, ``state_value``, ``value_target`` ``[N, A, 1]``
     and optionally ``mask`` ``[N, A]``. ``("next", ...)`` entries and the fragment metadata (policy version,
     worker, fragment, episode and env ids) are dropped before minibatching (PPO does not read them).
-    Each epoch takes :func:`core.buffers.minibatches` of the batch (the function whose partition properties
-    the tests check): one ``torch.randperm(N, generator=generator)``, one index of the batch, minibatches of
+    Each epoch takes the minibatches of :func:`core.buffers.minibatches` (the function whose partition
+    properties the tests check): one ``torch.randperm(N, generator=generator)``, minibatches of
     ``cfg.minibatch_size`` transitions (the last may be smaller): every transition is used once per epoch
-    (detail 6), and the agents of a transition stay together. The epochs' shuffled copies share one storage,
-    and what is reported is summed as it goes (losses per step, diagnostics' moments per chunk of steps):
-    an update holds its batch, one shuffled copy and a bounded remainder, whatever its size.
+    (detail 6), and the agents of a transition stay together. They are copied out of the batch a chunk of
+    minibatches at a time (:func:`core.buffers.gathered_minibatches`), and what is reported is summed as it
+    goes (losses per step, diagnostics' moments per chunk of steps): an update holds its batch and a bounded
+    remainder, whatever its size.
 
     ``evaluate(minibatch)`` gets the root minibatch (batch ``[n]``, so it can read ``("shared", ...)`` or
     other groups, e.g. for a centralised critic) and returns a TensorDict or plain dict with ``log_prob``,
@@ -98,12 +99,10 @@ def ppo_update_(
     data, _ = _prepared(batch, group)
     step = OptimizerStep(optimizer)  # optimizer.step(), or fused Adam's kernel called directly
     tally = _Tally(cfg)
-    reuse: dict = {}  # the shuffled copy's storage, rewritten each epoch (core.buffers.minibatches)
     skipped = num_minibatches = epochs = 0
     for _ in range(cfg.num_epochs):
         epochs += 1
-        epoch_skipped, epoch_applied = _epoch(params, owned, step, data, evaluate, cfg, generator, group, tally,
-                                               reuse)
+        epoch_skipped, epoch_applied = _epoch(params, owned, step, data, evaluate, cfg, generator, group, tally)
         skipped += epoch_skipped
         num_minibatches += epoch_skipped + epoch_applied
         kl = tally.end_epoch()
@@ -116,7 +115,7 @@ class _Tally:
     """What the update reports, summed as it goes: the losses and gradient norm of the applied steps, and the
     diagnostics' moments (:func:`core.losses.ppo.diagnostic_moments`) over chunks of :data:`_CHUNK` steps.
     Nothing per step outlives its chunk: per-step survivors would pin the allocator's freed blocks (at 1M
-    transitions the heap kept hundreds of MB of them) and keep the epoch's permuted copy alive."""
+    transitions the heap kept hundreds of MB of them) and keep the chunks of shuffled copies alive."""
 
     def __init__(self, cfg: PPOConfig) -> None:
         self.cfg = cfg
@@ -140,7 +139,7 @@ class _Tally:
             self.kept = []
 
     def end_epoch(self) -> torch.Tensor | None:
-        """Ends an epoch (its inputs are views of the shuffled copy the next epoch overwrites); the epoch's
+        """Ends an epoch (its inputs are views of the epoch's shuffled chunks: released here); the epoch's
         approximate KL if ``target_kl`` is set and it applied a step, else None."""
         self._flush()
         epoch, self._epoch_start = self.parts[self._epoch_start:], len(self.parts)
@@ -159,11 +158,11 @@ _CHUNK = 64
 
 def _epoch(params: list[torch.Tensor], owned: list[torch.Tensor], step: OptimizerStep, data: TensorDictBase,
            evaluate: Evaluate, cfg: PPOConfig, generator: torch.Generator, group: str,
-           tally: _Tally, reuse: dict) -> tuple[int, int]:
+           tally: _Tally) -> tuple[int, int]:
     """One epoch of minibatch steps, reported to ``tally``; ``(steps skipped, steps applied)``. A function of
-    its own so that nothing of the epoch's permuted copy of ``data`` outlives it."""
+    its own so that nothing of the epoch's shuffled chunks of ``data`` outlives it."""
     skipped = applied = 0
-    for mb in minibatches(data, cfg.minibatch_size, generator, reuse=reuse):
+    for mb in gathered_minibatches(data, cfg.minibatch_size, generator):
         behaviour = mb.get(group)
         adv, old_lp, old_v, target = (behaviour.get(k) for k in _BEHAVIOUR_KEYS)
         mask = behaviour.get(MASK, None)

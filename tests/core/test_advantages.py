@@ -102,6 +102,32 @@ def test_gae_matches_textbook_loop(x, gamma, lmbda):
     torch.testing.assert_close(value_target, ref_target, atol=1e-5, rtol=1e-5)
 
 
+@given(x=estimator_inputs(max_envs=9), chunk_entries=st.integers(1, 40))
+def test_gae_of_a_large_batch_is_estimated_in_chunks_of_envs_with_the_same_result(x, chunk_entries):
+    """Past ``GAE_CHUNK`` entries the batch goes a chunk of envs at a time (bounded temporaries): bit for bit the
+    whole-batch result, in as many estimator calls as there are chunks."""
+    import core.losses.advantages as advantages
+
+    args = [x[k] for k in ("state_value", "next_state_value", "reward", "done", "terminated", "mask")]
+    whole = gae(*args, gamma=0.99, lmbda=0.95)
+    calls: list[int] = []
+    rows, chunk = advantages._gae_rows, advantages.GAE_CHUNK
+
+    def counted(estimator, gamma, lmbda, state_value, *rest):
+        calls.append(state_value.shape[0])
+        return rows(estimator, gamma, lmbda, state_value, *rest)
+
+    advantages._gae_rows, advantages.GAE_CHUNK = counted, chunk_entries
+    try:
+        chunked = gae(*args, gamma=0.99, lmbda=0.95)
+    finally:
+        advantages._gae_rows, advantages.GAE_CHUNK = rows, chunk
+    envs, per_env = x["state_value"].shape[0], x["state_value"][0].numel()
+    assert len(calls) == -(-envs // max(1, chunk_entries // per_env)) and sum(calls) == envs
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+
+
 @given(x=estimator_inputs(), gamma=st.sampled_from([0.0, 0.9, 1.0]), rho_bar=st.sampled_from([0.5, 1.0, 2.0]),
        c_bar=st.sampled_from([0.5, 1.0]))
 def test_vtrace_matches_textbook_loop(x, gamma, rho_bar, c_bar):

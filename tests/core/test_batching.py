@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from core.buffers import concat_fragments, flatten_transitions, minibatches
+from core.buffers import concat_fragments, flatten_transitions, gathered_minibatches, minibatches
 from core.layout import MASK, NEXT, POLICY_VERSION
 from tests.strategies import GROUP, rollouts
 
@@ -137,3 +137,42 @@ def test_reused_storage_gives_the_same_minibatches_in_the_same_storage(rollout, 
             ptr = reused[0][GROUP, "observation"].data_ptr()
             first_ptr = ptr if first_ptr is None else first_ptr
             assert ptr == first_ptr  # written in place, not reallocated
+
+
+@given(rollout=rollouts(), data=st.data(), seed=seeds, epochs=st.integers(1, 3), drop_empty=st.booleans())
+def test_gathered_minibatches_are_the_minibatches_chunk_by_chunk(rollout, data, seed, epochs, drop_empty):
+    """``gathered_minibatches`` (what PPO trains on) yields exactly ``minibatches``' minibatches, epoch after
+    epoch from one generator, whatever the chunk size; each chunk is one copy the minibatches are views of."""
+    n = rollout.batch_size.numel()
+    size = data.draw(st.integers(1, n + 2), label="minibatch_size")
+    chunk = data.draw(st.integers(1, 2 * n + 2), label="chunk_rows")
+    whole_g, chunked_g = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    kwargs = dict(drop_empty=drop_empty, group=GROUP)
+    for _ in range(epochs):
+        whole = minibatches(rollout, size, whole_g, **kwargs)
+        chunked = list(gathered_minibatches(rollout, size, chunked_g, chunk_rows=chunk, **kwargs))
+        assert [mb.batch_size for mb in chunked] == [mb.batch_size for mb in whole]
+        for a, b in zip(whole, chunked):
+            assert (a == b).all()
+        per_chunk = max(1, chunk // size)  # minibatches sharing one copy
+        storages = [mb[GROUP, "observation"].untyped_storage().data_ptr() for mb in chunked]
+        assert len(set(storages)) == -(-len(chunked) // per_chunk)
+        assert not {mb[GROUP, "observation"].untyped_storage().data_ptr() for mb in chunked} & {
+            rollout[GROUP, "observation"].untyped_storage().data_ptr()}  # copies, never the batch itself
+
+
+def test_gathered_minibatches_copy_one_chunk_at_a_time():
+    """The point of chunks: a minibatch's copy is as large as its chunk, not the batch, and it is made only
+    when the iteration reaches it (the batch itself is left as it is)."""
+    n = 1000
+    batch = TensorDict({GROUP: TensorDict({"observation": torch.arange(n * 4.0).reshape(n, 1, 4)}, [n, 1])}, [n])
+    it = gathered_minibatches(batch, 10, torch.Generator().manual_seed(0), chunk_rows=100)
+    first = next(it)
+    assert first[GROUP, "observation"].untyped_storage().nbytes() == 100 * 4 * 4  # one chunk, not n rows
+    batch[GROUP, "observation"].zero_()  # later chunks are copied when reached: they see this
+    rest = list(it)
+    assert len(rest) == 99
+    assert all(mb[GROUP, "observation"].abs().sum() == 0 for mb in rest[9:])  # chunks after the first
+    assert all((mb[GROUP, "observation"].abs().sum(-1) > 0).all() for mb in rest[:9])  # copied with the first
+    with pytest.raises(ValueError, match="minibatch_size"):
+        gathered_minibatches(batch, 0, torch.Generator())

@@ -231,3 +231,18 @@ def test_preallocated_storage_names_a_key_whose_shape_changes():
     with pytest.raises(TypeError, match="observation"):
         slots.append([1.0])
     assert len(slots) == 1 and torch.equal(slots.stacked(consume=True), torch.zeros(3, 1, 2, 5))
+
+
+def test_time_major_storage_is_dropped_when_its_leaf_is_stacked():
+    """At a fragment boundary each small-row leaf's time-major storage goes as soon as that leaf is transposed,
+    so the boundary holds one leaf twice over, not every leaf (``benchmarks/transition_memory.py``)."""
+    slots = time_slots.TimeSlots(("next", "done"), capacity=4)
+    for _ in range(4):
+        slots.append(torch.ones(3, 1, dtype=torch.bool))  # 1 byte per env: stored time-major
+    kept = slots.stacked(consume=False)
+    assert len(slots) == 4  # a peek keeps the steps
+    taken = slots.stacked(consume=True)
+    assert torch.equal(kept, taken) and taken.shape == (3, 4, 1)
+    with pytest.raises(ValueError, match="no steps"):
+        slots.stacked(consume=True)  # the storage went with the consuming stack, before clear()
+
