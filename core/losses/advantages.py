@@ -79,7 +79,7 @@ def gae(
 #: Entries (``T * A`` per env) :func:`gae` estimates in one call; larger batches go a chunk of envs at a time
 #: (``benchmarks/transition_memory.py``: at 16,384 CartPoles x 64 steps the whole-batch call added 32 bytes of
 #: temporaries per transition to the 98 a transition holds).
-GAE_CHUNK = 1 << 15
+GAE_CHUNK = 1 << 13
 
 
 def _gae_rows(estimator, gamma, lmbda, state_value, next_state_value, reward, done, terminated, mask):
