@@ -39,7 +39,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
 from core.buffers import concat_fragments, flatten_transitions
-from core.buffers.batching import minibatches
+from core.buffers.batching import gathered_minibatches
 from core.layout import MASK, NEXT, OBSERVATION, SHARED, STATE_VALUE, VALUE_TARGET
 from core.losses import PPOConfig, credit_absent_steps, value_loss, with_gae
 from core.policies import PolicyConfig
@@ -244,7 +244,7 @@ class TeamCriticLearner:
         rows: list[Tensor] = []
         params, skipped = list(self.nets.parameters()), 0
         for _ in range(self.ppo.num_epochs):
-            for mb in minibatches(data, self.ppo.minibatch_size, self.generator):
+            for mb in gathered_minibatches(data, self.ppo.minibatch_size, self.generator):
                 terms = [value_loss(values, mb.get((name, STATE_VALUE)), mb.get((name, VALUE_TARGET)),
                                     mb.get((name, MASK), None), self.ppo.value_clip_eps)
                          for net in self.nets for name, values in net(mb).items()]

@@ -85,7 +85,8 @@ def _order(flat: TensorDict, generator: torch.Generator, drop_empty: bool, group
         if group is None:
             raise ValueError("drop_empty=True needs the group whose mask decides")
         mask = flat.get((group, MASK))
-        keep = mask.reshape(n, -1).any(-1).nonzero().squeeze(-1).cpu()
+        present = mask.flatten(1).any(-1) if mask.dim() > 1 else mask  # [N]: any agent of the row present
+        keep = present.nonzero().squeeze(-1).cpu()
         order = keep[torch.randperm(keep.shape[0], generator=generator)]
     else:
         order = torch.randperm(n, generator=generator)
@@ -103,9 +104,9 @@ def minibatches(
 ) -> list[TensorDict]:
     """Shuffles the transitions of ``batch`` into minibatches of ``minibatch_size`` (the last may be smaller).
 
-    The rule PPO trains with (:func:`core.losses.ppo_update_` calls this once per epoch): one ``randperm`` of
-    the kept transitions, one index of the whole batch, then ``split(minibatch_size)``
-    (notes/tensordict-hot-paths.md, pattern 4). Every kept transition lands in exactly one minibatch, every
+    The rule PPO trains with (:func:`core.losses.ppo_update_` takes these minibatches once per epoch, copied a
+    chunk at a time by :func:`gathered_minibatches`): one ``randperm`` of the kept transitions, one index of the
+    whole batch, then ``split(minibatch_size)`` (notes/tensordict-hot-paths.md, pattern 4). Every kept transition lands in exactly one minibatch, every
     minibatch but the last holds exactly ``minibatch_size``; the same generator state gives the same
     minibatches.
 
@@ -119,7 +120,8 @@ def minibatches(
         reuse: a dict the caller keeps across epochs of one batch: the shuffled copy is then written into the
             storage of the previous call's (same rows kept) instead of new storage. The previous call's
             minibatches must no longer be in use: they are overwritten. It saves the allocation and keeps
-            the allocator from scattering one large copy per epoch among the small blocks of the steps.
+            the allocator from scattering one large copy per epoch among the small blocks of the steps (for
+            callers that keep whole-batch copies; PPO copies chunks instead).
 
     Returns:
         A list of ``[n_i]`` TensorDicts (groups ``[n_i, A]``); empty if nothing is kept.
@@ -176,5 +178,7 @@ def gathered_minibatches(
         raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}")
     flat = flatten_transitions(batch)
     order = _order(flat, generator, drop_empty, group)  # drawn now, as minibatches() draws it
+    if order.shape[0] == 0:
+        return iter(())
     per_chunk = max(1, chunk_rows // minibatch_size) * minibatch_size
     return (mb for rows in order.split(per_chunk) for mb in flat[rows].split(minibatch_size, dim=0))

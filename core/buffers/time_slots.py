@@ -73,15 +73,16 @@ class TimeSlots:
         self._data, self._count = None, 0
 
     def stacked(self, consume: bool) -> torch.Tensor:
-        """The steps so far as one contiguous ``[E, T, ...]`` tensor. ``consume``: hand the storage over (it
-        becomes the fragment's; :meth:`clear` follows), else a copy (the steps stay)."""
+        """The steps so far as one contiguous ``[E, T, ...]`` tensor. ``consume``: the steps go (:meth:`clear`
+        follows): ``[E, T, ...]`` storage is handed over (it becomes the fragment's), time-major storage is
+        dropped once transposed; else a copy (the steps stay)."""
         if self._data is None or self._count == 0:
             raise ValueError(f"no steps of key {self.path} to stack")
         t = self._count
         if self._time_major:
             part = self._data[:t]
             if consume:  # dropped now, not at clear(): a boundary holds one leaf's storage twice, not every leaf's
-                self._data = None
+                self._data, self._count = None, 0
             return part.transpose(0, 1).contiguous()  # a copy either way
         whole = t == self._data.shape[1]
         if consume and whole:

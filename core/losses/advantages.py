@@ -61,28 +61,34 @@ def gae(
 
     _checked(state_value, next_state_value, reward, done, terminated, mask)
     inputs = (state_value, next_state_value, reward, done, terminated, mask)
-    envs = state_value.shape[0]
-    rows = max(1, GAE_CHUNK // max(1, state_value[0].numel()))  # env rows per call
+    envs, per_env = state_value.shape[0], max(1, state_value.shape[1:].numel())
+    rows = max(1, GAE_CHUNK // per_env, -(-envs // GAE_CALLS))  # env rows per call
     with torch.no_grad():
         if envs <= rows:
             return _gae_rows(generalized_advantage_estimate, gamma, lmbda, *inputs)
         # Envs are independent: a large batch is estimated a chunk of envs at a time, so that the estimator's
         # float temporaries (about 8 per entry) stay bounded by the chunk instead of doubling a large batch.
-        advantage, value_target = torch.empty_like(state_value), torch.empty_like(state_value)
+        advantage = value_target = None
         for i in range(0, envs, rows):
             a, v = _gae_rows(generalized_advantage_estimate, gamma, lmbda,
                              *(None if x is None else x[i:i + rows] for x in inputs))
+            if advantage is None:  # the estimator's dtype (promoted over its inputs), as for a whole batch
+                advantage, value_target = a.new_empty(state_value.shape), v.new_empty(state_value.shape)
             advantage[i:i + rows], value_target[i:i + rows] = a, v
         return advantage, value_target
 
 
-#: Entries (``T * A`` per env) :func:`gae` estimates in one call; larger batches go a chunk of envs at a time
-#: (``benchmarks/transition_memory.py``: at 16,384 CartPoles x 64 steps the whole-batch call added 32 bytes of
-#: temporaries per transition to the 98 a transition holds).
+#: Entries (``T * A`` per env) :func:`gae` estimates in one call at least; a larger batch goes a chunk of envs
+#: at a time, in :data:`GAE_CALLS` calls (``benchmarks/transition_memory.py``: at 16,384 CartPoles x 64 steps the
+#: whole-batch call added 32 bytes of temporaries per transition to the 98 a transition holds). Not smaller
+#: chunks: torchrl's estimator loops over time in Python, so each call costs ``T`` loop steps.
 GAE_CHUNK = 1 << 13
+#: Calls :func:`gae` splits a batch of more than :data:`GAE_CHUNK` entries into (temporaries: 1/8 of the batch).
+GAE_CALLS = 8
 
 
 def _gae_rows(estimator, gamma, lmbda, state_value, next_state_value, reward, done, terminated, mask):
+    """torchrl's GAE on ``[e, T, ..., 1]`` inputs already checked (absent steps zeroed and cut first)."""
     sv, nsv, r, d, term = _prepared(state_value, next_state_value, reward, done, terminated, mask, check=False)
     # The exact backward loop: faster than the vectorised kernel for fragments up to a few hundred steps
     # (1.9 vs 4.3 ms at [64, 128, 3, 1]) and free of its 1e-7 truncation of the discount series.

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from core.buffers.batching import gathered_minibatches
+from core.buffers.batching import GATHER_ROWS, gathered_minibatches
 from core.layout import (ADVANTAGE, ENV_ID, EPISODE_ID, FRAGMENT_ID, LOG_PROB, MASK, NEXT, POLICY_VERSION,
                          STATE_VALUE, VALUE_TARGET, WORKER_ID)
 from core.losses.adam_step import OptimizerStep
@@ -162,7 +162,9 @@ def _epoch(params: list[torch.Tensor], owned: list[torch.Tensor], step: Optimize
     """One epoch of minibatch steps, reported to ``tally``; ``(steps skipped, steps applied)``. A function of
     its own so that nothing of the epoch's shuffled chunks of ``data`` outlives it."""
     skipped = applied = 0
-    for mb in gathered_minibatches(data, cfg.minibatch_size, generator):
+    # a row is a transition, or a whole sequence of W steps for a recurrent policy ([S, W, A] groups)
+    per_row = data.get(group).batch_size[1:-1].numel()
+    for mb in gathered_minibatches(data, cfg.minibatch_size, generator, chunk_rows=max(1, GATHER_ROWS // per_row)):
         behaviour = mb.get(group)
         adv, old_lp, old_v, target = (behaviour.get(k) for k in _BEHAVIOUR_KEYS)
         mask = behaviour.get(MASK, None)

@@ -102,30 +102,43 @@ def test_gae_matches_textbook_loop(x, gamma, lmbda):
     torch.testing.assert_close(value_target, ref_target, atol=1e-5, rtol=1e-5)
 
 
-@given(x=estimator_inputs(max_envs=9), chunk_entries=st.integers(1, 40))
-def test_gae_of_a_large_batch_is_estimated_in_chunks_of_envs_with_the_same_result(x, chunk_entries):
-    """Past ``GAE_CHUNK`` entries the batch goes a chunk of envs at a time (bounded temporaries): bit for bit the
-    whole-batch result, in as many estimator calls as there are chunks."""
+@given(x=estimator_inputs(max_envs=9), chunk_entries=st.integers(1, 40), max_calls=st.sampled_from([2, 3, 10**6]),
+       wide_next=st.booleans())
+def test_gae_of_a_large_batch_is_estimated_in_chunks_of_envs_with_the_same_result(x, chunk_entries, max_calls,
+                                                                                  wide_next):
+    """Past ``GAE_CHUNK`` entries the batch goes a chunk of envs at a time, in at most ``GAE_CALLS`` calls
+    (bounded temporaries): bit for bit, and in the same dtype, the whole-batch result."""
     import core.losses.advantages as advantages
 
+    if wide_next:  # mixed float dtypes: the estimator promotes; chunks must give the same dtype
+        x = dict(x, next_state_value=x["next_state_value"].double())
     args = [x[k] for k in ("state_value", "next_state_value", "reward", "done", "terminated", "mask")]
     whole = gae(*args, gamma=0.99, lmbda=0.95)
     calls: list[int] = []
-    rows, chunk = advantages._gae_rows, advantages.GAE_CHUNK
+    rows, chunk, most = advantages._gae_rows, advantages.GAE_CHUNK, advantages.GAE_CALLS
 
     def counted(estimator, gamma, lmbda, state_value, *rest):
         calls.append(state_value.shape[0])
         return rows(estimator, gamma, lmbda, state_value, *rest)
 
-    advantages._gae_rows, advantages.GAE_CHUNK = counted, chunk_entries
+    advantages._gae_rows, advantages.GAE_CHUNK, advantages.GAE_CALLS = counted, chunk_entries, max_calls
     try:
         chunked = gae(*args, gamma=0.99, lmbda=0.95)
     finally:
-        advantages._gae_rows, advantages.GAE_CHUNK = rows, chunk
+        advantages._gae_rows, advantages.GAE_CHUNK, advantages.GAE_CALLS = rows, chunk, most
     envs, per_env = x["state_value"].shape[0], x["state_value"][0].numel()
-    assert len(calls) == -(-envs // max(1, chunk_entries // per_env)) and sum(calls) == envs
+    assert sum(calls) == envs and len(calls) <= max_calls
+    if max_calls > envs:  # only GAE_CHUNK decides
+        assert len(calls) == -(-envs // max(1, chunk_entries // per_env))
     for a, b in zip(whole, chunked):
-        assert torch.equal(a, b)
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_gae_of_no_envs_is_empty():
+    zeros = torch.zeros(0, 5, 2, 1)
+    flags = torch.zeros(0, 5, 2, 1, dtype=torch.bool)
+    advantage, value_target = gae(zeros, zeros, zeros, flags, flags, gamma=0.99, lmbda=0.95)
+    assert advantage.shape == value_target.shape == (0, 5, 2, 1)
 
 
 @given(x=estimator_inputs(), gamma=st.sampled_from([0.0, 0.9, 1.0]), rho_bar=st.sampled_from([0.5, 1.0, 2.0]),

@@ -176,3 +176,14 @@ def test_gathered_minibatches_copy_one_chunk_at_a_time():
     assert all((mb[GROUP, "observation"].abs().sum(-1) > 0).all() for mb in rest[:9])  # copied with the first
     with pytest.raises(ValueError, match="minibatch_size"):
         gathered_minibatches(batch, 0, torch.Generator())
+
+
+def test_gathered_minibatches_of_nothing_kept_are_none():
+    """An empty batch, or one whose agents are all absent with ``drop_empty``: no minibatch (as ``minibatches``)."""
+    for n, present in ((0, True), (6, False)):
+        group = TensorDict({"observation": torch.zeros(n, 2, 3), MASK: torch.full((n, 2), present)}, [n, 2])
+        batch = TensorDict({GROUP: group}, [n])
+        for drop_empty in (False, True) if n == 0 else (True,):
+            kwargs = dict(drop_empty=drop_empty, group=GROUP)
+            assert minibatches(batch, 4, torch.Generator(), **kwargs) == []
+            assert list(gathered_minibatches(batch, 4, torch.Generator(), **kwargs)) == []
