@@ -106,9 +106,9 @@ def minibatches(
 
     The rule PPO trains with (:func:`core.losses.ppo_update_` takes these minibatches once per epoch, copied a
     chunk at a time by :func:`gathered_minibatches`): one ``randperm`` of the kept transitions, one index of the
-    whole batch, then ``split(minibatch_size)`` (notes/tensordict-hot-paths.md, pattern 4). Every kept transition lands in exactly one minibatch, every
-    minibatch but the last holds exactly ``minibatch_size``; the same generator state gives the same
-    minibatches.
+    whole batch, then ``split(minibatch_size)`` (notes/tensordict-hot-paths.md, pattern 4). Every kept
+    transition lands in exactly one minibatch, every minibatch but the last holds exactly ``minibatch_size``;
+    the same generator state gives the same minibatches.
 
     Args:
         batch: ``[E, T]`` (flattened first) or ``[N]`` transitions.

@@ -79,9 +79,9 @@ def gae(
 
 
 #: Entries (``T * A`` per env) :func:`gae` estimates in one call at least; a larger batch goes a chunk of envs
-#: at a time, in at most :data:`GAE_CALLS` calls (``benchmarks/transition_memory.py``: at 16,384 CartPoles x 64 steps the
-#: whole-batch call added 32 bytes of temporaries per transition to the 98 a transition holds). Not smaller
-#: chunks: torchrl's estimator loops over time in Python, so each call costs ``T`` loop steps.
+#: at a time, in at most :data:`GAE_CALLS` calls (``benchmarks/transition_memory.py``: at 16,384 CartPoles x 64
+#: steps the whole-batch call added 32 bytes of temporaries per transition to the 98 a transition holds). Not
+#: smaller chunks: torchrl's estimator loops over time in Python, so each call costs ``T`` loop steps.
 GAE_CHUNK = 1 << 15
 #: Calls :func:`gae` splits a batch of more than :data:`GAE_CHUNK` entries into (temporaries: 1/8 of the batch).
 GAE_CALLS = 8
