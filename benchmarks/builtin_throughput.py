@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from adapters.builtin import CartPole, CartPoleConfig, Spread, SpreadConfig
 from adapters.builtin.cartpole import cartpole_dynamics, initial_states
 from core.layout import ACTION, MASK, NEXT
+from core.tensordicts import make_td
 
 
 def _timed(step, seconds: float) -> tuple[float, float, int]:
@@ -47,12 +48,13 @@ def _timed(step, seconds: float) -> tuple[float, float, int]:
 def cartpole_env(n: int):
     env, generator = CartPole(CartPoleConfig(num_envs=n)), torch.Generator().manual_seed(0)
     env.reset(seed=0)
-    group = TensorDict({ACTION: torch.zeros(n, 1, dtype=torch.int64)}, batch_size=[n, 1])
-    actions = TensorDict({"agent": group}, batch_size=[n])
+    env_batch, group_batch = torch.Size([n]), torch.Size([n, 1])
 
     def step() -> int:
-        group.set(ACTION, torch.randint(0, 2, (n, 1), generator=generator))
-        env.step(actions)
+        # actions built as Shoal's actor builds them (unchecked TensorDicts: the step's input is part of the
+        # protocol's cost, a checked TensorDict.set is not)
+        action = torch.randint(0, 2, (n, 1), generator=generator)
+        env.step(make_td({"agent": make_td({ACTION: action}, group_batch)}, env_batch))
         return n
     return step
 

@@ -1,4 +1,4 @@
-"""Unchecked TensorDict constructors for the hot paths: the one module that uses tensordict's private API.
+"""Unchecked TensorDict constructors (and one leaf read) for the hot paths: the one module that uses tensordict's private API.
 
 The checked ``TensorDict(source, batch_size=...)`` costs ~40 µs per step-sized TensorDict here; the private
 ``TensorDict._new_unsafe`` ~5 µs, and setting its four fields directly ~0.7 µs (notes/tensordict-hot-paths.md).
@@ -42,6 +42,16 @@ def make_td(source: dict, batch: torch.Size) -> TensorDict:
     return TensorDict(source, batch_size=batch)
 
 
+def get_leaf(td: TensorDictBase, key: str, leaf: str):
+    """``td.get((key, leaf))``, read straight from the nested storage when the layout is the one :func:`make_td`
+    builds (~0.2 µs instead of ~4 µs: an env reads its actions this way every step); ``td.get`` otherwise."""
+    if _DIRECT and type(td) is TensorDict:
+        inner = td._tensordict.get(key)
+        if type(inner) is TensorDict and (value := inner._tensordict.get(leaf)) is not None:
+            return value
+    return td.get((key, leaf))
+
+
 def nested_td(source: dict, batch: torch.Size) -> TensorDict:
     """Like :func:`make_td`, but plain dicts in ``source`` (at any depth) become TensorDicts; ``source`` is not kept."""
     if _new_unsafe is not None:
@@ -57,4 +67,4 @@ def clone_td(td: TensorDictBase) -> TensorDict:
                    td.batch_size)
 
 
-__all__ = ["clone_td", "make_td", "nested_td"]
+__all__ = ["clone_td", "get_leaf", "make_td", "nested_td"]

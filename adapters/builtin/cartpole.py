@@ -27,10 +27,10 @@ from tensordict import TensorDict
 
 from core.layout import ACTION, ACTION_MASK, DONE, MASK, OBSERVATION, REWARD, TERMINATED, TRUNCATED, all_true
 from core.specs import AgentNode, Leaf, Tree, groups
+from core.tensordicts import get_leaf
 
 from ._base import BuiltinEnv
 from ._tensordicts import assemble_step, reset_output
-from .transpose import rows_to_columns
 
 GRAVITY = 9.8
 MASSCART = 1.0
@@ -134,12 +134,17 @@ def initial_states(n: int, generator: torch.Generator, dtype: torch.dtype, devic
 
 
 def observations(state: torch.Tensor) -> torch.Tensor:
-    """``[env, 1, 4]`` float32 observations (a fresh tensor) of a ``[4, env]`` state.
+    """``[env, 1, 4]`` float32 observations of a ``[4, env]`` state: a view of ``state`` when it is float32 (the
+    env never writes into a state once made: every step makes a new one), else a converted copy.
 
-    The transpose is the step's most expensive copy at large batches: :func:`rows_to_columns` interleaves
-    instead of a strided copy there (``benchmarks/builtin_throughput.py`` measures the step).
+    A view, not a transposed copy: a consumer that copies the observation (fragment storage) or multiplies it
+    (a policy's first layer reads a transposed operand as it is) pays the transpose once, where the env used
+    to pay it twice per step (final and next observation; ``benchmarks/builtin_throughput.py``).
     """
-    return rows_to_columns(state if state.dtype == torch.float32 else state.to(torch.float32)).unsqueeze(1)
+    rows = state if state.dtype == torch.float32 else state.to(torch.float32)
+    if rows.is_contiguous():  # one view op instead of two (t, unsqueeze): a few µs of a small batch's step
+        return rows.as_strided((rows.shape[1], 1, 4), (1, rows.shape[1], rows.shape[1]))
+    return rows.t().unsqueeze(1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -169,7 +174,7 @@ class CartPole(BuiltinEnv):
         self._generator = torch.Generator(device=self._device)
         self._seeded = False
         self._state = torch.zeros(4, n, dtype=self.config.dtype, device=self._device)
-        self.steps = torch.zeros(n, dtype=torch.int64, device=self._device)
+        self._steps = torch.zeros(n, 1, 1, dtype=torch.int64, device=self._device)  # [env, agent, 1]: as the flags
         # Constant entries, one tensor shared by every step (step tensors are read-only to consumers, see
         # adapters.protocol): a reward of 1, every env present, both actions legal.
         self._reward = torch.ones(n, 1, 1, device=self._device)  # float32 whatever the dynamics dtype
@@ -177,6 +182,9 @@ class CartPole(BuiltinEnv):
         self._legal = all_true(n, 1, 2, device=self._device)
         self._sampler: Callable[[int], Mapping[str, torch.Tensor]] | None = None
         self._params: dict[str, torch.Tensor] | None = None  # name -> [env]; None: the module's constants
+        self._max_steps = self.config.max_steps
+        # observations are [env, 1, 4] views of a contiguous float32 [4, env] state (observations())
+        self._obs_view = ((n, 1, 4), (1, n, n)) if self.config.dtype == torch.float32 else None
 
     @property
     def tree(self) -> Tree:
@@ -190,6 +198,15 @@ class CartPole(BuiltinEnv):
     @state.setter
     def state(self, value: torch.Tensor) -> None:
         self._state = value.to(self._state).t().contiguous()
+
+    @property
+    def steps(self) -> torch.Tensor:
+        """``[env]`` int64 steps taken in each env's current episode (a view; assign a new tensor to change it)."""
+        return self._steps.view(-1)
+
+    @steps.setter
+    def steps(self, value: torch.Tensor) -> None:
+        self._steps = value.to(self._steps).reshape(self._steps.shape).clone()
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -226,7 +243,7 @@ class CartPole(BuiltinEnv):
         """Resets every env; ``seed`` seeds the batch's generator (None: continue its stream)."""
         self._seed_(seed)
         self._state = initial_states(self.num_envs, self._generator, self.config.dtype, self._device)
-        self.steps = torch.zeros_like(self.steps)
+        self._steps = torch.zeros_like(self._steps)
         if self._sampler is not None:
             self._draw_params(None)
         return reset_output(self._group, self._root(), self._env_batch, self._group_batch)
@@ -234,35 +251,37 @@ class CartPole(BuiltinEnv):
     def step(self, actions: TensorDict) -> TensorDict:
         """Applies ``(agent, action)`` ``[env, 1]`` and resets the envs whose episode ended (module doc)."""
         n = self.num_envs
-        action = actions.get((self._group, ACTION)).reshape(n)
+        action = get_leaf(actions, self._group, ACTION).reshape(n)
         if self._params is None:
             nxt, terminated = cartpole_dynamics(self._state, action)
         else:
             nxt, terminated = cartpole_dynamics_per_env(self._state, action, self._params)
-        self.steps = self.steps + 1
-        truncated = self.steps >= self.config.max_steps
+        # flags in the group's [env, 1, 1] layout first (steps are kept in it): the env-level [env, 1] ones
+        # are views of them
+        steps = self._steps.add_(1)  # never handed out (steps reads a view of it): in place
+        truncated = steps >= self._max_steps
+        terminated = terminated.view(n, 1, 1)
         done = terminated | truncated
-        final_obs = observations(nxt)
-        # Partial reset by index: fresh states for the finished envs only cost 35 µs at 1024 envs and 84 µs
-        # at 16384, against 100 µs and 750 µs for a full draw plus torch.where (scratch run, 1 thread).
-        ended = done.nonzero().squeeze(1)
-        if ended.numel():
+        final_obs = self._observations(nxt)  # a view: nxt is never written to, the reset goes into a copy
+        ended = done.nonzero().select(1, 0)
+        if ended.numel():  # partial reset by index: fresh states for the finished envs only
             fresh = initial_states(ended.numel(), self._generator, self.config.dtype, self._device)
-            nxt.index_copy_(1, ended, fresh)
-            self.steps.index_fill_(0, ended, 0)
+            nxt = nxt.index_copy(1, ended, fresh)
+            steps.index_fill_(0, ended, 0)
             if self._sampler is not None:
                 self._draw_params(ended)
-            # the next root observation: the final one with the reset rows replaced (one [4, env] -> [env, 4]
-            # transpose per step instead of two: the transpose is the step's most expensive copy at large batches)
-            obs = final_obs.index_copy(0, ended, observations(fresh))
+            obs = self._observations(nxt)
         else:
-            obs = final_obs.clone()
+            obs = final_obs
         self._state = nxt
-        flags = (terminated.unsqueeze(1), truncated.unsqueeze(1), done.unsqueeze(1))
-        nxt_group = {OBSERVATION: final_obs, REWARD: self._reward,
-                     TERMINATED: flags[0].unsqueeze(2), TRUNCATED: flags[1].unsqueeze(2), DONE: flags[2].unsqueeze(2),
-                     MASK: self._present}
+        flags = (terminated.view(n, 1), truncated.view(n, 1), done.view(n, 1))
+        nxt_group = {OBSERVATION: final_obs, REWARD: self._reward, TERMINATED: terminated, TRUNCATED: truncated,
+                     DONE: done, MASK: self._present}
         return assemble_step(self._group, self._root(obs), nxt_group, flags, self._env_batch, self._group_batch)
+
+    def _observations(self, state: torch.Tensor) -> torch.Tensor:
+        """:func:`observations` of a state this env made (contiguous ``[4, env]``), as one view op when float32."""
+        return state.as_strided(*self._obs_view) if self._obs_view is not None else observations(state)
 
     def _root(self, obs: torch.Tensor | None = None) -> dict:
         obs = observations(self._state) if obs is None else obs
@@ -276,8 +295,8 @@ class CartPole(BuiltinEnv):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restores :meth:`state_dict` output."""
-        self._state = state["state"].to(self._state).clone()
-        self.steps = state["steps"].to(self.steps).clone()
+        self._state = state["state"].to(self._state).clone(memory_format=torch.contiguous_format)
+        self.steps = state["steps"]
         self._generator.set_state(state["rng"])
         self._seeded = True
         params = {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}

@@ -75,6 +75,24 @@ def test_cartpole_partial_reset_keeps_final_obs():
     assert env.steps.tolist() == [0, 4, 0, 4]
 
 
+def test_cartpole_observations_observe_the_state_and_never_change_once_handed_out():
+    """Observations are views of the env's state (no transposed copy): a step must never write into a state
+    it already handed out, or the fragments that hold earlier steps would change under the learner."""
+    env = CartPole(CartPoleConfig(num_envs=64))
+    first = env.reset(seed=0).get(("agent", OBSERVATION))
+    assert torch.equal(first.squeeze(1), env.state)
+    handed = [(first, first.clone())]  # (what the env handed out, a copy taken at once)
+    g, resets = torch.Generator().manual_seed(0), 0
+    for _ in range(40):  # random actions: episodes end and reset every ~20 steps
+        out = env.step(_actions("agent", torch.randint(0, 2, (64, 1), generator=g)))
+        root, final = out.get(("agent", OBSERVATION)), out.get((NEXT, "agent", OBSERVATION))
+        assert torch.equal(root.squeeze(1), env.state)  # after the partial reset
+        handed += [(root, root.clone()), (final, final.clone())]
+        resets += int(out.get((NEXT, DONE)).sum())
+    assert resets > 5
+    assert all(torch.equal(now, then) for now, then in handed)
+
+
 def test_cartpole_seeding():
     env = CartPole(CartPoleConfig(num_envs=16))
     first = env.reset(seed=3).get(("agent", OBSERVATION))

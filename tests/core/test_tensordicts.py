@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from core import tensordicts
-from core.tensordicts import make_td, nested_td
+from core.tensordicts import get_leaf, make_td, nested_td
 
 
 def _source():
@@ -50,3 +50,14 @@ def test_clone_td_copies_every_leaf_of_a_view_into_fresh_storage():
         assert copy.get(key).untyped_storage().data_ptr() != base.get(key).untyped_storage().data_ptr()
     base.get("a").fill_(-1.0)  # the source changes (a shared buffer's next step): the copy does not
     assert (copy.get("a") == torch.arange(4.0, 10.0).reshape(3, 2)).all()
+
+
+def test_get_leaf_reads_what_get_reads_whatever_built_the_tensordict():
+    action = torch.arange(6).reshape(3, 2)
+    built = {"fast": make_td({"g": make_td({"action": action}, torch.Size([3, 2]))}, torch.Size([3])),
+             "checked": TensorDict({"g": TensorDict({"action": action}, [3, 2])}, batch_size=[3])}
+    for td in (*built.values(), built["checked"][1:], built["fast"].lock_()):
+        assert torch.equal(get_leaf(td, "g", "action"), td.get(("g", "action")))
+    assert get_leaf(built["checked"], "g", "action") is action
+    for missing in (("h", "action"), ("g", "other")):  # what td.get does with a missing key (None in 0.14)
+        assert get_leaf(built["fast"], *missing) is built["fast"].get(missing)
