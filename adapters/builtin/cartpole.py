@@ -137,8 +137,8 @@ def initial_states(n: int, generator: torch.Generator, dtype: torch.dtype, devic
 
 
 def observations(state: torch.Tensor) -> torch.Tensor:
-    """``[env, 1, 4]`` float32 observations of a ``[4, env]`` (or ``[4, env, 1]``) state: a view of ``state`` when it is float32 (the
-    env never writes into a state once made: every step makes a new one), else a converted copy.
+    """``[env, 1, 4]`` float32 observations of a ``[4, env]`` (or ``[4, env, 1]``) state: a view of ``state`` when it
+    is float32 (the env never writes into a state once made: every step makes a new one), else a converted copy.
 
     A view, not a transposed copy: a consumer that copies the observation (fragment storage) or multiplies it
     (a policy's first layer reads a transposed operand as it is) pays the transpose once, where the env used
@@ -162,7 +162,7 @@ def _constants(dtype: torch.dtype, device: torch.device, dims: int = 2) -> tuple
 class CartPole(BuiltinEnv):
     """``num_envs`` CartPoles stepped together (a :class:`adapters.protocol.BatchedEnv`).
 
-    Public state, for tests and tools: ``state`` ``[env, 4]`` (``config.dtype``; a view of the ``[4, env]``
+    Public state, for tests and tools: ``state`` ``[env, 4]`` (``config.dtype``; a copy of the ``[4, env, 1]``
     storage; assign a new tensor to change it), ``steps`` ``[env]`` int64 (steps taken in the episode) and
     ``params`` (each env's per-episode parameters, ``{}`` without a sampler).
     """
@@ -187,7 +187,7 @@ class CartPole(BuiltinEnv):
         self._sampler: Callable[[int], Mapping[str, torch.Tensor]] | None = None
         self._params: dict[str, torch.Tensor] | None = None  # name -> [env]; None: the module's constants
         self._max_steps = self.config.max_steps
-        # observations are [env, 1, 4] views of a contiguous float32 [4, env] state (observations())
+        # observations are [env, 1, 4] views of a contiguous float32 [4, env, 1] state (observations())
         self._obs_view = ((n, 1, 4), (1, n, n)) if self.config.dtype == torch.float32 else None
 
     @property
@@ -197,11 +197,11 @@ class CartPole(BuiltinEnv):
     @property
     def state(self) -> torch.Tensor:
         """``[env, 4]`` physical state (x, x_dot, theta, theta_dot)."""
-        return self._state.view(4, -1).t()
+        return self._state.view(4, -1).t().clone()  # a copy: observations handed out view the state
 
     @state.setter
     def state(self, value: torch.Tensor) -> None:
-        self._state = value.to(self._state).t().contiguous().unsqueeze(2)
+        self._state = value.to(self._state).t().unsqueeze(2).clone(memory_format=torch.contiguous_format)
 
     @property
     def steps(self) -> torch.Tensor:
@@ -255,13 +255,13 @@ class CartPole(BuiltinEnv):
     def step(self, actions: TensorDict) -> TensorDict:
         """Applies ``(agent, action)`` ``[env, 1]`` and resets the envs whose episode ended (module doc)."""
         n = self.num_envs
-        action = get_leaf(actions, self._group, ACTION)  # [env, 1]: the state's batch
+        action = get_leaf(actions, self._group, ACTION).reshape(n, 1)  # the state's batch (a wrong size raises)
         if self._params is None:
             nxt, terminated = cartpole_dynamics(self._state, action)
         else:
             nxt, terminated = cartpole_dynamics_per_env(self._state, action,
                                                         {k: v.view(n, 1) for k, v in self._params.items()})
-        steps = self._steps.add_(1)  # never handed out (steps reads a view of it): in place
+        self._steps = steps = self._steps + 1  # a new tensor: one read from .steps earlier stays as it was
         truncated = steps >= self._max_steps
         done = terminated | truncated  # [env, 1], as the env-level flags are
         final_obs = self._observations(nxt)  # a view: nxt is never written to, the reset goes into a copy
@@ -282,7 +282,7 @@ class CartPole(BuiltinEnv):
         return assemble_step(self._group, self._root(obs), nxt_group, flags, self._env_batch, self._group_batch)
 
     def _observations(self, state: torch.Tensor) -> torch.Tensor:
-        """:func:`observations` of a state this env made (contiguous ``[4, env]``), as one view op when float32."""
+        """:func:`observations` of a state this env made (contiguous ``[4, env, 1]``), one view op when float32."""
         return state.as_strided(*self._obs_view) if self._obs_view is not None else observations(state.view(4, -1))
 
     def _root(self, obs: torch.Tensor | None = None) -> dict:
@@ -291,7 +291,8 @@ class CartPole(BuiltinEnv):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Everything that decides the future of the batch (checkpoints resume it exactly)."""
-        out = {"state": self._state.view(4, -1).clone(), "steps": self.steps.clone(), "rng": self._generator.get_state()}
+        out = {"state": self._state.view(4, -1).clone(), "steps": self.steps.clone(),  # [4, env], [env]
+               "rng": self._generator.get_state()}
         out.update({f"param/{k}": v.clone() for k, v in (self._params or {}).items()})
         return out
 

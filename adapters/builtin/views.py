@@ -57,7 +57,7 @@ class CartPoleGymEnv(gymnasium.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         td = self._env.reset(seed=seed)
-        return td.get((self._group, OBSERVATION))[0, 0].numpy(), {}
+        return td.get((self._group, OBSERVATION))[0, 0].numpy().copy(), {}  # the env's state is viewed: ours
 
     def step(self, action):
         if not self.action_space.contains(action):
@@ -65,7 +65,8 @@ class CartPoleGymEnv(gymnasium.Env):
         out = self._env.step(_one_step(self._group, torch.tensor([[int(action)]])))
         nxt = out.get(NEXT).get(self._group)
         flags = [bool(nxt.get(k)[0, 0, 0]) for k in (TERMINATED, TRUNCATED)]
-        return nxt.get(OBSERVATION)[0, 0].numpy(), float(nxt.get(REWARD)[0, 0, 0]), flags[0], flags[1], {}
+        obs = nxt.get(OBSERVATION)[0, 0].numpy().copy()  # a view of the env's state: the caller may write into it
+        return obs, float(nxt.get(REWARD)[0, 0, 0]), flags[0], flags[1], {}
 
 
 class SpreadParallelEnv(ParallelEnv):

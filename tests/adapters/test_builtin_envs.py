@@ -93,6 +93,33 @@ def test_cartpole_observations_observe_the_state_and_never_change_once_handed_ou
     assert all(torch.equal(now, then) for now, then in handed)
 
 
+def test_cartpole_state_dict_resumes_the_batch_exactly_and_public_state_is_a_copy():
+    env, g = CartPole(CartPoleConfig(num_envs=32)), torch.Generator().manual_seed(1)
+    env.reset(seed=0)
+    for _ in range(30):
+        env.step(_actions("agent", torch.randint(0, 2, (32, 1), generator=g)))
+    saved = env.state_dict()
+    assert saved["state"].shape == (4, 32) and saved["steps"].shape == (32,)  # the layout of older checkpoints
+    steps, state = env.steps, env.state
+    resumed = CartPole(CartPoleConfig(num_envs=32))
+    resumed.load_state_dict(saved)
+    for _ in range(30):
+        action = _actions("agent", torch.randint(0, 2, (32, 1), generator=g))
+        a, b = env.step(action), resumed.step(action)
+        assert all(torch.equal(a.get(k), b.get(k)) for k in a.keys(True, True))
+    assert torch.equal(steps, saved["steps"]) and torch.equal(state, saved["state"].t())  # read before: unchanged
+    now = env.state
+    now.fill_(1.0)  # a caller writing into what it read changes nothing in the env
+    assert not torch.equal(env.state, now)
+
+
+def test_cartpole_refuses_actions_of_another_batch():
+    env = CartPole(CartPoleConfig(num_envs=8))
+    env.reset(seed=0)
+    with pytest.raises(RuntimeError):
+        env.step(_actions("agent", torch.zeros(1, 1, dtype=torch.int64)))
+
+
 def test_cartpole_seeding():
     env = CartPole(CartPoleConfig(num_envs=16))
     first = env.reset(seed=3).get(("agent", OBSERVATION))
@@ -116,6 +143,9 @@ def test_gymnasium_check_env_passes_on_the_single_env_view():
         obs, reward, terminated, truncated, _ = env.step(env.action_space.sample())
         total, ended = total + reward, terminated or truncated
     assert 5 <= total <= 500
+    obs, _ = env.reset(seed=0)
+    obs[:] = 100.0  # observations are the caller's: writing into one never reaches the env's state
+    assert np.abs(env.step(0)[0]).max() < 1.0
 
 
 def _run_spread(env: Spread, steps: int, seed: int):

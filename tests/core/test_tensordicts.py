@@ -56,8 +56,9 @@ def test_get_leaf_reads_what_get_reads_whatever_built_the_tensordict():
     action = torch.arange(6).reshape(3, 2)
     built = {"fast": make_td({"g": make_td({"action": action}, torch.Size([3, 2]))}, torch.Size([3])),
              "checked": TensorDict({"g": TensorDict({"action": action}, [3, 2])}, batch_size=[3])}
-    for td in (*built.values(), built["checked"][1:], built["fast"].lock_()):
-        assert torch.equal(get_leaf(td, "g", "action"), td.get(("g", "action")))
+    stacked = torch.stack([built["checked"], built["checked"].clone()])  # a lazy stack or a TensorDict, by version
+    for td in (*built.values(), built["checked"][1:], built["fast"].lock_(), stacked):
+        assert torch.equal(get_leaf(td, "g", "action"), td.get(("g", "action"))), type(td)
     assert get_leaf(built["checked"], "g", "action") is action
     for missing in (("h", "action"), ("g", "other")):  # what td.get does with a missing key (None in 0.14)
         assert get_leaf(built["fast"], *missing) is built["fast"].get(missing)
