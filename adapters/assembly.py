@@ -29,7 +29,7 @@ from tensordict import TensorDict
 from core.layout import (ACTION_MASK, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED,
                          all_true)
 from core.specs import GroupSpec, Leaf, Node, Tree, action_mask_shapes, groups, iter_leaves, shared_observations
-from core.tensordicts import make_td, nested_td  # noqa: F401  (re-exported: the adapters' constructor)
+from core.tensordicts import get_str, make_td, nested_td  # noqa: F401  (re-exported: the adapters' constructor)
 
 def _nest(node: Node, tensors, batch: torch.Size):
     if isinstance(node, Leaf):
@@ -126,7 +126,7 @@ class StepLayout:
         for (name, spec), g, n in zip(self.groups.items(), root, nxt or root):
             batch = self._group_batch[name]
             if next_td is not None and g.observation is n.observation:
-                obs = next_td._get_str(name, None)._get_str(OBSERVATION, None)
+                obs = get_str(get_str(next_td, name), OBSERVATION)
             else:
                 obs = self._observation(spec.agent.observation, g.observation, batch)
             entries = {OBSERVATION: obs,
@@ -139,7 +139,7 @@ class StepLayout:
                 entries[ACTION_MASK] = legal
             out[name] = make_td(entries, batch)
         if self.shared is not None:
-            out[SHARED] = next_td._get_str(SHARED, None) if next_td is not None and shared is next_shared else \
+            out[SHARED] = get_str(next_td, SHARED) if next_td is not None and shared is next_shared else \
                 self._observation(self.shared, shared, self._env_batch)
         if next_td is not None:
             out[NEXT] = next_td

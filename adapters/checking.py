@@ -38,6 +38,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.layout import ACTION
+from core.tensordicts import get_str
 from core.specs import GroupSpec, Leaf, SpecViolation, Tree, iter_leaves, leaf_bounds, validate
 
 CheckMode = Literal["strict", "lenient"]
@@ -322,7 +323,7 @@ def _get(td: TensorDictBase, key: tuple[str, ...]):
     for i, k in enumerate(key):
         if type(td) is not TensorDict:
             return td.get(key[i:], None) if isinstance(td, TensorDictBase) else None
-        td = td._get_str(k, None)
+        td = get_str(td, k)
         if td is None:
             return None
     return td

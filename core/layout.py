@@ -46,7 +46,6 @@ trailing 1. Functions check shapes on entry instead of broadcasting.
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
 
 NEXT = "next"
 OBSERVATION = "observation"
@@ -110,12 +109,6 @@ def all_true(*shape: int, device: torch.device | str | None = None) -> torch.Ten
 def is_all_true(t) -> bool:
     """Whether ``t`` is a tensor made by :func:`all_true` (a cheap attribute test, no tensor op)."""
     return getattr(t, _ALL_TRUE, False)
-
-
-def key_dict(node):
-    """A plain TensorDict's own key dict (no copy; reads ~10x cheaper than ``td.get``); any other container
-    (a plain dict, another TensorDict class) as it is. Callers only read it."""
-    return node._tensordict if type(node) is TensorDict else node
 
 
 def group_names(td) -> list[str]:

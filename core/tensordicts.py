@@ -1,4 +1,4 @@
-"""Unchecked TensorDict constructors (and one leaf read) for the hot paths, on tensordict's private API.
+"""Unchecked TensorDict constructors and reads for the hot paths: the one module on tensordict's private API.
 
 The checked ``TensorDict(source, batch_size=...)`` costs ~40 µs per step-sized TensorDict here; the private
 ``TensorDict._new_unsafe`` ~5 µs, and setting its four fields directly ~0.7 µs (notes/tensordict-hot-paths.md).
@@ -25,6 +25,7 @@ def _direct_ok() -> bool:
 
 
 _DIRECT = _direct_ok()
+_GET_STR = callable(getattr(TensorDict, "_get_str", None))
 
 
 def make_td(source: dict, batch: torch.Size) -> TensorDict:
@@ -40,6 +41,21 @@ def make_td(source: dict, batch: torch.Size) -> TensorDict:
     if _new_unsafe is not None:  # private in tensordict 0.14: ~5 µs instead of ~40 µs for the checked one
         return _new_unsafe(source, batch_size=batch)
     return TensorDict(source, batch_size=batch)
+
+
+def key_dict(node):
+    """A plain TensorDict's own key dict (no copy; reads ~10x cheaper than ``td.get``; nested TensorDicts are its
+    values); any other container (a plain dict, another TensorDict class) as it is. Callers only read it."""
+    if _DIRECT and type(node) is TensorDict:
+        return node._tensordict
+    return dict(node.items()) if type(node) is TensorDict else node
+
+
+def get_str(td: TensorDictBase, key: str):
+    """``td.get(key, None)`` for a string key; a plain TensorDict's private accessor is ~10x cheaper."""
+    if _GET_STR and type(td) is TensorDict:
+        return td._get_str(key, None)
+    return td.get(key, None)
 
 
 def get_leaf(td: TensorDictBase, key: str, leaf: str):
@@ -67,4 +83,4 @@ def clone_td(td: TensorDictBase) -> TensorDict:
                    td.batch_size)
 
 
-__all__ = ["clone_td", "get_leaf", "make_td", "nested_td"]
+__all__ = ["clone_td", "get_leaf", "get_str", "key_dict", "make_td", "nested_td"]

@@ -29,17 +29,17 @@ from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import FragmentBuilder
 from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, DONE, FRAGMENT_ID, LOG_PROB, MASK, NEXT, OBSERVATION,
-                         RECURRENT_STATE, SHARED, key_dict)
+                         RECURRENT_STATE, SHARED)
 from core.policies import GroupPolicy
 from core.specs import groups
-from core.tensordicts import make_td, nested_td
+from core.tensordicts import get_str, key_dict, make_td, nested_td
 from orchestration.assignment import GroupAssignment
 from orchestration.episode_records import episode_records
 
 
 def _plain(td: TensorDictBase) -> dict:
     """A TensorDict as nested plain dicts (what FragmentBuilder stores per step: ~8 µs, no TensorDict built)."""
-    items = td._tensordict.items() if type(td) is TensorDict else td.items()  # a plain one's own dict: ~3x faster
+    items = key_dict(td).items()  # a plain one's own dict: ~3x faster
     return {k: _plain(v) if isinstance(v, TensorDictBase) else v for k, v in items}
 
 
@@ -367,11 +367,7 @@ def _where_slots(slots: torch.Tensor, new, old):
     return torch.where(slots.reshape(1, -1, *([1] * (new.dim() - 2))), new, old)
 
 
-def _get(td: TensorDictBase, key: str):
-    """``td.get(key, None)`` for a string key; a plain TensorDict's private accessor is ~10x cheaper."""
-    if type(td) is TensorDict:
-        return td._get_str(key, None)
-    return td.get(key, None)
+_get = get_str  # td.get(key, None) for a string key, ~10x cheaper on a plain TensorDict
 
 
 def _maybe_plain(value):

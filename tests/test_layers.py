@@ -44,3 +44,14 @@ def test_core_imports_with_ray_unimportable():
     code = "import sys; sys.modules['ray'] = None\n" + "\n".join(f"import {m}" for m in modules)
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_tensordict_private_api_only_in_its_quarantine_module():
+    private = {"_tensordict", "_get_str", "_new_unsafe", "_batch_size", "_td_dim_names"}
+    allowed = ROOT / "core" / "tensordicts.py"
+    for package in ("core", "adapters", "orchestration"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path == allowed:
+                continue
+            used = {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)} & private
+            assert not used, f"{path.relative_to(ROOT)} reads tensordict's private {sorted(used)}: use core.tensordicts"

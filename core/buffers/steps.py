@@ -13,7 +13,8 @@ import torch
 from tensordict import TensorDict
 
 from core.buffers.time_slots import TimeSlots, preallocates
-from core.layout import NEXT, RESERVED_ROOT_KEYS, key_dict
+from core.layout import NEXT, RESERVED_ROOT_KEYS
+from core.tensordicts import key_dict
 
 
 class _Node:
@@ -53,7 +54,7 @@ def _collect(node: dict, spec: _Node) -> None:
         elif isinstance(value, dict):
             _collect(value, child)
         elif type(value) is TensorDict:  # e.g. an env's "next" output, stored without converting it
-            _collect(value._tensordict, child)
+            _collect(key_dict(value), child)
         else:
             raise TypeError(f"step key {spec.path + (key,)} should be a dict, got {type(value).__name__}")
 
@@ -169,7 +170,7 @@ class StepLayout:
         for key, value in key_dict(node).items():
             path = spec.path + (key,)
             if type(value) is TensorDict:
-                value = value._tensordict
+                value = key_dict(value)
             if isinstance(value, dict):
                 child = _Node(path)
                 spec.children.append((key, child))

@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from core import tensordicts
-from core.tensordicts import get_leaf, make_td, nested_td
+from core.tensordicts import get_leaf, get_str, key_dict, make_td, nested_td
 
 
 def _source():
@@ -62,3 +62,20 @@ def test_get_leaf_reads_what_get_reads_whatever_built_the_tensordict():
     assert get_leaf(built["checked"], "g", "action") is action
     for missing in (("h", "action"), ("g", "other")):  # what td.get does with a missing key (None in 0.14)
         assert get_leaf(built["fast"], *missing) is built["fast"].get(missing)
+
+
+def test_key_dict_and_get_str_read_what_the_public_api_reads():
+    inner = TensorDict({"x": torch.ones(3, 2)}, [3, 2])
+    built = {"checked": TensorDict({"g": inner, "f": torch.zeros(3)}, batch_size=[3]),
+             "fast": make_td({"g": inner, "f": torch.zeros(3)}, torch.Size([3]))}
+    stacked = torch.stack([built["checked"], built["checked"].clone()])
+    for td in (*built.values(), built["checked"][1:], stacked):
+        own = key_dict(td)
+        assert set(own.keys()) == set(td.keys()), type(td)
+        for key in td.keys():
+            assert get_str(td, key) is own[key] or (get_str(td, key) == td.get(key)).all()
+            assert (get_str(td, key) == td.get(key)).all()
+        assert get_str(td, "absent") is None
+    assert key_dict(built["fast"])["g"] is inner and get_str(built["checked"], "g") is inner  # no copies
+    plain = {"a": torch.ones(1)}
+    assert key_dict(plain) is plain
