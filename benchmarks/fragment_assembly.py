@@ -1,7 +1,7 @@
 """µs per env step to assemble fragments: FragmentBuilder vs a TensorDict per step written into storage.
 
 ``builder_preallocated``: FragmentBuilder told the fragment length, so large step leaves (at least
-``core.buffers.time_slots.PREALLOCATE_BYTES`` per step: thousands of envs) are copied into preallocated storage
+``core.buffers.time_slots.PREALLOCATE_BYTES`` per step: from about 128 envs on) are copied into preallocated storage
 as they come instead of listed and stacked (half the memory at the boundary, issue 18); below that size it is
 the plain builder.
 

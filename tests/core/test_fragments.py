@@ -246,3 +246,27 @@ def test_time_major_storage_is_dropped_when_its_leaf_is_stacked():
     with pytest.raises(ValueError, match="no steps"):
         slots.stacked(consume=True)  # the storage went with the consuming stack, before clear()
 
+
+
+@given(reuse=st.lists(st.booleans(), min_size=1, max_size=9), capacity=st.integers(1, 4),
+       row=st.sampled_from([(1,), (2, 3)]), keep=st.integers(0, 9), consume=st.booleans())
+def test_slots_of_a_leaf_that_repeats_its_first_tensor_stack_like_a_list(reuse, capacity, row, keep, consume):
+    """Steps that hand in the first step's tensor object again (constant masks and flags) are stored without a
+    copy until a step differs; whatever the pattern, the storage outgrowing its capacity, or a truncation, the
+    stack equals ``torch.stack`` of the steps, is contiguous and never aliases a step's tensor."""
+    first = torch.arange(3 * torch.Size(row).numel(), dtype=torch.float32).reshape(3, *row)
+    steps = [first if same or i == 0 else first + i for i, same in enumerate(reuse)]
+    slots = time_slots.TimeSlots(("next", "done"), capacity=capacity)
+    for step in steps:
+        slots.append(step)
+    slots.truncate_(keep)
+    kept = steps[:keep]
+    if not kept:
+        with pytest.raises(ValueError, match="no steps"):
+            slots.stacked(consume)
+        return
+    got = slots.stacked(consume)
+    assert torch.equal(got, torch.stack(kept, 1)) and got.is_contiguous()
+    got.fill_(-1)
+    assert torch.equal(first, torch.arange(first.numel(), dtype=torch.float32).reshape(first.shape))
+    assert len(slots) == (0 if consume else len(kept))
