@@ -152,8 +152,12 @@ class _Tally:
         return moment_diagnostics(merge_moments(torch.stack(self.parts))) if self.parts else None
 
 
-#: Applied steps whose diagnostic inputs are reduced to moments together.
-_CHUNK = 64
+#: Applied steps whose diagnostic inputs are reduced to moments together. Few enough that the float64
+#: temporaries of the reduction and the shuffled chunks the kept inputs pin stay small beside the batch
+#: (at 64 steps they were the update's peak: half the fragment at 1,024 CartPoles x 64 steps,
+#: ``benchmarks/transition_memory.py``); enough that the reduction's ops are a small part of a step
+#: (``benchmarks/ppo_update.py`` was level with 64).
+_CHUNK = 16
 
 
 def _epoch(params: list[torch.Tensor], owned: list[torch.Tensor], step: OptimizerStep, data: TensorDictBase,

@@ -241,3 +241,31 @@ def test_benchmark_quick_run_prints_its_json():
     result = json.loads(out.getvalue())
     assert result["ours_samples_per_s"] > 0 and result["hand_samples_per_s"] > 0
     assert result["max_param_diff_ours_vs_hand"] < 1e-5  # same data, same permutations, same maths
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_reported_diagnostics_are_those_of_every_applied_step_together(monkeypatch, mask):
+    """The update reduces its diagnostics' inputs in chunks of steps as it goes (memory: nothing per step
+    outlives its chunk); over 2 epochs of 23 minibatches (several chunks, a partial one at each epoch's end)
+    the reported values are :func:`core.losses.ppo.diagnostics` of all the steps' inputs at once."""
+    import core.losses.update as update_module
+    from core.losses.ppo import diagnostics
+
+    seen, loss_terms = [], update_module.loss_terms
+
+    def recording(adv, old_lp, old_v, target, lp, value, entropy, mask_, cfg, **kw):
+        out = loss_terms(adv, old_lp, old_v, target, lp, value, entropy, mask_, cfg, **kw)
+        seen.append((out[3].detach().clone(), value.detach().clone(), target.clone(), entropy.detach().clone(),
+                     None if mask_ is None else mask_.clone()))
+        return out
+
+    monkeypatch.setattr(update_module, "loss_terms", recording)
+    nets, opt = make_nets()
+    cfg = PPOConfig(minibatch_size=8, num_epochs=2)
+    metrics = ppo_update_(nets, opt, make_batch(nets, n=180, mask=mask), make_evaluate(nets), cfg,
+                          torch.Generator().manual_seed(0), group=G)
+    assert len(seen) == 46 and metrics["skipped_steps"].item() == 0
+    columns = [None if c[0] is None else torch.cat(c) for c in zip(*seen)]
+    expected = diagnostics(*columns, cfg)
+    for key, value in zip(("approx_kl", "clip_fraction", "entropy", "explained_variance"), expected):
+        torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=1e-7, msg=key)
