@@ -10,8 +10,9 @@ Target (issue 18): ours <= 2x the reference.
 
 Each case runs ``--repeats`` times (a fresh process each) and the median ratio is reported with every run: the
 live memory is the same from run to run, but how much freed memory glibc's heap keeps beside it is not (it
-follows the allocation order, which moves with Python's per-process hash seed): at 1,024 envs, where the
-fragment is 6 MB, that alone moved the ratio between 1.4 and 4 over runs of one commit.
+follows the allocation order, which moves with Python's per-process hash seed). It matters most at 1,024 envs,
+where the fragment is 6 MB: there the ratio once moved between 1.4 and 4 over runs of one commit, until the
+step leaves that fragmented the heap went into preallocated slots (:mod:`core.buffers.time_slots`).
 
     python benchmarks/transition_memory.py [--envs 1024 4096 16384] [--steps 64] [--repeats 3]
 """
