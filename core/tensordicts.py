@@ -60,7 +60,8 @@ def get_str(td: TensorDictBase, key: str):
 
 def get_leaf(td: TensorDictBase, key: str, leaf: str):
     """``td.get((key, leaf))``, read straight from the nested storage when the layout is the one :func:`make_td`
-    builds (~0.2 µs instead of ~4 µs: an env reads its actions this way every step); ``td.get`` otherwise."""
+    builds (a dict lookup per level instead of ``td.get``'s key parsing: an env reads its actions this way every
+    step); ``td.get`` otherwise."""
     if _DIRECT and type(td) is TensorDict:
         inner = td._tensordict.get(key)
         if type(inner) is TensorDict and (value := inner._tensordict.get(leaf)) is not None:

@@ -145,7 +145,7 @@ def observations(state: torch.Tensor) -> torch.Tensor:
     to pay it twice per step (final and next observation; ``benchmarks/builtin_throughput.py``).
     """
     rows = state if state.dtype == torch.float32 else state.to(torch.float32)
-    if rows.is_contiguous():  # one view op instead of two (t, unsqueeze): a few µs of a small batch's step
+    if rows.is_contiguous():  # one view op instead of two (t, unsqueeze): each op counts in a small batch's step
         return rows.as_strided((rows.shape[1], 1, 4), (1, rows.shape[1], rows.shape[1]))
     return rows.reshape(4, -1).t().unsqueeze(1)
 

@@ -8,9 +8,8 @@ leaf of at least :data:`PREALLOCATE_BYTES` per step (from about 128 envs on) is 
   them all);
 - the steps' tensors, kept among the blocks the policy frees every step (its activations), fragment the
   allocator's heap: each kept block splits a freed activation block, so the next step's activations no longer
-  fit there and the heap grows. With only observations preallocated, at 1,024 envs x 64 steps the heap kept
-  5-18 MB free beside a 6 MB fragment, changing from run to run; with every leaf of 1 KB or more in slots,
-  3-4 MB (``benchmarks/transition_memory.py``).
+  fit there and the heap grows, by an amount that changed from run to run (``benchmarks/transition_memory.py``
+  measures the peak against the fragment's bytes).
 
 A :class:`TimeSlots` holds the fragment once: storage for ``capacity`` steps, allocated when a step first
 differs from the first step, each step copied into its slot (the step's own tensor is freed at once and its
