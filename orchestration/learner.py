@@ -127,10 +127,14 @@ class PPOLearner:
         self.inbox = Inbox(policy_id, batch_steps, max_staleness=max_staleness, reuse_limit=reuse_limit)
         self.last_fragment_ids: list[int] = []
         """Fragment ids of the last training batch, in batch order."""
+        self.keep_last_batch = False
+        """Keep the last batch's inbox entries in :attr:`last_batch` (a learner actor's probes; they pin it)."""
+        self.last_batch: list = []
         scaler = getattr(policy, "reward_scaler", None)  # PolicyConfig.scale_rewards
         self.returns = None if scaler is None else ReturnStreams(ppo.gamma, self.groups, scaler)
         self.curiosity = curiosity_for(curiosity, self.policy, list(self.groups), seed=seed, device=self.device)
         self.evaluate_through: Callable | None = None  # training forwards as (evaluate, mb): DDP (data_parallel_)
+        self.update_through: Callable | None = None  # (fragments, progress, team) -> metrics: a DDP rank 0's shards
         self.reduce_statistics: Callable | None = None  # sums normalisers' moments over DDP ranks (data_parallel_)
         self._published = self._snapshot()
 
@@ -247,8 +251,9 @@ class PPOLearner:
         if lr is not None:
             self.set_lr(lr)
         self.last_fragment_ids = [int(e.meta["fragment_id"]) for e in entries]
-        return self.update_([e.fragment for e in entries], progress,
-                            team_values_for(team_values, self.last_fragment_ids, self.policy_id))
+        self.last_batch = entries if self.keep_last_batch else []
+        return (self.update_through or self.update_)([e.fragment for e in entries], progress,
+                                                     team_values_for(team_values, self.last_fragment_ids, self.policy_id))
 
     def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False,
                team_values: Mapping[int, TensorDictBase] | None = None) -> Done:

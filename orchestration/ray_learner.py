@@ -1,28 +1,22 @@
-"""Learners on Ray: a :class:`PPOLearner` in an actor (:class:`LearnerServer`), and the driver's handle on it
-with the Learner protocol (:class:`RayLearner`). Wiring only: what to train on is the learner's inbox.
+"""Learners on Ray: a :class:`PPOLearner` in an actor (:class:`LearnerServer`: the plain
+:class:`orchestration.learner_host.LearnerHost` on Ray's transport), and the driver's handle on it with the
+Learner protocol (:class:`RayLearner`). Wiring only: what to train on is the learner's inbox.
 
-Rollout workers' sender threads call :meth:`LearnerServer.push` with a fragment's metadata and a *nested*
-object ref (so Ray does not resolve it before the call). The server fetches it without copying: learners on
-one node that consume the same fragment read one object-store copy (read-only numpy views; training never
-writes into a fragment). Weights are published once per version: one ``to_wire`` + ``ray.put``, and every
-worker ``get``s the same ref.
+Fragments arrive as metadata and a *nested* object ref (:meth:`LearnerServer.push`), read without a copy:
+learners on one node share one object-store copy (read-only; training never writes into a fragment).
+Weights go out once per version: one ``to_wire`` + ``ray.put``, one ref for every worker.
 
-A dead learner resumes from its last checkpoint. Learner actors are created with Ray's ``max_restarts``;
-the driver registers each learner's latest state (weights, optimizer, generator, version, counters and
-ledger) with a :class:`LearnerCheckpoints` actor; Ray re-runs the constructor of a dead learner, which loads
-that state before it serves any call. What it had received since is unknown: the sequence-gap rule and
-``settle`` count it lost. Versions keep rising across a restart, so workers always load its weights.
-
+Restarts (Ray's ``max_restarts``): the driver registers each learner's latest state with a
+:class:`LearnerCheckpoints` actor, which a re-constructed learner loads before serving any call; what it had
+received since is counted lost (the sequence-gap rule, ``settle``), and its versions keep rising.
 Data parallelism (``RayConfig.learners_per_policy > 1``): the server is rank 0 of a torch.distributed group
-of :class:`DataParallelRank` actors; every batch is split by env rows into one shard per rank.
-
-A team critic (:mod:`orchestration.team_critic`, :class:`TeamCriticServer`) takes pushes too; its values reach the
-member learners as one object-store ref (:class:`RayTeamCritic`). It is not restarted: its death ends the run.
+of :class:`DataParallelRank` actors; each batch is split by env rows into one shard per rank.
+A team critic (:class:`TeamCriticServer`, :class:`RayTeamCritic`) takes pushes too; its values reach the
+member learners as one ref. It is not restarted: its death ends the run.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Any, Mapping, Sequence
@@ -32,55 +26,30 @@ import torch
 from tensordict import TensorDict
 
 from core.specs import from_json
-from orchestration.builder import assignment_for, build_learner, policy_module
 from orchestration.config import TrainConfig
-from orchestration.data_parallel import (DataParallelRank, check_in_sync, data_parallel_, free_port,
-                                         init_process_group, shard_by_rows)
+from orchestration.data_parallel import DataParallelRank, data_parallel_, free_port, init_process_group, shard_by_rows
 from orchestration.learner_checkpoints import LearnerCheckpoints
+from orchestration.learner_host import LearnerHost, take_pushed
 from orchestration.ray_session import kill_actor
 from orchestration.team_critic import TeamCriticLearner, team_critic_settings
-from orchestration.train_batches import team_values_for
 from orchestration.wire import from_wire, to_wire
 
 
-def take_push(inbox, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef], timeout_s: float, add) -> None:
-    """A pushed fragment into ``add`` (once the inbox announced it), or counted lost when its object cannot be
-    read: owner died (OwnerDiedError), object lost, timeout, a malformed message. No copy: a read-only view of
-    the object store, shared with the node's other learners."""
-    if inbox.announce(meta):
-        try:
-            fragment = from_wire(ray.get(refs[0], timeout=timeout_s))
-        except Exception:  # noqa: BLE001 - every way of not getting it counts as lost
-            inbox.lost(meta)
-        else:
-            add(fragment)
-
-
-class LearnerServer:
-    """The learner actor of ``policy_id``: built by the one builder, started from ``initial_weights`` (a
+class LearnerServer(LearnerHost):
+    """The learner actor of ``policy_id`` (:class:`LearnerHost` on Ray), started from ``initial_weights`` (a
     :func:`to_wire` message; None: those registered in ``checkpoints``, the registry or its actor name: the
     driver passes no object ref, which a restart might not read again, ray-project/ray#53727)."""
 
     def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping | None, *,
                  resolve_timeout_s: float = 30.0, num_threads: int = 1, checkpoints: Any = None) -> None:
-        torch.set_num_threads(num_threads)
         checkpoints = ray.get_actor(checkpoints) if isinstance(checkpoints, str) else checkpoints  # or its name
         if initial_weights is None:
             initial_weights = ray.get(_registered(checkpoints, policy_id, resolve_timeout_s)[0])
-        tree = from_json(tree_json)
-        assignment = assignment_for(config, tree)
-        policy = policy_module(config, tree, assignment, policy_id)
-        with torch.no_grad():
-            TensorDict.from_module(policy).update_(from_wire(initial_weights))
-        self.policy_id, self.resolve_timeout_s = policy_id, resolve_timeout_s
-        self.learner = build_learner(config, assignment, policy_id, policy)
-        self.counters = {"serializations": 0, "fragments_pushed": 0}
-        self._last, self._peers = [], []
-        self._checkpoints = checkpoints
-        self.restarts, self.restored_version = 0, None
+        super().__init__(policy_id, config, tree_json, initial_weights, num_threads=num_threads, put=ray.put)
+        self.resolve_timeout_s, self._checkpoints = resolve_timeout_s, checkpoints
         if checkpoints is not None and _reconstructed():
             self._resume(ray.get(checkpoints.resume.remote(policy_id)))
-        self._publish()
+        self.publish()
 
     def _resume(self, info: Mapping[str, Any]) -> None:
         self.restarts = int(info["restarts"])
@@ -89,50 +58,16 @@ class LearnerServer:
             self.restored_version = self.learner.version
         self.learner.publish_as(max(self.learner.version, int(info["version"])) + 1)
 
-    # -- data in -----------------------------------------------------------------------------------------
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> int:
-        """Takes one fragment (``meta`` + ``[ref]`` of its wire message); returns the learner's version."""
-        self.counters["fragments_pushed"] += 1
-        take_push(self.learner.inbox, meta, refs, self.resolve_timeout_s,
-                  lambda fragment: self.learner.inbox.add(fragment, meta, self.learner.version))
-        return self.learner.version
+        """Takes one fragment: ``meta`` + ``[ref]`` of its wire message, nested so that Ray does not resolve it
+        before the call (a re-delivery is never fetched; a ref that cannot be read is counted lost)."""
+        return super().push(meta, lambda: ray.get(refs[0], timeout=self.resolve_timeout_s))
 
-    def settle(self, produced: Mapping[int, int]) -> int:
-        return self.learner.settle({int(k): v for k, v in produced.items()})
-
-    def new_steps(self) -> int:
-        return self.learner.new_steps()
-
-    def ready(self) -> bool:
-        return self.learner.ready()
-
-    # -- training ----------------------------------------------------------------------------------------
-    def train(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False,
-              team_values: Mapping[int, Mapping] | None = None) -> dict | None:
-        """One PPO update if the inbox has a batch (else None); publishes the new version. ``team_values``:
-        fragment id -> a team critic's values as wire messages (:meth:`TeamCriticServer.wire_values`).
-
-        Returns:
-            ``{"metrics", "version", "weights": [ref], "fragment_ids", "time_learn"}`` or None.
-        """
-        if not self.learner.ready():
-            return None
-        start = time.perf_counter()
-        chosen = self.learner.inbox.take(self.learner.version, take_all)
-        if lr is not None:
-            self.learner.set_lr(lr)
-        team = team_values_for(None if team_values is None else {int(f): from_wire(w) for f, w in team_values.items()},
-                               [int(e.meta["fragment_id"]) for e in chosen], self.policy_id)
-        metrics = self._train_shards(chosen, progress, lr) if self._peers else \
-            self.learner.update_([e.fragment for e in chosen], progress, team)
-        self._last = chosen
-        self._publish()
-        return {"metrics": metrics, "version": self.learner.version, "weights": [self._weights],
-                "fragment_ids": [int(e.meta["fragment_id"]) for e in chosen], "time_learn": time.perf_counter() - start}
-
-    def _train_shards(self, chosen: list, progress: float, lr: float | None) -> dict:
-        """Splits the batch by env rows into one equal shard per rank; rank 0 (here) trains the first."""
-        shards = shard_by_rows([e.fragment for e in chosen], len(self._peers) + 1, self.policy_id)
+    def _train_shards(self, fragments: list, progress: float, team: Any = None) -> dict:
+        """Splits the batch by env rows into one equal shard per rank; rank 0 (here) trains the first (a team
+        critic never runs with data-parallel learners: the config refuses it)."""
+        shards = shard_by_rows(fragments, len(self._peers) + 1, self.policy_id)
+        lr = self.learner.optimizer.param_groups[0]["lr"]
         futures = [peer.train.remote(ray.put(to_wire(shard)), progress=progress, lr=lr)
                    for peer, shard in zip(self._peers, shards[1:])]
         metrics = self.learner.update_([shards[0]], progress)
@@ -140,70 +75,22 @@ class LearnerServer:
         self.learner.counters["env_steps_trained"] += sum(s.batch_size.numel() for s in shards[1:])
         return metrics
 
-    # -- data-parallel group -----------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port, where the data-parallel group of this policy meets."""
         return ray.util.get_node_ip_address(), free_port()
 
     def join_data_parallel(self, peers: Sequence[Any], address: str, port: int) -> None:
-        """Becomes rank 0 of a group with ``peers`` (:class:`DataParallelRank` actors joining concurrently)."""
+        """Becomes rank 0 of a group with ``peers`` (:class:`DataParallelRank` actors joining concurrently); every
+        batch is then split over the group (:meth:`_train_shards`)."""
         init_process_group(0, len(peers) + 1, address, port, self.learner.device)
         data_parallel_(self.learner)
         self._peers = list(peers)
+        self.learner.update_through = self._train_shards
 
-    def peer_handles(self) -> list:
-        return list(self._peers)
-
-    def in_sync(self) -> bool:
-        return check_in_sync(self.learner.policy)
-
-    # -- weights out, state ------------------------------------------------------------------------------
-    def _publish(self) -> None:
-        version, weights = self.learner.published()
-        self._weights = ray.put(to_wire(weights, {"version": version, "policy_id": self.policy_id}))
-        self.counters["serializations"] += 1
+    def publish(self) -> None:
+        super().publish()
         if self._checkpoints is not None:  # fire and forget: the version watermark for a restart
-            self._checkpoints.published.remote(self.policy_id, version)
-
-    def published(self) -> tuple[int, list[ray.ObjectRef]]:
-        """``(version, [ref])`` of the newest weights (the ref nested so callers pass it on unresolved)."""
-        return self.learner.version, [self._weights]
-
-    def report(self) -> dict[str, Any]:
-        report = self.learner.report()
-        report["counters"].update(self.counters)
-        return {**report, "restarts": self.restarts, "restored_version": self.restored_version}
-
-    def state(self) -> dict[str, Any]:
-        return self.learner.state()
-
-    def load_state(self, state: Mapping[str, Any]) -> tuple[int, list[ray.ObjectRef]]:
-        self.learner.load_state_(state)
-        self._publish()
-        return self.published()
-
-    def trained_counts(self) -> dict[int, int]:
-        """Fragment id -> times trained on (the newest 100k fragments trained)."""
-        return dict(self.learner.inbox.trained)
-
-    def last_batch(self) -> list[dict]:
-        """The fragments of the last training step, as wire messages (tests and debugging)."""
-        return [to_wire(e.fragment, e.meta) for e in self._last]
-
-    def pooled_memory(self) -> dict[str, Any]:
-        """Addresses of each pooled fragment's first leaf and this process's memory map (tests: one copy)."""
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-        return {"addresses": [next(iter(e.fragment.values(True, True))).data_ptr()
-                              for e in self.learner.inbox.pool.values()], "maps": maps}
-
-    def crash(self) -> None:
-        """Ends this process at once, as a fatal error would (tests of learner restarts)."""
-        os._exit(1)
-
-    def pause(self, seconds: float) -> None:
-        """Blocks the learner for ``seconds`` (tests: a slow learner, pushes pile up behind it)."""
-        time.sleep(seconds)
+            self._checkpoints.published.remote(self.policy_id, self.learner.version)
 
     def ping(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -227,7 +114,8 @@ class TeamCriticServer(TeamCriticLearner):
 
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> None:
         """Takes one fragment (``meta`` + ``[ref]`` of its wire message), as :meth:`LearnerServer.push`."""
-        take_push(self.inbox, meta, refs, self.resolve_timeout_s, lambda fragment: self.file(fragment, meta))
+        take_pushed(self.inbox, meta, lambda: ray.get(refs[0], timeout=self.resolve_timeout_s),
+                    lambda fragment: self.file(fragment, meta))
 
     def wire_values(self) -> dict[int, dict]:
         """:meth:`values` as wire messages (the member learners' ``train`` gets them through one ref)."""

@@ -34,3 +34,24 @@ def test_run_trains_once_per_ready_batch_and_stops_where_told():
         assert [r["version"] for r in stopped] == [5.0] and len(list(rest)) == 2
     finally:
         trainer.close()
+
+
+def test_update_through_takes_each_batch_and_the_last_batch_is_kept_only_when_asked():
+    """A data-parallel rank 0 trains through ``update_through`` (the Ray learner splits the batch there); the
+    batch's entries stay in ``last_batch`` only with ``keep_last_batch`` (they pin the fragments)."""
+    trainer, learner, fragments = _stream(3)
+    try:
+        learner.receive(fragments[0])
+        learner.train()
+        assert learner.last_batch == [] and learner.last_fragment_ids
+        seen = []
+        learner.update_through = lambda frags, progress, team: seen.append((frags, progress, team)) or {"x": 1.0}
+        learner.keep_last_batch = True
+        learner.receive(fragments[1])
+        assert learner.train(0.25) == {"x": 1.0}
+        (frags, progress, team), = seen
+        assert [f is fragments[1] for f in frags] == [True] and progress == 0.25 and team is None
+        assert [e.fragment for e in learner.last_batch] == [fragments[1]]
+        assert learner.version == 1  # the hook did the update: update_ never ran
+    finally:
+        trainer.close()
