@@ -48,7 +48,6 @@ class ExternalFleet:
         learners: policy id -> learner receiving every fragment (the learning ones).
         launcher: simulators to keep running, or None when they connect by themselves.
         wait_s: longest a collect or pump waits with no fragment at all (0: forever).
-        resolve: published weights -> TensorDict (Ray learners publish object-store refs).
     """
 
     restarts = 0
@@ -56,10 +55,8 @@ class ExternalFleet:
     resume_exact = False
 
     def __init__(self, server: ExternalServer, service: InferenceService, lanes: Lanes, learners: Mapping[str, Any],
-                 *, launcher: SimulatorLauncher | None = None, wait_s: float = 300.0,
-                 resolve: Callable[[Any], TensorDictBase] = lambda w: w) -> None:
+                 *, launcher: SimulatorLauncher | None = None, wait_s: float = 300.0) -> None:
         self.server, self.service, self.lanes, self.launcher = server, service, lanes, launcher
-        self.resolve = resolve
         self.learners = dict(learners)
         self.wait_s = wait_s
         self.fragment_steps = lanes.fragment_length
@@ -122,7 +119,9 @@ class ExternalFleet:
         there is one copy, and it is swapped between batches)."""
         for pid, (version, w) in weights.items():
             if pid in self.service.versions and (force or version != self.service.versions[pid]):
-                self.service.set_weights(pid, version, self.resolve(w))
+                if not isinstance(w, TensorDictBase):  # a Ray learner's object-store ref: its own weights()
+                    version, w = self.learners[pid].weights()
+                self.service.set_weights(pid, version, w)
 
     # -- statistics, state -------------------------------------------------------------------------------------
     def episodes(self) -> dict[str, Any]:
@@ -214,15 +213,13 @@ def build_external(config: TrainConfig, *, log=None):
         tree = server.tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
-        resolve = lambda w: w  # noqa: E731
         if config.backend == "ray":
-            from orchestration.ray_session import await_started, build_ray_learners, discard_learners, resolve_weights
+            from orchestration.ray_session import await_started, build_ray_learners, discard_learners
 
             ray_learners, _, _, teardown = build_ray_learners(config, tree, policies, fixed)
             await_started(ray_learners, teardown)  # on an error it kills them and releases itself
             discard = lambda: discard_learners(ray_learners, teardown)  # noqa: E731 - on a later error
             learners = {**ray_learners, **{pid: FixedLearner(policies[pid]) for pid in fixed}}
-            resolve = resolve_weights
         else:
             learners = build_learners(config, assignment, {pid: copy.deepcopy(p) for pid, p in policies.items()},
                                       fixed)
@@ -233,7 +230,7 @@ def build_external(config: TrainConfig, *, log=None):
         lanes = Lanes(TreeCodec(tree), assignment, config.rollout.fragment_length,
                       lambda *item: holder[0].enqueue(*item))
         fleet = ExternalFleet(server, service, lanes, {pid: lrn for pid, lrn in learners.items() if lrn.learns},
-                              launcher=launcher, wait_s=ec.wait_s, resolve=resolve)
+                              launcher=launcher, wait_s=ec.wait_s)
         holder.append(fleet)
         server.attach(service, lanes, dataclasses.asdict(config.policy))
         return fleet, learners, tree, teardown

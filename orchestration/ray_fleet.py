@@ -1,17 +1,14 @@
-"""The rollout fleet on Ray (seed 004): the manager over the rollout workers of :mod:`orchestration.ray_worker`.
+"""The rollout fleet on Ray (seed 004): :class:`RayFleet` (driver side, the Fleet protocol of
+:mod:`orchestration.fleet`) creates, supervises and re-creates the rollout workers of
+:mod:`orchestration.ray_worker`. Synchronous mode: each worker collects its share of ``train_batch_size``
+with the current weights (seed 000), and what dead workers lost is re-collected. Asynchronous mode: workers
+stream until stopped and get new weights refs as published. A dead worker is re-created as a new
+incarnation (new ``worker_id`` and seed stream). Incarnation 0 has the local backend's worker ids and seeds:
+a synchronous Ray run reproduces a local run bit for bit.
 
-:class:`RayFleet` (driver side) implements the Fleet protocol (:mod:`orchestration.fleet`): it creates,
-supervises and re-creates workers. Synchronous mode: each worker
-collects its share of ``train_batch_size`` with the current weights (seed 000); what dead workers lost is
-re-collected. Asynchronous mode: workers stream until stopped and get new weights refs as published. A dead
-worker is re-created as a new incarnation (new ``worker_id``, new seed stream) and re-synced. Incarnation 0
-has the local backend's worker ids and seeds: a synchronous Ray run reproduces a local run bit for bit.
-
-Central inference (``rollout.central_inference``): :class:`InferenceServer`, one threaded actor hosting an
-:class:`orchestration.inference.InferenceService` (each worker's request waits in one of its threads while
-the service batches across all of them; weights arrive as object-store refs of their wire form), and
-:class:`RemoteService`, the proxy workers hand their :class:`orchestration.service_policy.ServicePolicy`
-stand-ins.
+Central inference (``rollout.central_inference``): one threaded actor hosts an
+:class:`orchestration.service_policy.InferenceServer`, which batches the requests of all workers;
+:class:`RemoteService` is the workers' proxy on it.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from orchestration.service_policy import InferenceServer
 from orchestration.wire import from_wire, to_wire
 
 
-
 @dataclass
 class _Slot:
     slot: int
@@ -54,7 +50,6 @@ class RayFleet:
     handed to every worker; ``weights`` start them. Weights handed over as TensorDicts (fixed policies, a
     league's opponent) are put in the object store once per version.
     """
-
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], stats,
                  weights: Weights, inference=None) -> None:

@@ -7,7 +7,7 @@ may have died (:func:`try_get`, :func:`kill_actor`).
 
 Sweeps on Ray Tune (seed 002): one trial is one run, :func:`orchestration.sweeps.run_trial` inside Tune's
 :func:`trainable`; :func:`run_tune` runs a param space of dotted config keys (``{"lr": tune.grid_search([3e-4,
-1e-3]), "seed": ...}``), :func:`run_sweep` a checked ``search:`` section (``shoal tune``). Tune needs
+1e-3]), "seed": ...}``; ``shoal tune``: :func:`search_space` of a checked ``search:`` section). Tune needs
 ``ray[tune]`` and is imported only when used.
 """
 
@@ -27,6 +27,7 @@ from tensordict import TensorDict
 from core.specs import Tree, to_json
 from orchestration.addresses import check_reachable
 from orchestration.config import RayConfig, TrainConfig
+from orchestration.placement import cpus_needed, inference_gpus, learner_gpus, reservation_problem
 from orchestration.sweeps import config_from_params, run_trial
 
 
@@ -57,27 +58,15 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
     return True
 
 
-def cpus_needed(config: TrainConfig, ray_config: RayConfig, num_learners: int) -> float:
-    return (config.rollout.num_workers * ray_config.worker_num_cpus
-            + num_learners * ray_config.learners_per_policy * ray_config.learner_num_cpus)
-
-
 def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool,
                     trainers: int = 1) -> None:
-    """Warns (``strict``: raises ValueError) when ``trainers`` trainers of ``config`` side by side, each with
-    ``num_learners`` learning policies, reserve more CPUs than the cluster has: some actors would wait for
-    ever. The message names the flags that lower the reservation."""
-    one = cpus_needed(config, ray_config, num_learners)
-    need, have = trainers * one, ray.cluster_resources().get("CPU", 0.0)
-    if need > have + 1e-9:
-        times = f"{trainers} trainers x " if trainers > 1 else ""
-        message = (f"the Ray backend reserves {need:g} CPUs ({times}{config.rollout.num_workers} workers x "
-                   f"{ray_config.worker_num_cpus:g} + {num_learners} learners x {ray_config.learner_num_cpus:g}) "
-                   f"but the cluster has {have:g}: lower --ray.worker-num-cpus / --ray.learner-num-cpus (e.g. 0.5)"
-                   f" or raise --ray.num-cpus")
-        if strict:
-            raise ValueError(message)
-        warnings.warn(message, stacklevel=3)
+    """Warns (``strict``: raises ValueError) when the run does not fit the cluster's CPUs
+    (:func:`orchestration.placement.reservation_problem`)."""
+    problem = reservation_problem(config, ray_config, num_learners, ray.cluster_resources().get("CPU", 0.0), trainers)
+    if problem and strict:
+        raise ValueError(problem)
+    if problem:
+        warnings.warn(problem, stacklevel=3)
 
 
 def init_ray_for(config: TrainConfig, trainers: int) -> Callable[[], None] | None:
@@ -111,14 +100,9 @@ def kill_actor(handle) -> None:
 
 def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int,
                     resources: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """Ray resources of one learner: ``num_gpus="auto"`` shares the cluster's GPUs when it has any."""
-    if num_gpus == "auto":
-        gpus = ray.cluster_resources().get("GPU", 0.0)
-        num_gpus = min(1.0, gpus / num_learners) if gpus else 0.0
-    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": float(num_gpus)}
-    if resources:
-        options["resources"] = dict(resources)
-    return options
+    """Ray resources of one learner (:func:`orchestration.placement.learner_gpus`)."""
+    gpus = learner_gpus(num_gpus, ray.cluster_resources().get("GPU", 0.0), num_learners)
+    return {"num_cpus": num_cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
 
 
 def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
@@ -240,9 +224,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         from orchestration.inference import InferenceConfig
         from orchestration.ray_fleet import RemoteInferenceServer
 
-        learners_take = sum(learner_options(0, rc.learner_num_gpus, len(learners))["num_gpus"] for _ in learners)
-        left = ray.cluster_resources().get("GPU", 0.0) - learners_take * rc.learners_per_policy
-        gpus = min(1.0, left) if left >= 0.1 else 0.0  # what the learners leave, else the CPU
+        gpus = inference_gpus(rc, ray.cluster_resources().get("GPU", 0.0), len(learners))
         inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
     others = [*([critic.handle] if critic else [])]
@@ -253,16 +235,6 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         raise
     await_started(learners, lambda: (fleet.close(), teardown()), others)
     return fleet, learners, critic, teardown
-
-
-def resolve_weights(weights: Any) -> TensorDict:
-    """Weights as a TensorDict, whichever form a learner published them in (a Ray learner: ``[ref]`` of
-    their wire message)."""
-    from orchestration.wire import from_wire
-
-    if isinstance(weights, (list, tuple)):
-        return from_wire(ray.get(weights[0]), copy=True)
-    return weights
 
 
 def trainable(params: dict[str, Any], base: TrainConfig) -> None:
@@ -302,20 +274,23 @@ def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: 
     """
     from ray import tune
 
-    init_ray(base, base.ray)
-    fn = tune.with_resources(tune.with_parameters(trainable, base=base), {"cpu": cpus_per_trial})
-    if restore:
-        if not (storage_path and name):
-            raise ValueError("restoring a Tune experiment needs its storage path and name")
-        return tune.Tuner.restore(str(Path(storage_path) / name), fn, resume_unfinished=True,
-                                  resume_errored=True).fit()
-    tuner = tune.Tuner(fn, param_space=dict(param_space),
-                       tune_config=tune.TuneConfig(num_samples=num_samples, metric=metric, mode=mode,
-                                                   max_concurrent_trials=max_concurrent_trials),
-                       run_config=tune.RunConfig(storage_path=storage_path, name=name, verbose=verbose,
-                                                 failure_config=tune.FailureConfig(max_failures=max_failures),
-                                                 checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
-    return tuner.fit()
+    owns_ray = init_ray(base, base.ray)  # the Ray instance running, or one started for the sweep and shut down after
+    try:
+        fn = tune.with_resources(tune.with_parameters(trainable, base=base), {"cpu": cpus_per_trial})
+        if restore:
+            if not (storage_path and name):
+                raise ValueError("restoring a Tune experiment needs its storage path and name")
+            return tune.Tuner.restore(str(Path(storage_path) / name), fn, resume_unfinished=True,
+                                      resume_errored=True).fit()
+        failures, kept = tune.FailureConfig(max_failures=max_failures), tune.CheckpointConfig(num_to_keep=2)
+        return tune.Tuner(fn, param_space=dict(param_space),
+                          tune_config=tune.TuneConfig(num_samples=num_samples, metric=metric, mode=mode,
+                                                      max_concurrent_trials=max_concurrent_trials),
+                          run_config=tune.RunConfig(storage_path=storage_path, name=name, verbose=verbose,
+                                                    failure_config=failures, checkpoint_config=kept)).fit()
+    finally:
+        if owns_ray:
+            ray.shutdown()
 
 
 def search_space(checked: Mapping[str, tuple[str, list]]) -> dict[str, Any]:
@@ -326,18 +301,7 @@ def search_space(checked: Mapping[str, tuple[str, list]]) -> dict[str, Any]:
             else getattr(tune, kind)(*values) for key, (kind, values) in checked.items()}
 
 
-def run_sweep(base: TrainConfig, checked: Mapping[str, tuple[str, list]], **kwargs: Any):
-    """:func:`run_tune` over a checked search section, in the Ray instance running (or one started for it and
-    shut down after)."""
-    owns_ray = init_ray(base, base.ray)
-    try:
-        return run_tune(base, search_space(checked), **kwargs)
-    finally:
-        if owns_ray:
-            ray.shutdown()
-
-
-__all__ = ["await_started", "build_ray_learners", "build_ray_parts", "check_resources", "cpus_needed",
+__all__ = ["await_started", "build_ray_learners", "build_ray_parts", "check_resources",
            "discard_learners", "init_ray",
-           "kill_actor", "learner_options", "resolve_weights", "run_sweep", "run_tune", "search_space", "trainable",
+           "kill_actor", "learner_options", "run_tune", "search_space", "trainable",
            "try_get"]

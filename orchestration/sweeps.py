@@ -284,12 +284,12 @@ def main(argv: list[str]) -> int:
         return 2
     storage = Path(args.storage).resolve()
     name = args.name or f"{Path(args.config_file).stem}__{time.strftime('%Y%m%d-%H%M%S')}"
-    from orchestration.ray_session import run_sweep
+    from orchestration.ray_session import run_tune, search_space
 
-    results = run_sweep(base, space, num_samples=args.num_samples, metric=args.metric, mode=args.mode,
-                        max_concurrent_trials=args.max_concurrent, cpus_per_trial=args.cpus_per_trial,
-                        storage_path=str(storage), name=name, max_failures=args.max_failures,
-                        restore=args.resume, verbose=args.verbose)
+    results = run_tune(base, search_space(space), num_samples=args.num_samples, metric=args.metric, mode=args.mode,
+                       max_concurrent_trials=args.max_concurrent, cpus_per_trial=args.cpus_per_trial,
+                       storage_path=str(storage), name=name, max_failures=args.max_failures,
+                       restore=args.resume, verbose=args.verbose)
     rows = results_table(results, list(space), args.metric)
     out = storage / name
     _write(rows, out)

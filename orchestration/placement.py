@@ -1,0 +1,45 @@
+"""What a Ray run reserves: CPUs for its workers and learners, and how it shares the cluster's GPUs between
+the learners and a central inference server. Plain arithmetic on the config and the cluster's totals (the
+Ray calls that read those and place the actors are in :mod:`orchestration.ray_session`)."""
+
+from __future__ import annotations
+
+from orchestration.config import RayConfig, TrainConfig
+
+
+def cpus_needed(config: TrainConfig, ray_config: RayConfig, num_learners: int) -> float:
+    """CPUs one trainer of ``config`` with ``num_learners`` learning policies reserves."""
+    return (config.rollout.num_workers * ray_config.worker_num_cpus
+            + num_learners * ray_config.learners_per_policy * ray_config.learner_num_cpus)
+
+
+def reservation_problem(config: TrainConfig, ray_config: RayConfig, num_learners: int, have: float,
+                        trainers: int = 1) -> str | None:
+    """Why ``trainers`` trainers of ``config`` side by side, each with ``num_learners`` learning policies, do not
+    fit in a cluster of ``have`` CPUs (some actors would wait for ever), naming the flags that lower the
+    reservation; None when they fit."""
+    need = trainers * cpus_needed(config, ray_config, num_learners)
+    if need <= have + 1e-9:
+        return None
+    times = f"{trainers} trainers x " if trainers > 1 else ""
+    return (f"the Ray backend reserves {need:g} CPUs ({times}{config.rollout.num_workers} workers x "
+            f"{ray_config.worker_num_cpus:g} + {num_learners} learners x {ray_config.learner_num_cpus:g}) "
+            f"but the cluster has {have:g}: lower --ray.worker-num-cpus / --ray.learner-num-cpus (e.g. 0.5)"
+            f" or raise --ray.num-cpus")
+
+
+def learner_gpus(num_gpus: float | str, cluster_gpus: float, num_learners: int) -> float:
+    """GPUs of one learner: ``"auto"`` shares the cluster's GPUs (at most one each) when it has any."""
+    if num_gpus == "auto":
+        return min(1.0, cluster_gpus / num_learners) if cluster_gpus else 0.0
+    return float(num_gpus)
+
+
+def inference_gpus(ray_config: RayConfig, cluster_gpus: float, num_learners: int) -> float:
+    """GPUs of the central inference server: what the learners leave (at most one), else none (the CPU)."""
+    taken = num_learners * learner_gpus(ray_config.learner_num_gpus, cluster_gpus, num_learners)
+    left = cluster_gpus - taken * ray_config.learners_per_policy
+    return min(1.0, left) if left >= 0.1 else 0.0
+
+
+__all__ = ["cpus_needed", "inference_gpus", "learner_gpus", "reservation_problem"]

@@ -1,0 +1,52 @@
+"""What a Ray run reserves (:mod:`orchestration.placement`): pure arithmetic, checked without Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+from orchestration.placement import cpus_needed, inference_gpus, learner_gpus, reservation_problem
+
+
+def _config(workers: int = 2) -> TrainConfig:
+    return TrainConfig(env="builtin:cartpole", backend="ray", rollout=RolloutConfig(num_workers=workers))
+
+
+def test_cpus_needed_counts_workers_and_every_data_parallel_rank():
+    rc = RayConfig(worker_num_cpus=0.5, learner_num_cpus=1.0, learners_per_policy=3)
+    assert cpus_needed(_config(4), rc, num_learners=2) == 4 * 0.5 + 2 * 3 * 1.0
+
+
+def test_a_run_that_fits_has_no_problem_and_one_that_does_not_names_the_flags():
+    rc = RayConfig(worker_num_cpus=1.0, learner_num_cpus=1.0)
+    assert reservation_problem(_config(2), rc, 1, have=3.0) is None
+    problem = reservation_problem(_config(2), rc, 1, have=2.0)
+    assert problem is not None and "reserves 3 CPUs (2 workers x 1 + 1 learners x 1)" in problem
+    assert "has 2" in problem and "--ray.worker-num-cpus" in problem and "--ray.num-cpus" in problem
+    # trainers side by side (a league's players) multiply the reservation
+    assert reservation_problem(_config(2), rc, 1, have=3.0, trainers=2).startswith("the Ray backend reserves 6 CPUs (2 trainers x")
+
+
+@pytest.mark.parametrize("asked, cluster, learners, expected", [
+    ("auto", 0.0, 2, 0.0),      # no GPU: the CPU
+    ("auto", 1.0, 2, 0.5),      # one GPU shared by two learners
+    ("auto", 4.0, 2, 1.0),      # at most one each
+    (0.25, 4.0, 2, 0.25),       # as asked
+    (0, 4.0, 2, 0.0),
+])
+def test_learner_gpus(asked, cluster, learners, expected):
+    assert learner_gpus(asked, cluster, learners) == expected
+
+
+@pytest.mark.parametrize("asked, per_policy, cluster, learners, expected", [
+    ("auto", 1, 1.0, 1, 0.0),   # the learner takes the only GPU: inference on the CPU
+    ("auto", 1, 2.0, 1, 1.0),   # one left over
+    ("auto", 2, 4.0, 1, 1.0),   # two ranks take one each; two left, at most one for inference
+    ("auto", 2, 2.0, 1, 0.0),   # the ranks take both
+    (0, 1, 1.0, 2, 1.0),        # CPU learners leave the GPU to inference
+    (0.4, 1, 1.0, 2, 0.2),      # a fifth left: enough to place it
+    (0.5, 1, 1.0, 2, 0.0),
+])
+def test_inference_gets_what_the_learners_leave(asked, per_policy, cluster, learners, expected):
+    rc = RayConfig(learner_num_gpus=asked, learners_per_policy=per_policy)
+    assert inference_gpus(rc, cluster, learners) == pytest.approx(expected)
