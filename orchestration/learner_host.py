@@ -13,6 +13,7 @@ hosts it on Ray (``ray.put``/``ray.get``) and adds restarts and the data-paralle
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -83,8 +84,10 @@ class LearnerHost(LearnerProbes):
         team = None if team_values is None else {int(f): from_wire(w) for f, w in team_values.items()}
         result = self.learner.submit(progress, lr, take_all, team).result()
         if result is not None:
+            start = time.perf_counter()
             self.publish()
             result["weights"] = [self._weights]
+            result["time_learn"] += time.perf_counter() - start  # the weights' way out is the learner's time too
         return result
 
     # -- weights out, state ------------------------------------------------------------------------------

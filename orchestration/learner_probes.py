@@ -1,5 +1,6 @@
-"""Probes of a learner actor (:class:`orchestration.ray_learner.LearnerServer` mixes them in): calls that tests
-and debugging make to look inside a remote learner, or to break it. Plain Python, no Ray."""
+"""Probes of a hosted learner (:class:`orchestration.learner_host.LearnerHost` mixes them in, so the Ray learner
+actor has them): calls that tests and debugging make to look inside a remote learner, or to break it. Plain
+Python, no Ray."""
 
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ def reservation_problem(config: TrainConfig, ray_config: RayConfig, num_learners
     if need <= have + 1e-9:
         return None
     times = f"{trainers} trainers x " if trainers > 1 else ""
+    ranks = f" x {ray_config.learners_per_policy} ranks" if ray_config.learners_per_policy > 1 else ""
     return (f"the Ray backend reserves {need:g} CPUs ({times}{config.rollout.num_workers} workers x "
-            f"{ray_config.worker_num_cpus:g} + {num_learners} learners x {ray_config.learner_num_cpus:g}) "
+            f"{ray_config.worker_num_cpus:g} + {num_learners} learners{ranks} x {ray_config.learner_num_cpus:g}) "
             f"but the cluster has {have:g}: lower --ray.worker-num-cpus / --ray.learner-num-cpus (e.g. 0.5)"
             f" or raise --ray.num-cpus")
 
@@ -35,10 +36,11 @@ def learner_gpus(num_gpus: float | str, cluster_gpus: float, num_learners: int) 
     return float(num_gpus)
 
 
-def inference_gpus(ray_config: RayConfig, cluster_gpus: float, num_learners: int) -> float:
-    """GPUs of the central inference server: what the learners leave (at most one), else none (the CPU)."""
-    taken = num_learners * learner_gpus(ray_config.learner_num_gpus, cluster_gpus, num_learners)
-    left = cluster_gpus - taken * ray_config.learners_per_policy
+def inference_gpus(ray_config: RayConfig, cluster_gpus: float, num_learners: int, critics: int = 0) -> float:
+    """GPUs of the central inference server: what the learners (each with its data-parallel ranks) and ``critics``
+    team critics (placed as learners) leave, at most one; else none (the CPU)."""
+    share = learner_gpus(ray_config.learner_num_gpus, cluster_gpus, num_learners + critics)
+    left = cluster_gpus - share * (num_learners * ray_config.learners_per_policy + critics)
     return min(1.0, left) if left >= 0.1 else 0.0
 
 

@@ -224,7 +224,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         from orchestration.inference import InferenceConfig
         from orchestration.ray_fleet import RemoteInferenceServer
 
-        gpus = inference_gpus(rc, ray.cluster_resources().get("GPU", 0.0), len(learners))
+        gpus = inference_gpus(rc, ray.cluster_resources().get("GPU", 0.0), len(learners), critics=int(critic is not None))
         inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
     others = [*([critic.handle] if critic else [])]
@@ -258,6 +258,7 @@ def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: 
              cpus_per_trial: float = 1.0, storage_path: str | None = None, name: str | None = None,
              max_failures: int = 0, restore: bool = False, verbose: int = 0):
     """Runs one trial per point of ``param_space`` (times ``num_samples``) in parallel; returns Tune's ResultGrid.
+    Runs in the Ray instance this process has (:func:`init_ray`), or in one it starts and shuts down after.
 
     Args:
         base: the config every trial starts from.
@@ -274,7 +275,7 @@ def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: 
     """
     from ray import tune
 
-    owns_ray = init_ray(base, base.ray)  # the Ray instance running, or one started for the sweep and shut down after
+    owns_ray = init_ray(base, base.ray)
     try:
         fn = tune.with_resources(tune.with_parameters(trainable, base=base), {"cpu": cpus_per_trial})
         if restore:

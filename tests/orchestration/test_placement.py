@@ -50,3 +50,16 @@ def test_learner_gpus(asked, cluster, learners, expected):
 def test_inference_gets_what_the_learners_leave(asked, per_policy, cluster, learners, expected):
     rc = RayConfig(learner_num_gpus=asked, learners_per_policy=per_policy)
     assert inference_gpus(rc, cluster, learners) == pytest.approx(expected)
+
+
+def test_a_team_critic_takes_its_gpu_share_before_inference():
+    # two learners and a critic share 2 GPUs (2/3 each, as they are placed): nothing left for inference
+    assert inference_gpus(RayConfig(), 2.0, 2, critics=1) == 0.0
+    assert inference_gpus(RayConfig(learner_num_gpus=0.5), 2.0, 2, critics=1) == pytest.approx(0.5)
+    assert inference_gpus(RayConfig(learner_num_gpus=0.5), 2.0, 2) == pytest.approx(1.0)
+
+
+def test_the_message_counts_data_parallel_ranks():
+    rc = RayConfig(worker_num_cpus=1.0, learner_num_cpus=1.0, learners_per_policy=2)
+    problem = reservation_problem(_config(1), rc, 1, have=2.0)
+    assert "reserves 3 CPUs (1 workers x 1 + 1 learners x 2 ranks x 1)" in problem
