@@ -367,8 +367,6 @@ def _where_slots(slots: torch.Tensor, new, old):
     return torch.where(slots.reshape(1, -1, *([1] * (new.dim() - 2))), new, old)
 
 
-
-
 def _maybe_plain(value):
     return _plain(value) if isinstance(value, TensorDictBase) else value
 

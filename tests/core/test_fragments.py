@@ -247,7 +247,6 @@ def test_time_major_storage_is_dropped_when_its_leaf_is_stacked():
         slots.stacked(consume=True)  # the storage went with the consuming stack, before clear()
 
 
-
 @given(reuse=st.lists(st.booleans(), min_size=1, max_size=9), capacity=st.integers(1, 4),
        row=st.sampled_from([(1,), (2, 3)]), keep=st.integers(0, 9), consume=st.booleans())
 def test_slots_of_a_leaf_that_repeats_its_first_tensor_stack_like_a_list(reuse, capacity, row, keep, consume):
