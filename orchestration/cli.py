@@ -26,6 +26,7 @@ Each ``shoal train`` writes to a fresh ``runs/<env>__<seed>__<time>`` unless ``-
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import gc
 import importlib
 import math
@@ -156,6 +157,9 @@ def _setup_training(argv: list[str], command: str = "train"):
 
         ckpt_root = Path(named) / "checkpoints"
         saved = load_config(load_checkpoint(ckpt_root)[2])
+        if preset:
+            print(f"shoal {command} --resume: --preset {preset} is not applied: a resumed run goes on with its own "
+                  f"config (flags given still change it)", file=sys.stderr)
         default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
         if "--env" not in rest and (why := imports_code(saved.env)):
             raise SystemExit(f"shoal train --resume: the checkpoint names env {saved.env!r}; {why}, and an env "
@@ -163,6 +167,13 @@ def _setup_training(argv: list[str], command: str = "train"):
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(presets=", ".join(preset_names())))
+    if resume and config.env != default.env:
+        print(f"shoal {command} --resume: the run was trained on env {default.env!r} and goes on with --env "
+              f"{config.env!r}", file=sys.stderr)
+    if not resume and config.run_dir and any((Path(config.run_dir) / "checkpoints").glob("ckpt-*")):
+        raise ValueError(f"--run-dir {config.run_dir} holds a run already (its checkpoints): continue it with "
+                         f"--resume --run-dir {config.run_dir}, or name a new --run-dir (without one, each run gets "
+                         f"its own under runs/)")
     if config.anneal_lr and config.iterations > config.schedule_iterations:  # legal, but rarely what is meant
         print(f"shoal {command}: the learning rate anneals to 0 at iteration {config.schedule_iterations} "
               f"(--anneal-iterations{', kept from the run resumed' if resume else ''}), so iterations "
@@ -384,8 +395,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(conformance(rest))
     else:
-        raise SystemExit(f"unknown command {command!r}: use train, league, serve, evaluate, export, plot, tune or "
-                         f"conformance")
+        commands = ["train", "league", "serve", "evaluate", "export", "plot", "tune", "conformance"]
+        near = difflib.get_close_matches(command, commands, n=1)
+        print(f"shoal: unknown command {command!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+              + f": use {', '.join(commands[:-1])} or {commands[-1]}", file=sys.stderr)
+        raise SystemExit(2)  # a user error, as every other one
     if command_line:
         # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
         # here). Files, loggers and envs are closed already and atexit handlers still run; in-process callers

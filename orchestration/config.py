@@ -327,6 +327,13 @@ class TrainConfig:
         if self.train_batch_size and self.train_batch_size % (self.rollout.num_envs * self.rollout.fragment_length):
             raise ValueError(f"train_batch_size {self.train_batch_size} must be a multiple of num_envs * "
                              f"fragment_length = {self.rollout.num_envs * self.rollout.fragment_length}")
+        world, rows = self.ray.learners_per_policy, self.steps_per_iteration // self.rollout.fragment_length
+        if self.backend == "ray" and rows % world:  # found here, not by the learner actors after Ray started
+            raise ValueError(f"--ray.learners-per-policy {world}: each of a policy's data-parallel learners trains an "
+                             f"equal share of a batch's env rows, and a batch holds {rows} (--rollout.num-envs "
+                             f"{self.rollout.num_envs} x --rollout.num-workers {self.rollout.num_workers}"
+                             + (f", --train-batch-size {self.train_batch_size}" if self.train_batch_size else "")
+                             + f"); make it a multiple of {world}")
 
     @property
     def schedule_iterations(self) -> int:

@@ -22,7 +22,9 @@ mpe2, VMAS, PettingZoo's classic and butterfly games and gymnasium's Box2D envs 
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
+import pkgutil
 import re
 from functools import partial
 from typing import Any, Iterable
@@ -79,9 +81,10 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 
         from adapters.torchrl_env import TorchRLEnv, TorchRLEnvConfig
 
+        scenario = _vmas_scenario(name)
         payoff = kwargs.pop("payoff", "cooperative")
         seed = kwargs.pop("seed", 0)
-        return TorchRLEnv(VmasEnv(name.split(":", 1)[1], num_envs=num_envs, seed=seed, **kwargs),
+        return TorchRLEnv(VmasEnv(scenario, num_envs=num_envs, seed=seed, **kwargs),
                           TorchRLEnvConfig(payoff=payoff))
     if name.startswith("torchrl:"):  # a gymnasium id through torchrl's own GymEnv (its vectorised batch)
         from torchrl.envs.libs.gym import GymEnv
@@ -120,6 +123,25 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
         raise missing_extra(name, module, extra_for(module)) from None
 
 
+def _vmas_scenario(name: str) -> str:
+    """The scenario of ``vmas:<scenario>``, or a ValueError naming the nearest one (VMAS itself fails an assert)."""
+    import vmas
+
+    scenario = name.split(":", 1)[1]
+    known = sorted({*vmas.scenarios, *vmas.debug_scenarios, *vmas.mpe_scenarios})
+    if scenario not in known:
+        raise ValueError(f"env {name!r}: unknown VMAS scenario {scenario!r}{_nearest(scenario, known)}; VMAS has "
+                         f"{', '.join(known)}")
+    return scenario
+
+
+def _nearest(name: str, choices: list[str], prefix: str = "") -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``name`` (``prefix`` before it), or nothing when none is
+    close."""
+    near = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f" (did you mean '{prefix}{near[0]}'?)" if near else ""
+
+
 def _import_pettingzoo(name: str, family: str, module_name: str):
     """The module of ``mpe2:<name>`` or ``pettingzoo:<family>.<name>``; a missing optional package raises
     :class:`adapters.extras.MissingExtra` naming the extra that installs it, a wrong name a ValueError."""
@@ -144,7 +166,25 @@ def _import_pettingzoo(name: str, family: str, module_name: str):
                               f"need") from None
         hint = ("PettingZoo ids are pettingzoo:<family>.<name>, e.g. pettingzoo:classic.connect_four_v3"
                 if family == "pettingzoo" else "mpe2 ids are mpe2:<name>, e.g. mpe2:simple_spread_v3")
-        raise ValueError(f"env {name!r}: no module {family}.{module_name} ({missing} is missing); {hint}") from None
+        near = _nearest(module_name, _modules(family), f"{family}:")
+        raise ValueError(f"env {name!r}: no module {family}.{module_name}{near}; {hint}") from None
+
+
+def _modules(package: str) -> list[str]:
+    """The env modules an id of ``package`` may name, relative to it: ``simple_spread_v3`` for mpe2,
+    ``classic.chess_v6`` for PettingZoo (its families' modules): what a misspelled id is compared with. Lists
+    module files without importing them (a family that fails to import is skipped)."""
+    root = importlib.import_module(package)
+    if package == "mpe2":
+        return [m.name for m in pkgutil.iter_modules(root.__path__) if not m.ispkg]
+    names = []
+    for family in (m.name for m in pkgutil.iter_modules(root.__path__) if m.ispkg and m.name not in ("test", "utils")):
+        try:
+            path = importlib.import_module(f"{package}.{family}").__path__
+        except Exception:  # noqa: BLE001 - a family needing a package this machine lacks: not a candidate
+            continue
+        names += [f"{family}.{m.name}" for m in pkgutil.iter_modules(path) if not m.ispkg]
+    return names
 
 
 def _factory(name: str):

@@ -69,6 +69,17 @@ def test_unknown_names_stay_name_errors():
         make_env("pettingzoo:classic.no_such_game_v0", 1)
 
 
+def test_a_misspelled_env_id_names_the_nearest_one():
+    pytest.importorskip("mpe2")
+    with pytest.raises(ValueError, match=r"did you mean 'mpe2:simple_spread_v3'\?"):
+        make_env("mpe2:simple_sprad_v3", 1)
+    with pytest.raises(ValueError, match=r"did you mean 'pettingzoo:classic\.connect_four_v3'\?"):
+        make_env("pettingzoo:clasic.connect_four_v3", 1)
+    pytest.importorskip("vmas")
+    with pytest.raises(ValueError, match=r"unknown VMAS scenario 'navigaton' \(did you mean 'navigation'\?\)"):
+        make_env("vmas:navigaton", 1)  # VMAS itself fails an assert, which the CLI would show as a traceback
+
+
 def test_the_cli_prints_one_paragraph_and_exits_2(monkeypatch, tmp_path, capsys):
     from orchestration.cli import main
 

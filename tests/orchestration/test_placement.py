@@ -63,3 +63,12 @@ def test_the_message_counts_data_parallel_ranks():
     rc = RayConfig(worker_num_cpus=1.0, learner_num_cpus=1.0, learners_per_policy=2)
     problem = reservation_problem(_config(1), rc, 1, have=2.0)
     assert "reserves 3 CPUs (1 workers x 1 + 1 learners x 2 ranks x 1)" in problem
+
+
+def test_data_parallel_ranks_that_cannot_share_a_batch_evenly_are_refused_before_ray_starts():
+    rollout = RolloutConfig(num_envs=15)
+    with pytest.raises(ValueError, match=r"--ray.learners-per-policy 2: .* a batch holds 15 \(--rollout.num-envs 15 "
+                                         r"x --rollout.num-workers 1\); make it a multiple of 2"):
+        TrainConfig(backend="ray", rollout=rollout, ray=RayConfig(learners_per_policy=2))
+    TrainConfig(backend="ray", rollout=rollout, ray=RayConfig(learners_per_policy=3))  # 15 rows: 5 each
+    TrainConfig(backend="local", rollout=rollout, ray=RayConfig(learners_per_policy=2))  # not used locally
