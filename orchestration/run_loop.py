@@ -16,7 +16,7 @@ import torch
 
 from orchestration.checkpoint import save_checkpoint
 from orchestration.config import TrainConfig
-from orchestration.metrics_log import MetricsLog, plot_learning_curve
+from orchestration.metrics_log import MetricsLog, plot_learning_curve, read_csv
 from orchestration.result_line import print_result, result_json
 from orchestration.run_state import trainer_state
 
@@ -70,15 +70,19 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
         raise SystemExit(2) from None
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str))
     (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))
+    # on stderr: stdout is the result line alone (``shoal train ... | jq`` reads it)
     bar = tqdm(total=config.iterations, initial=trainer.iteration, disable=not progress, unit="it",
-               dynamic_ncols=True, file=sys.stdout)
+               dynamic_ncols=True, file=sys.stderr)
     metrics: dict[str, float] = {}
     last_save = time.monotonic()
+    saved_at = trainer.iteration if resume else None  # the iteration whose state is on disk already
 
     def checkpoint() -> None:
-        nonlocal last_save
+        nonlocal last_save, saved_at
+        if saved_at == trainer.iteration:  # the same state again would push an older checkpoint out
+            return
         save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
-        last_save = time.monotonic()
+        last_save, saved_at = time.monotonic(), trainer.iteration
 
     stopped = None
     try:
@@ -98,7 +102,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
                 headline = ({"win": "/".join(wins.values())} if wins else  # zero-sum: the summed return is 0
                             {"ret": "/".join(teams.values())} if len(teams) > 1 else
                             {"ret": f"{metrics['episode_return_mean']:.1f}"})
-                bar.set_postfix(**headline, sps=f"{metrics['env_steps_per_s']:.0f}",
+                bar.set_postfix(**headline, sps=f"{metrics['wall_env_steps_per_s']:.0f}",  # training included
                                 **({"env_faults": faults} if faults else {}))
                 if config.backend == "ray":  # fleet health and the per-stage pipeline monitor, every iteration,
                     shown = {k: round(v, 2) for k, v in metrics.items()  # on stderr: stdout ends with the result
@@ -119,10 +123,21 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
               f"continue with: shoal train --resume --run-dir {run_dir}", file=sys.stderr)
         raise SystemExit(128 + stopped)
     png = plot_learning_curve(log.csv_path, run_dir / "learning_curve.png", title=config.env)
-    final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10", "env_steps")}
+    if not metrics:  # nothing left to train (a resumed run that had finished): the figures logged last
+        print(f"shoal train: the run is at iteration {trainer.iteration} of {config.iterations} already; nothing was "
+              f"trained (raise --iterations to train on)", file=sys.stderr)
+        metrics = _last_logged(log.csv_path)
+    final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10")}
+    final["env_steps"] = trainer.env_steps
     print_result({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
                   "checkpoint": str(ckpt_root), **final})
     return metrics
+
+
+def _last_logged(csv_path: Path) -> dict[str, float]:
+    """The last row of the metrics CSV (a column's last non-empty cell), or nothing when there is none."""
+    columns = read_csv(csv_path) if csv_path.exists() else {}
+    return {k: next((v for v in reversed(values) if not math.isnan(v)), math.nan) for k, values in columns.items()}
 
 
 def _save_anyway(checkpoint) -> None:

@@ -58,6 +58,31 @@ def test_resume_in_a_new_process_equals_an_uninterrupted_run(tmp_path):
     assert (tmp_path / "split/learning_curve.png").stat().st_size > 1000
 
 
+def test_resuming_a_finished_run_trains_nothing_writes_no_checkpoint_and_reports_the_run(tmp_path, monkeypatch, capsys):
+    from orchestration.cli import main
+
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    main(["train", *ARGS, "--iterations", "2", "--checkpoint-every", "1", "--run-dir", str(run)])
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the last iteration's periodic checkpoint is the final one: not written twice (a copy would push ckpt 1 out)
+    assert sorted(p.name for p in (run / "checkpoints").glob("ckpt-*")) == ["ckpt-000001", "ckpt-000002"]
+    main(["train", "--resume", "--run-dir", str(run), "--no-progress"])
+    captured = capsys.readouterr()
+    again = json.loads(captured.out.strip().splitlines()[-1])
+    assert "at iteration 2 of 2 already; nothing was trained" in captured.err
+    assert again["env_steps"] == first["env_steps"] == 2 * 8 * 32
+    assert again["episode_return_mean"] == pytest.approx(first["episode_return_mean"])
+    assert sorted(p.name for p in (run / "checkpoints").glob("ckpt-*")) == ["ckpt-000001", "ckpt-000002"]
+    # a new run into the same directory would mix two runs' checkpoints and logs: refused, naming --resume
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *ARGS, "--iterations", "1", "--run-dir", str(run)])
+    assert exit_.value.code == 2 and f"holds a run already (its checkpoints): continue it with --resume --run-dir {run}" \
+        in capsys.readouterr().err
+    main(["train", "--resume", "--run-dir", str(run), "--env", "CartPole-v1", "--no-progress"])  # said, not hidden
+    assert "the run was trained on env 'builtin:cartpole' and goes on with --env 'CartPole-v1'" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_evaluate_and_export_a_checkpoint(tmp_path, monkeypatch):
     from orchestration.cli import main
@@ -108,6 +133,8 @@ print(json.dumps(action.tolist()))
     (["train", "--resume", "--run-dir", "nowhere"], "no checkpoint at nowhere"),
     (["evaluate", "nowhere"], "no checkpoint at nowhere"),
     (["train", "builtin:cartpole", "--rollout.num-envs", "2", "--rollout.env-processes", "3"], "cannot exceed"),
+    (["trian", "builtin:cartpole"], "unknown command 'trian' (did you mean 'train'?)"),
+    (["train", "vmas:navigaton"], "unknown VMAS scenario 'navigaton' (did you mean 'navigation'?)"),
 ])
 def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkeypatch, capsys, args, named):
     from orchestration.cli import main
