@@ -59,7 +59,7 @@ def start_server(tree_doc: dict, max_bytes: int):
     server = ExternalServer(ExternalConfig(token="bench", max_message_bytes=max_bytes, max_episodes=1024), tree,
                             log=io.StringIO()).start()
     server.attach(service, lanes)
-    return server, service
+    return server, service, policy
 
 
 def echo_server():
@@ -91,19 +91,36 @@ def time_echo(ws, frame: bytes, n: int) -> list[float]:
     return out
 
 
+def time_forward(policy, tree_doc: dict, obs: np.ndarray, n: int) -> list[float]:
+    """The served policy's bare ``act_step`` on one row of ``obs`` (with the present-agent mask the server passes)."""
+    capacity = tree_doc["tree"]["array"]["capacity"]
+    x = torch.zeros(1, capacity, *obs.shape, dtype=torch.from_numpy(obs).dtype)
+    x[0, 0] = torch.from_numpy(obs)
+    inputs = {"observation": x, "mask": torch.arange(capacity).eq(0)[None]}
+    generator, out = torch.Generator().manual_seed(0), []
+    with torch.inference_mode():
+        for _ in range(n):
+            t = time.perf_counter()
+            policy.act_step(inputs, None, generator, False, with_value=False, with_log_prob=True)
+            out.append(time.perf_counter() - t)
+    return out
+
+
 def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds: int) -> dict:
-    server, service = start_server(tree_doc, max_bytes=1 << 22)
+    server, service, policy = start_server(tree_doc, max_bytes=1 << 22)
     echo = echo_server()
     client = SimulatorClient(server.url, "bench", tree_doc, "bench")
     ws = connect(f"ws://127.0.0.1:{echo.socket.getsockname()[1]}", compression=None, max_size=None, proxy=None,
                  legacy=True)
     frame = encode({"type": "act", "id": 0, "episode": "e", "agents": {"agents_0": {"observation": obs}}})
-    ours, ref = [], []
+    ours, ref, bare = [], [], []
     time_ours(client, obs, 20, "warm")
     time_echo(ws, frame, 20)
+    time_forward(policy, tree_doc, obs, 20)
     for r in range(rounds):
         ours += time_ours(client, obs, requests, f"e{r}")
         ref += time_echo(ws, frame, requests)
+        bare += time_forward(policy, tree_doc, obs, requests)
     client.close()
     ws.close()
     echo.shutdown()
@@ -112,7 +129,9 @@ def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds
     q = lambda xs, p: float(np.percentile(xs, p)) * 1e6  # noqa: E731
     return {f"{name}_frame_bytes": len(frame), f"{name}_p50_us": round(q(ours, 50), 1),
             f"{name}_p99_us": round(q(ours, 99), 1), f"{name}_echo_p50_us": round(q(ref, 50), 1),
-            f"{name}_echo_p99_us": round(q(ref, 99), 1), f"{name}_p50_vs_echo": round(q(ours, 50) / q(ref, 50), 2)}
+            f"{name}_echo_p99_us": round(q(ref, 99), 1), f"{name}_p50_vs_echo": round(q(ours, 50) / q(ref, 50), 2),
+            f"{name}_forward_p50_us": round(q(bare, 50), 1),
+            f"{name}_floor_vs_echo": round((q(ref, 50) + q(bare, 50)) / q(ref, 50), 2)}
 
 
 class DirectClient:
@@ -141,7 +160,7 @@ def simulators(count: int, seconds: float) -> dict:
     tree_doc = external_sim.TREE
     out = {}
     for mode in ("in_process", "external"):
-        server, service = start_server(tree_doc, max_bytes=1 << 20)
+        server, service, _ = start_server(tree_doc, max_bytes=1 << 20)
         steps = [0] * count
         stop = threading.Event()
 
