@@ -167,6 +167,12 @@ def _setup_training(argv: list[str], command: str = "train"):
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(presets=", ".join(preset_names())))
+    if config.backend == "local" and config.ray != type(config.ray)():
+        changed = [f"--ray.{f.replace('_', '-')}" for f in config.ray.__dataclass_fields__
+                   if getattr(config.ray, f) != getattr(type(config.ray)(), f)]
+        one = len(changed) == 1
+        print(f"shoal {command}: {', '.join(changed)} {'applies' if one else 'apply'} to --backend ray only; this run "
+              f"is local and does not use {'it' if one else 'them'}", file=sys.stderr)
     if resume and config.env != default.env:
         print(f"shoal {command} --resume: the run was trained on env {default.env!r} and goes on with --env "
               f"{config.env!r}", file=sys.stderr)

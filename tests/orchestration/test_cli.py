@@ -79,8 +79,11 @@ def test_resuming_a_finished_run_trains_nothing_writes_no_checkpoint_and_reports
         main(["train", *ARGS, "--iterations", "1", "--run-dir", str(run)])
     assert exit_.value.code == 2 and f"holds a run already (its checkpoints): continue it with --resume --run-dir {run}" \
         in capsys.readouterr().err
-    main(["train", "--resume", "--run-dir", str(run), "--env", "CartPole-v1", "--no-progress"])  # said, not hidden
-    assert "the run was trained on env 'builtin:cartpole' and goes on with --env 'CartPole-v1'" in capsys.readouterr().err
+    main(["train", "--resume", "--run-dir", str(run), "--env", "CartPole-v1", "--no-progress",  # said, not hidden
+          "--ray.learners-per-policy", "2"])
+    err = capsys.readouterr().err
+    assert "the run was trained on env 'builtin:cartpole' and goes on with --env 'CartPole-v1'" in err
+    assert "--ray.learners-per-policy applies to --backend ray only; this run is local and does not use it" in err
 
 
 @pytest.mark.slow
