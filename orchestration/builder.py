@@ -227,6 +227,9 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
             raise ValueError("--pretrain.dataset: external simulators bring their tree when they connect; "
                              "pretraining needs it before the learners are built (clone with "
                              "orchestration.dataset_learner.BCLearner and start from its weights instead)")
+        if config.policy.recurrent:  # the server keeps no recurrent state per episode (docs/external-protocol.md)
+            raise ValueError("--policy.recurrent: external environments are served by feed-forward policies only; "
+                             "the server keeps no recurrent state per episode (drop --policy.recurrent)")
         teams_for(config, None, {}, ())  # --team-critic.enabled is refused here, naming why
         from orchestration.external_fleet import build_external
 

@@ -29,7 +29,7 @@ from orchestration.builder import assignment_for, build_learners, build_policies
 from orchestration.config import TrainConfig
 from adapters.external.codec import TreeCodec
 from orchestration.external_episodes import Lanes
-from orchestration.external_launcher import SimulatorLauncher
+from orchestration.external_launcher import NoSimulatorData, SimulatorLauncher
 from orchestration.external_server import ExternalServer
 from orchestration.fleet import Weights
 from orchestration.inference import InferenceConfig, InferenceService
@@ -71,8 +71,10 @@ class ExternalFleet:
         self._queue.put((fragment, meta, episodes))
 
     # -- delivery ----------------------------------------------------------------------------------------------
-    def _deliver(self, block_s: float) -> int:
-        """Delivers every queued fragment (waiting up to ``block_s`` for the first); returns env steps delivered."""
+    def _deliver(self, block_s: float, check: bool = True) -> int:
+        """Delivers every queued fragment (waiting up to ``block_s`` for the first); returns env steps delivered.
+        ``check``: then raises :class:`NoSimulatorData` after ``wait_s`` without data and lets the launcher restart
+        simulators that exited."""
         steps = 0
         timeout: float | None = block_s
         while True:
@@ -89,10 +91,13 @@ class ExternalFleet:
         now = time.monotonic()
         if steps:
             self._last_data = now
-        elif self.wait_s and now - self._last_data > self.wait_s:
-            raise TimeoutError(f"no data from any external simulator for {self.wait_s:.0f} s "
-                               f"({len(self.server.connected)} connected to {self.server.url}; "
-                               f"external.wait_s sets this limit)")
+        if not check:
+            return steps
+        if not steps and self.wait_s and now - self._last_data > self.wait_s:
+            raise NoSimulatorData(f"no data from any external simulator for {self.wait_s:g} s "
+                                  f"({len(self.server.connected)} connected to {self.server.url}): is one running and "
+                                  f"pointed at this address, with the run's token and tree? --external.wait-s sets "
+                                  f"this limit (0: wait for good)")
         if self.launcher is not None:
             self.launcher.check(self.server.connected)
         return steps
@@ -152,7 +157,7 @@ class ExternalFleet:
         if self.launcher is not None:
             self.launcher.close()
         self.server.close()
-        self._deliver(0)
+        self._deliver(0, check=False)  # what they left; no waiting, no restarts any more
 
     def close(self) -> None:
         self.stop()

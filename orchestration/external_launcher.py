@@ -37,6 +37,11 @@ MAX_BACKOFF_S = 60.0
 STABLE_S = 60.0
 
 
+class NoSimulatorData(RuntimeError):
+    """No external simulator delivered data for ``external.wait_s`` seconds (none connected, or every one
+    refused or silent): the user's to fix, told in one paragraph by the ``shoal`` command."""
+
+
 class SimulatorsFailed(RuntimeError):
     """A launched simulator kept exiting or never connecting, and the launcher used all its restarts. The
     message names the simulator, what happened, and where its output is: a user's error (a wrong command
@@ -202,4 +207,4 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-__all__ = ["SimulatorLauncher", "SimulatorsFailed", "render"]
+__all__ = ["NoSimulatorData", "SimulatorLauncher", "SimulatorsFailed", "render"]

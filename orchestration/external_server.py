@@ -115,6 +115,7 @@ class ExternalServer(LocalPolicyHandlers):
         except OSError as error:  # the port is taken, the host is not this machine's or does not resolve
             raise ValueError(f"cannot serve on external.host {c.host!r}, external.port {c.port}: "
                              f"{error.strerror or error} (port 0: any free port; the host: this machine's)") from None
+        self._port = self._server.socket.getsockname()[1]  # kept: messages name it after the socket closed
         self._thread = threading.Thread(target=self._server.serve_forever, name="shoal-external-server", daemon=True)
         self._thread.start()
         return self
@@ -122,7 +123,7 @@ class ExternalServer(LocalPolicyHandlers):
     @property
     def port(self) -> int:
         """The bound TCP port."""
-        return self._server.socket.getsockname()[1]
+        return self._port
 
     @property
     def url(self) -> str:

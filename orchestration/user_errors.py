@@ -26,10 +26,12 @@ def user_errors(command: str):
 
 def is_users_mistake(err: Exception, gymnasium: bool = False) -> bool:
     """Whether ``err`` is the user's whenever it happens: launched simulators that never connect (a wrong
-    command template), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
-    from orchestration.external_launcher import SimulatorsFailed  # light: no torch
+    command template), external simulators that deliver nothing for ``external.wait_s``, and with ``gymnasium``
+    gymnasium's id errors (they name the nearest id)."""
+    from orchestration.external_launcher import NoSimulatorData, SimulatorsFailed  # light: no torch
 
-    return isinstance(err, SimulatorsFailed) or gymnasium and type(err).__module__.split(".")[0] == "gymnasium"
+    return (isinstance(err, (SimulatorsFailed, NoSimulatorData))
+            or gymnasium and type(err).__module__.split(".")[0] == "gymnasium")
 
 
 __all__ = ["is_users_mistake", "user_errors"]

@@ -50,12 +50,20 @@ def test_the_cli_tells_external_setup_mistakes_in_one_paragraph(tmp_path, capsys
         "serve", "--env", "CartPole-v1")
     (tmp_path / "tree.json").write_text(json.dumps({"format": "shoal.tree/1", "tree": {"array": {
         "template": {"action": TREE["tree"]["array"]["template"]["action"]}, "capacity": 1}}}))
+    assert "--policy.recurrent: external environments are served by feed-forward policies only" in told(
+        "serve", "--policy.recurrent", "--external.port", "0")  # refused before serving, not at the first update
     assert "is not a tree document (missing key 'observation')" in told(
         "serve", "--external.tree", str(tmp_path / "tree.json"))
     err = told("train", "--env", "external", "--external.command", f"{sys.executable} -c pass", "--external.max-restarts",
                "2", "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "run"))  # exits, never connects
     assert "used all 2 restarts (external.max_restarts); none of its last 3 starts connected" in err, err
     assert f"its output is in {tmp_path / 'run' / 'simulators'}" in err
+
+    (tmp_path / "good.json").write_text(json.dumps(TREE))  # served, but no simulator ever connects
+    err = told("serve", "--external.tree", str(tmp_path / "good.json"), "--external.port", "0", "--external.wait-s", "1",
+               "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "idle"))
+    assert "no data from any external simulator for 1 s (0 connected to ws://127.0.0.1:" in err, err
+    assert err.strip().splitlines()[-1].startswith("shoal serve: no data") and "--external.wait-s sets this" in err
 
     def failing(*args):  # the same error once training runs: a checkpoint is written, then one paragraph
         raise SimulatorsFailed("external simulator sim-1 exited ...")
