@@ -31,7 +31,7 @@ from adapters.external.codec import TreeCodec
 from orchestration.external_episodes import Lanes
 from orchestration.external_launcher import NoSimulatorData, SimulatorLauncher
 from orchestration.external_server import ExternalServer
-from orchestration.fleet import Weights
+from orchestration.fleet import CollectionInterrupted, Weights
 from orchestration.inference import InferenceConfig, InferenceService
 from orchestration.statistics import EpisodeStatistics
 
@@ -65,6 +65,7 @@ class ExternalFleet:
         self.stats = EpisodeStatistics()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._last_data = time.monotonic()
+        self._interrupted = False
 
     def enqueue(self, fragment, meta: dict, episodes: dict) -> None:
         """Called by connection threads with every fragment they complete."""
@@ -75,6 +76,9 @@ class ExternalFleet:
         """Delivers every queued fragment (waiting up to ``block_s`` for the first); returns env steps delivered.
         ``check``: then raises :class:`NoSimulatorData` after ``wait_s`` without data and lets the launcher restart
         simulators that exited."""
+        if check and self._interrupted:  # simulators may deliver nothing for long (restarts, a robot away)
+            self._interrupted = False
+            raise CollectionInterrupted("external collection interrupted")
         steps = 0
         timeout: float | None = block_s
         while True:
@@ -151,6 +155,11 @@ class ExternalFleet:
 
     def load_state_(self, states: Sequence[Mapping[str, Any]]) -> None:
         """Nothing to restore: episodes in flight are not checkpointed (module docstring)."""
+
+    def interrupt(self) -> None:
+        """The collection under way (or the next) raises :class:`CollectionInterrupted` within a moment (safe
+        from a signal handler: it sets a flag)."""
+        self._interrupted = True
 
     def stop(self) -> None:
         """Stops the simulators and the server (open episodes end truncated), then delivers what they left."""

@@ -11,6 +11,7 @@ The Fleet protocol, which every backend implements (:class:`LocalFleet` here: in
     fleet.broadcast({pid: (version, weights)})             # new weights, loaded at each actor's next fragment
     fleet.set_env_ids(["easy", "hard"])                    # collections: each actor's member, from its next fragment
     episodes = fleet.episodes()                            # completed since the last call, per key
+    fleet.interrupt()                                      # from a signal handler: a waiting collect gives up
     fleet.stop(); fleet.close()
 
 ``weights`` maps policy id -> ``(version, weights)`` in the form the learners publish (a TensorDict locally,
@@ -32,6 +33,11 @@ from orchestration.statistics import EpisodeStatistics
 
 #: policy id -> (version, weights in the fleet's transport form)
 Weights = Mapping[str, tuple[int, Any]]
+
+
+class CollectionInterrupted(Exception):
+    """A collection given up on :meth:`Fleet.interrupt`: what arrived before is with the learners (in their
+    inboxes, checkpointed), nothing is counted; the iteration did not happen."""
 
 
 class Fleet(Protocol):
@@ -62,6 +68,8 @@ class Fleet(Protocol):
     def state(self) -> list[dict]: ...
 
     def load_state_(self, states: Sequence[Mapping[str, Any]]) -> None: ...
+
+    def interrupt(self) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -178,6 +186,9 @@ class LocalFleet:
         """Whether every env can save its state (a resumed run then continues bit for bit)."""
         return all(hasattr(actor.env, "state_dict") for actor in self.actors)
 
+    def interrupt(self) -> None:
+        """Nothing to give up: a local collection ends by itself."""
+
     def stop(self) -> None:
         """Nothing runs between calls."""
 
@@ -189,4 +200,4 @@ class LocalFleet:
                 close()
 
 
-__all__ = ["Fleet", "LocalFleet", "Weights"]
+__all__ = ["CollectionInterrupted", "Fleet", "LocalFleet", "Weights"]

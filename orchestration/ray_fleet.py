@@ -232,6 +232,9 @@ class RayFleet:
             self._record(report)
         return reports
 
+    def interrupt(self) -> None:
+        """Nothing to give up: a collection's waits are bounded by the workers' timeouts."""
+
     def stop(self, timeout: float = 60.0) -> None:
         """Ends streaming; waits until each worker delivered what it built (its final report)."""
         running = [s for s in self.slots if s.run_ref is not None]

@@ -10,12 +10,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from orchestration.checkpoint import save_checkpoint
 from orchestration.config import TrainConfig
+from orchestration.fleet import CollectionInterrupted
 from orchestration.metrics_log import MetricsLog, plot_learning_curve, read_csv
 from orchestration.result_line import print_result, result_json
 from orchestration.run_state import trainer_state
@@ -23,11 +24,13 @@ from orchestration.run_state import trainer_state
 
 class _Stop:
     """SIGINT / SIGTERM during training: the first one ends the run after the current iteration (with a
-    checkpoint); a second SIGINT interrupts at once."""
+    checkpoint), or at once where the iteration is waiting for data that may not come (``on_signal``: the
+    trainer's :meth:`~orchestration.trainer.Trainer.interrupt`); a second SIGINT interrupts at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_signal: Callable[[], None] = lambda: None) -> None:
         self.signal: int | None = None
         self._previous: dict[int, Any] = {}
+        self._on_signal = on_signal
 
     def __enter__(self) -> _Stop:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -41,6 +44,7 @@ class _Stop:
         if self.signal is not None and sig == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal = sig
+        self._on_signal()
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -86,10 +90,13 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
 
     stopped = None
     try:
-        with _Stop() as stop:
+        with _Stop(trainer.interrupt) as stop:
             while trainer.iteration < config.iterations and stop.signal is None:
+                saved_at = None  # train() changes the state (learners' inboxes) even when it does not complete
                 try:
                     metrics = trainer.train()
+                except CollectionInterrupted:
+                    break  # a signal, during a wait for data: the checkpoint below keeps what arrived
                 except BaseException:
                     _save_anyway(checkpoint)  # what was trained so far survives an env error or Ctrl-C
                     raise

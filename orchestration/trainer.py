@@ -334,6 +334,12 @@ class Trainer:
         if self.envsets is not None and "collection" in state:
             self.envsets.load_state_(state["collection"])
 
+    def interrupt(self) -> None:
+        """Safe from a signal handler: a collection that may wait for long (external simulators that deliver
+        nothing) gives up, and :meth:`train` raises :class:`orchestration.fleet.CollectionInterrupted`: the iteration
+        did not happen, and what arrived before is in the learners' inboxes (checkpointed)."""
+        self.fleet.interrupt()
+
     def close(self) -> None:
         """Stops the fleet, settles the accounting, releases fleet and learners."""
         if self._closed:

@@ -74,3 +74,33 @@ def test_the_cli_tells_external_setup_mistakes_in_one_paragraph(tmp_path, capsys
     monkeypatch.setattr(run_loop, "run_training", lambda *a: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
         main(list(args[:-1]) + [str(tmp_path / "cp2")])
+
+
+def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(tmp_path):
+    """No simulator delivers (none connected, wait-s 0: wait for good): SIGTERM (a supervisor's stop) ends the
+    run within moments, as a stop, with a checkpoint to resume from; it does not wait for an iteration that may
+    never complete."""
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "tree.json").write_text(json.dumps(TREE))
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "serve", "--external.tree",
+                                str(tmp_path / "tree.json"), "--external.port", "0", "--external.wait-s", "0",
+                                "--iterations", "1", "--no-progress", "--run-dir", str(run)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:  # serving
+            if "waiting for external environments" in line:
+                break
+        while not (run / "config.json").exists():  # written as the training loop starts
+            time.sleep(0.1)
+        time.sleep(3)  # the loop is in iteration 1's collection, waiting for data that will not come
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after iteration 0; continue with: shoal train --resume" in err and "Traceback" not in err
+    assert any((run / "checkpoints").glob("ckpt-000000*"))
