@@ -16,8 +16,8 @@ class ExternalConfig:
     port: int = 0
     """TCP port; 0 picks a free one (printed, and handed to launched simulators as ``{port}``)."""
     token: str = ""
-    """Secret every simulator presents in its ``hello``; empty: a fresh random one (printed and written to
-    ``run_dir/external_token``)."""
+    """Secret every simulator presents in its ``hello``; empty: the one in ``run_dir/external_token`` (a resumed
+    run's), else a fresh random one (printed and written there, mode 0600)."""
     command: str = ""
     """Simulator command template (``{host}``, ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}``), split like a
     POSIX shell (no shell runs it); empty: nothing is launched and environments connect by themselves."""
@@ -33,7 +33,8 @@ class ExternalConfig:
     row (at most 60 s; a start connected for a minute resets it). One that never connected restarts at once,
     so a wrong ``command`` fails within seconds."""
     tree: str = ""
-    """A tree document (JSON) the simulators must match; empty: the first simulator's tree is the run's."""
+    """Path of a tree document file (JSON, docs/external-protocol.md) the simulators must match; empty: the first
+    simulator's tree is the run's."""
     heartbeat_s: float = 10.0
     """WebSocket ping interval and timeout: a connection that does not answer in time is closed."""
     idle_timeout_s: float = 120.0

@@ -197,12 +197,14 @@ def build_external(config: TrainConfig, *, log=None):
 
     ec, log = config.external, sys.stderr if log is None else log  # resolved now: a default binds at import
     given = _given_tree(ec.tree) if ec.tree else None
+    token_file = Path(config.run_dir) / "external_token" if config.run_dir else None
+    if not ec.token and token_file is not None and token_file.is_file():  # a resumed run: simulators keep theirs
+        ec = dataclasses.replace(ec, token=token_file.read_text().strip())
     server = ExternalServer(ec, given, log=log).start()
     launcher = service = teardown = discard = None
     try:
         print(f"shoal: waiting for external environments at {server.url} (token {server.token})", file=log)
-        if config.run_dir:
-            token_file = Path(config.run_dir) / "external_token"
+        if token_file is not None:
             token_file.parent.mkdir(parents=True, exist_ok=True)
             token_file.touch(mode=0o600)
             token_file.write_text(server.token)
@@ -210,7 +212,8 @@ def build_external(config: TrainConfig, *, log=None):
             launcher = SimulatorLauncher(ec.command, ec.instances, host=ec.host, port=server.port, token=server.token,
                                          seed=config.seed, start_timeout_s=ec.start_timeout_s,
                                          max_restarts=ec.max_restarts, restart_backoff_s=ec.restart_backoff_s,
-                                         log_dir=Path(config.run_dir) / "simulators" if config.run_dir else None)
+                                         log_dir=Path(config.run_dir) / "simulators" if config.run_dir else None,
+                                         log=log)
             launcher.start()
         # launched simulators get a second start_timeout_s: one that failed to connect is restarted once by then
         patience = ec.start_timeout_s * (2 if launcher is not None else 1)

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Collection
+from typing import Callable, Collection, TextIO
 
 from adapters.external.command import render
 
@@ -65,8 +65,10 @@ class SimulatorLauncher:
 
     def __init__(self, command: str, instances: int, *, host: str, port: int, token: str, seed: int = 0,
                  start_timeout_s: float = 60.0, max_restarts: int = 20, log_dir: str | Path | None = None,
-                 restart_backoff_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 restart_backoff_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 log: TextIO | None = None) -> None:
         render(command, host=host, port=port, seed=seed, sim_id="sim-0", token=token)  # fails early, named
+        self._log = log  # a line per restart (what the counters say only in the metrics)
         self.command, self.instances = command, instances
         self.host, self.port, self.token, self.seed = host, port, token, seed
         self.start_timeout_s, self.max_restarts = start_timeout_s, max_restarts
@@ -142,6 +144,11 @@ class SimulatorLauncher:
                                        f"{self._hint(i)}; its output is in {self.log_dir or 'nowhere: set run_dir'}")
             self.counters["simulator_restarts"] += 1
             pause = self._pause(i, now)
+            if self._log is not None:
+                why = f"exited (code {proc.returncode})" if exited else f"did not connect in {self.start_timeout_s:g} s"
+                print(f"shoal: external simulator {self.sim_id(i)} {why}; restarting it"
+                      + (f" in {pause:g} s" if pause else "") + f" (restart {self.counters['simulator_restarts']} "
+                      f"of {self.max_restarts}, external.max_restarts)", file=self._log)
             if pause:
                 self._procs[i], self._relaunch_at[i] = None, now + pause
                 self.counters["simulator_restart_pauses"] += 1

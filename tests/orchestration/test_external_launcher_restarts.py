@@ -4,6 +4,7 @@ connected a minute resets the pause. Real processes, a clock the test moves."""
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
@@ -32,9 +33,9 @@ def _wait(predicate, timeout: float = 30.0) -> None:
 
 
 def test_a_simulator_that_had_connected_restarts_after_a_pause_that_doubles_then_resets(tmp_path):
-    now = [0.0]
+    now, log = [0.0], io.StringIO()
     launcher = SimulatorLauncher(f'{sys.executable} -c "{SIM}" {tmp_path}/{{sim_id}}', 1, host="127.0.0.1", port=1,
-                                 token="t", max_restarts=10, restart_backoff_s=1.0, clock=lambda: now[0])
+                                 token="t", max_restarts=10, restart_backoff_s=1.0, clock=lambda: now[0], log=log)
 
     def end(sim_id: str) -> None:  # the current start exits; check() sees it at the time the test sets
         (pid,) = launcher.pids
@@ -70,5 +71,9 @@ def test_a_simulator_that_had_connected_restarts_after_a_pause_that_doubles_then
         end("sim-0.4")  # and the pause after a short one starts again from 1 s
         assert not restarted_at(16.0 + STABLE_S) and restarted_at(17.0 + STABLE_S)
         assert launcher.counters["simulator_restarts"] == 5 and launcher.counters["simulator_restart_pauses"] == 3
+        lines = log.getvalue().splitlines()  # each restart told, not only counted in the metrics
+        assert len(lines) == 5 and lines[0] == ("shoal: external simulator sim-0 exited (code 0); restarting it in 1 s "
+                                                "(restart 1 of 10, external.max_restarts)")
+        assert lines[2].startswith("shoal: external simulator sim-0.2 exited (code 0); restarting it (restart 3")
     finally:
         launcher.close()

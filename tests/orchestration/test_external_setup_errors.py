@@ -104,3 +104,29 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM after iteration 0; continue with: shoal train --resume" in err and "Traceback" not in err
     assert any((run / "checkpoints").glob("ckpt-000000*"))
+
+
+def test_a_resumed_run_keeps_its_token_and_a_given_token_wins(tmp_path):
+    """Simulators and robots configured with a run's token reconnect to the resumed run; the token stays out of
+    the config (and so of config.json and the checkpoints): only the 0600 file holds it."""
+    from orchestration.config import TrainConfig
+    from orchestration.external_fleet import build_external
+
+    (tmp_path / "tree.json").write_text(json.dumps(TREE))
+    external = ExternalConfig(tree=str(tmp_path / "tree.json"))
+
+    def token(**change) -> str:
+        config = TrainConfig(env="external", run_dir=str(tmp_path / "run"), external=ExternalConfig(
+            **{**{f: getattr(external, f) for f in ("tree",)}, **change}))
+        fleet, _, _, teardown = build_external(config, log=io.StringIO())
+        try:
+            return fleet.server.token
+        finally:
+            fleet.close()
+            if teardown is not None:
+                teardown()
+
+    first = token()
+    assert token() == first == (tmp_path / "run" / "external_token").read_text()
+    assert (tmp_path / "run" / "external_token").stat().st_mode & 0o777 == 0o600
+    assert token(token="given") == "given"
