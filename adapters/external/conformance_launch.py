@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection, serve
 
 from adapters.external.command import render
-from adapters.external.conformance_report import Findings, Report
+from adapters.external.conformance_report import Findings, Report, count
 from adapters.external.conformance_session import Session, SessionOptions
 from adapters.external.messages import ProtocolError, encode
 
@@ -96,14 +96,14 @@ def _refuse_connection(ws: ServerConnection, code: str, text: str, timeout: floa
 def main_launch(command: str, options: SessionOptions, report: Report, findings: Findings) -> None:
     """Step 1: the right token; one :class:`~adapters.external.conformance_session.Session`, more refused."""
     lock, done, connected = threading.Lock(), threading.Event(), threading.Event()
-    extra = []
+    extra = []  # one entry per later connection: whether the first was still open then
 
     def handler(ws: ServerConnection) -> None:
         with lock:
             first = not connected.is_set()
             connected.set()
         if not first:
-            extra.append(1)
+            extra.append(not done.is_set())
             _refuse_connection(ws, "busy", "the conformance kit takes one connection per simulator")
             return
         try:
@@ -138,9 +138,13 @@ def main_launch(command: str, options: SessionOptions, report: Report, findings:
         if not launch.exited(min(options.timeout_s, 5.0)):
             findings.warn("exit", f"the simulator was still running {min(options.timeout_s, 5.0):g} s after the "
                                   f"connection closed (it was killed, as the launcher would)")
-        if extra:
-            findings.warn("connections", f"the simulator opened {len(extra)} more connection(s) while its first was "
-                                         f"open; each was refused with 'busy' (one connection per simulator)")
+        during, after = sum(extra), len(extra) - sum(extra)
+        if during:
+            findings.warn("connections", f"the simulator opened {count(during, 'more connection')} while its first "
+                                         f"was open; each was refused with 'busy' (one connection per simulator)")
+        if after:
+            findings.warn("connections", f"the simulator connected again {count(after, 'time')} after its first "
+                                         f"connection closed (refused with 'busy': the kit checks one connection)")
     finally:
         if launch is not None:
             launch.kill()

@@ -41,8 +41,8 @@ class Report:
         verdict = "PASSED" if self.ok else "FAILED"
         lines = [f"shoal conformance: {verdict} ({len(self.failures)} failures, {len(self.warnings)} warnings)",
                  f"  command: {self.command}",
-                 f"  {self.episodes} episodes ended, {self.acts} acts, {self.joined} agents joined mid-episode, "
-                 f"{self.left} left"]
+                 f"  {count(self.episodes, 'episode')} ended, {count(self.acts, 'act')}, "
+                 f"{count(self.joined, 'agent')} joined mid-episode, {self.left} left"]
         for title, items in (("Failures", self.failures), ("Warnings", self.warnings), ("Notes", self.notes)):
             if items:
                 lines.append(f"{title}:")
@@ -113,4 +113,9 @@ def coverage_warnings(covered: set[str], report: Report, *, discrete_actions: bo
     return [(key, text) for done, key, text in seen if not done]
 
 
-__all__ = ["Findings", "Report", "coverage_warnings", "describe", "short"]
+
+def count(n: int, noun: str) -> str:
+    """``1 episode``, ``2 episodes``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+__all__ = ["Findings", "Report", "count", "coverage_warnings", "describe", "short"]

@@ -120,10 +120,18 @@ assert pong == {"type": "pong", "t": 7}, pong
 if FAULT == "end_unknown":
     send({"type": "end", "episode": "never-started", "outcome": "terminated"})
     recv()
+def connect_again():  # refused with busy: the kit checks one connection per simulator
+    with connect(URL, open_timeout=10, proxy=None) as again:
+        again.send(encode(hello))
+        again.recv(timeout=10)
+if FAULT == "second_connection":
+    connect_again()
 try:
     for k in itertools.count():
         episode("e1" if FAULT == "reuse_episode" and k == 2 else f"e{k}", k)
 except ConnectionClosed:
+    if FAULT == "connect_after_close":
+        connect_again()
     sys.exit(0)
 '''
 
@@ -181,6 +189,16 @@ def test_a_broken_simulator_gets_its_failure_named(sim, fault, expected):
     report = check(sim, fault)
     assert not report.ok
     assert expected in failures(report), report.format()
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("second_connection", "opened 1 more connection while its first was open"),
+    ("connect_after_close", "connected again 1 time after its first connection closed"),
+])
+def test_more_connections_are_told_as_they_happened(sim, fault, expected):
+    report = check(sim, fault)
+    assert report.ok and [w for w in report.warnings if "connect" in w and expected in w], report.format()
+    assert report.episodes > 1 and f"{report.episodes} episodes ended, {report.acts} acts" in report.format()
 
 
 def test_each_finding_names_the_message_that_showed_it(sim):
