@@ -5,7 +5,10 @@
    checking against the tree, one inference-service forward, recording the step). Reference, in the same run:
    a bare ``websockets`` echo server sent the same ``act`` frame and echoing it back. Small observations (the
    example simulator's 4 floats) and image-sized ones (84x84x3 uint8, a flattening policy). p50 and p99 over
-   interleaved rounds. Target (issue 13): p50 within 2x of the echo.
+   interleaved rounds. Target (issue 13): p50 within 2x of the echo. Also timed in the same rounds: the served
+   policy's bare forward for one request (its ``act_step`` on one row: ``*_forward_p50_us``), and
+   ``*_floor_vs_echo`` = (echo + bare forward) / echo: what a server costing nothing but the forward would
+   reach, the bound on ``*_p50_vs_echo`` with this policy on this transport and machine.
 2. ``simulators``: 16 copies of the example simulator (``examples/external_sim.py``'s episode loop) as threads,
    through the server on loopback, against the same 16 loops in this process asking the same inference
    service directly (no sockets, no protocol, no recording): env steps per second, and their ratio.

@@ -108,6 +108,9 @@ def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
             raise ValueError("--seeds starts new runs; resume each run on its own with --resume --run-dir RUN")
     if seeds:
         base = _run_dir_from(argv, TrainConfig())
+        with user_errors(command):  # every seed's directory, before any of them trains
+            for seed in seeds if base else ():
+                _refuse_a_used_run_dir(str(Path(base) / f"seed_{seed}"))
         runs, metrics = [], {}
         for seed in seeds:
             one = [*argv, "--seed", str(seed)]
@@ -176,10 +179,8 @@ def _setup_training(argv: list[str], command: str = "train"):
     if resume and config.env != default.env:
         print(f"shoal {command} --resume: the run was trained on env {default.env!r} and goes on with --env "
               f"{config.env!r}", file=sys.stderr)
-    if not resume and config.run_dir and any((Path(config.run_dir) / "checkpoints").glob("ckpt-*")):
-        raise ValueError(f"--run-dir {config.run_dir} holds a run already (its checkpoints): continue it with "
-                         f"--resume --run-dir {config.run_dir}, or name a new --run-dir (without one, each run gets "
-                         f"its own under runs/)")
+    if not resume and config.run_dir:
+        _refuse_a_used_run_dir(config.run_dir)
     if config.anneal_lr and config.iterations > config.schedule_iterations:  # legal, but rarely what is meant
         print(f"shoal {command}: the learning rate anneals to 0 at iteration {config.schedule_iterations} "
               f"(--anneal-iterations{', kept from the run resumed' if resume else ''}), so iterations "
@@ -209,6 +210,15 @@ def _setup_training(argv: list[str], command: str = "train"):
         trainer.close()
         raise
     return trainer, config, resume, progress
+
+
+def _refuse_a_used_run_dir(run_dir: str) -> None:
+    """Raises ValueError naming ``--resume`` when ``run_dir`` holds a run's checkpoints: a new run there would mix
+    two runs' checkpoints, logs and TensorBoard files."""
+    if any((Path(run_dir) / "checkpoints").glob("ckpt-*")):
+        raise ValueError(f"--run-dir {run_dir} holds a run already (its checkpoints): continue it with --resume "
+                         f"--run-dir {run_dir}, or name a new --run-dir (without one, each run gets its own under "
+                         f"runs/; to start over there, remove its checkpoints directory)")
 
 
 def _import_torchrl_without_ray() -> None:

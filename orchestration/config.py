@@ -259,7 +259,8 @@ class TrainConfig:
     updates whose every step was skipped (non-finite loss or gradients); 0 never stops."""
     run_dir: str = ""
     """Directory for metrics.csv, TensorBoard files, the learning-curve PNG, checkpoints and run.json; empty:
-    a fresh ``runs/<env>__<seed>__<time>`` per run (``--resume`` needs the directory named)."""
+    a fresh ``runs/<env>__<seed>__<time>`` per run (``--resume`` needs the directory named). A directory that
+    holds a run's checkpoints takes only ``--resume``: a new run there would mix two runs' files."""
     loggers: tuple[str, ...] = ("csv", "tensorboard")
     """Where each iteration's metrics (evaluation included) go: ``csv`` (``run_dir/metrics.csv``, against env
     steps), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases; ``pip install
@@ -328,12 +329,13 @@ class TrainConfig:
             raise ValueError(f"train_batch_size {self.train_batch_size} must be a multiple of num_envs * "
                              f"fragment_length = {self.rollout.num_envs * self.rollout.fragment_length}")
         world, rows = self.ray.learners_per_policy, self.steps_per_iteration // self.rollout.fragment_length
-        if self.backend == "ray" and rows % world:  # found here, not by the learner actors after Ray started
+        if self.backend == "ray" and rows % world:  # found here rather than by the learner actors once Ray runs
+            made = (f"--train-batch-size {self.train_batch_size} / --rollout.fragment-length "
+                    f"{self.rollout.fragment_length}" if self.train_batch_size else
+                    f"--rollout.num-envs {self.rollout.num_envs} x --rollout.num-workers {self.rollout.num_workers}")
             raise ValueError(f"--ray.learners-per-policy {world}: each of a policy's data-parallel learners trains an "
-                             f"equal share of a batch's env rows, and a batch holds {rows} (--rollout.num-envs "
-                             f"{self.rollout.num_envs} x --rollout.num-workers {self.rollout.num_workers}"
-                             + (f", --train-batch-size {self.train_batch_size}" if self.train_batch_size else "")
-                             + f"); make it a multiple of {world}")
+                             f"equal share of a batch's env rows, and a batch holds {rows} ({made}); make it a "
+                             f"multiple of {world}")
 
     @property
     def schedule_iterations(self) -> int:

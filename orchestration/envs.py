@@ -22,11 +22,11 @@ mpe2, VMAS, PettingZoo's classic and butterfly games and gymnasium's Box2D envs 
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib
 import pkgutil
 import re
 from functools import partial
+from pathlib import Path
 from typing import Any, Iterable
 
 from adapters.extras import EXTRAS, extra_for, is_installed, missing_extra, require
@@ -124,22 +124,17 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 
 
 def _vmas_scenario(name: str) -> str:
-    """The scenario of ``vmas:<scenario>``, or a ValueError naming the nearest one (VMAS itself fails an assert)."""
+    """The scenario of ``vmas:<scenario>`` (a name, ``name.py`` or a scenario file, as VMAS takes them), or a
+    ValueError naming the nearest one (VMAS itself fails an assert)."""
     import vmas
+
+    from core.envsets.ids import hint  # imports torch: only on this path (the command's --help stays light)
 
     scenario = name.split(":", 1)[1]
     known = sorted({*vmas.scenarios, *vmas.debug_scenarios, *vmas.mpe_scenarios})
-    if scenario not in known:
-        raise ValueError(f"env {name!r}: unknown VMAS scenario {scenario!r}{_nearest(scenario, known)}; VMAS has "
-                         f"{', '.join(known)}")
+    if scenario.removesuffix(".py") not in known and not Path(scenario).is_file():
+        raise ValueError(f"env {name!r}: unknown VMAS scenario {scenario!r}{hint(scenario, known, rest_as='VMAS has {}')}")
     return scenario
-
-
-def _nearest(name: str, choices: list[str], prefix: str = "") -> str:
-    """`` (did you mean 'x'?)`` for the choice closest to ``name`` (``prefix`` before it), or nothing when none is
-    close."""
-    near = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
-    return f" (did you mean '{prefix}{near[0]}'?)" if near else ""
 
 
 def _import_pettingzoo(name: str, family: str, module_name: str):
@@ -166,7 +161,9 @@ def _import_pettingzoo(name: str, family: str, module_name: str):
                               f"need") from None
         hint = ("PettingZoo ids are pettingzoo:<family>.<name>, e.g. pettingzoo:classic.connect_four_v3"
                 if family == "pettingzoo" else "mpe2 ids are mpe2:<name>, e.g. mpe2:simple_spread_v3")
-        near = _nearest(module_name, _modules(family), f"{family}:")
+        from core.envsets.ids import hint as nearest  # imports torch: only on this path
+
+        near = nearest(f"{family}:{module_name}", [f"{family}:{m}" for m in _modules(family)], rest_as="e.g. {}")
         raise ValueError(f"env {name!r}: no module {family}.{module_name}{near}; {hint}") from None
 
 
@@ -176,15 +173,17 @@ def _modules(package: str) -> list[str]:
     module files without importing them (a family that fails to import is skipped)."""
     root = importlib.import_module(package)
     if package == "mpe2":
-        return [m.name for m in pkgutil.iter_modules(root.__path__) if not m.ispkg]
-    names = []
-    for family in (m.name for m in pkgutil.iter_modules(root.__path__) if m.ispkg and m.name not in ("test", "utils")):
-        try:
-            path = importlib.import_module(f"{package}.{family}").__path__
-        except Exception:  # noqa: BLE001 - a family needing a package this machine lacks: not a candidate
-            continue
-        names += [f"{family}.{m.name}" for m in pkgutil.iter_modules(path) if not m.ispkg]
-    return names
+        names = [m.name for m in pkgutil.iter_modules(root.__path__) if not m.ispkg]
+    else:
+        names = []
+        for family in (m.name for m in pkgutil.iter_modules(root.__path__)
+                       if m.ispkg and m.name not in ("test", "utils", "env_registry")):  # not env families
+            try:
+                path = importlib.import_module(f"{package}.{family}").__path__
+            except Exception:  # noqa: BLE001 - a family needing a package this machine lacks: not a candidate
+                continue
+            names += [f"{family}.{m.name}" for m in pkgutil.iter_modules(path) if not m.ispkg]
+    return [n for n in names if re.search(r"_v\d+$", n)]  # env modules are versioned: simple_spread_v3
 
 
 def _factory(name: str):

@@ -16,8 +16,8 @@ class ExternalConfig:
     port: int = 0
     """TCP port; 0 picks a free one (printed, and handed to launched simulators as ``{port}``)."""
     token: str = ""
-    """Secret every simulator presents in its ``hello``; empty: the one in ``run_dir/external_token`` (a resumed
-    run's), else a fresh random one (printed and written there, mode 0600)."""
+    """Secret every simulator presents in its ``hello``; empty: the one in ``run_dir/external_token`` when there
+    is one (a resumed run keeps its token), else a fresh random one (printed and written there, mode 0600)."""
     command: str = ""
     """Simulator command template (``{host}``, ``{port}``, ``{seed}``, ``{sim_id}``, ``{token}``), split like a
     POSIX shell (no shell runs it); empty: nothing is launched and environments connect by themselves."""
@@ -46,7 +46,8 @@ class ExternalConfig:
     max_simulators: int = 256
     """Connections served at once."""
     wait_s: float = 300.0
-    """Longest a training iteration waits with no data from any simulator before it fails (0: forever)."""
+    """Longest a training iteration waits with no data from any simulator before it fails (0: forever; SIGINT or
+    SIGTERM still stops such a wait, with a checkpoint)."""
     tls_cert: str = ""
     """PEM certificate for ``wss://`` (with ``tls_key``)."""
     tls_key: str = ""

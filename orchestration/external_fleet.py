@@ -36,6 +36,7 @@ from orchestration.inference import InferenceConfig, InferenceService
 from orchestration.statistics import EpisodeStatistics
 
 _PUMP_WAIT_S = 0.05  # how long an async pump waits for a first fragment before handing back to the trainer
+_INTERRUPT_GRACE_S = 2.0  # seconds without data before a signal gives up a collection
 
 
 class ExternalFleet:
@@ -76,8 +77,8 @@ class ExternalFleet:
         """Delivers every queued fragment (waiting up to ``block_s`` for the first); returns env steps delivered.
         ``check``: then raises :class:`NoSimulatorData` after ``wait_s`` without data and lets the launcher restart
         simulators that exited."""
-        if check and self._interrupted:  # simulators may deliver nothing for long (restarts, a robot away)
-            self._interrupted = False
+        if check and self._interrupted and time.monotonic() - self._last_data > _INTERRUPT_GRACE_S:
+            self._interrupted = False  # nothing came for a moment: simulators away, restarting, or gone for good
             raise CollectionInterrupted("external collection interrupted")
         steps = 0
         timeout: float | None = block_s
@@ -157,8 +158,10 @@ class ExternalFleet:
         """Nothing to restore: episodes in flight are not checkpointed (module docstring)."""
 
     def interrupt(self) -> None:
-        """The collection under way (or the next) raises :class:`CollectionInterrupted` within a moment (safe
-        from a signal handler: it sets a flag)."""
+        """The collection under way (or the next) raises :class:`CollectionInterrupted` once no data came for
+        ``_INTERRUPT_GRACE_S``; while simulators deliver, it completes and is trained on (this fleet keeps no state
+        across a resume: what an abandoned collection received is not trained on, so only a stalled one is
+        abandoned). Safe from a signal handler: it sets a flag."""
         self._interrupted = True
 
     def stop(self) -> None:

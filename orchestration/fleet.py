@@ -36,8 +36,8 @@ Weights = Mapping[str, tuple[int, Any]]
 
 
 class CollectionInterrupted(Exception):
-    """A collection given up on :meth:`Fleet.interrupt`: what arrived before is with the learners (in their
-    inboxes, checkpointed), nothing is counted; the iteration did not happen."""
+    """A collection given up on :meth:`Fleet.interrupt` (one that waited for data that did not come): the
+    iteration did not happen and nothing is counted."""
 
 
 class Fleet(Protocol):

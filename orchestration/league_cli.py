@@ -155,8 +155,8 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
                         print(f"shoal league: could not write a checkpoint after the error ({err})", file=sys.stderr)
                     raise
                 log.write(int(metrics["env_steps"]), metrics)
-                if progress:
-                    print(progress_line(metrics), flush=True)
+                if progress:  # on stderr: stdout is the result line alone
+                    print(progress_line(metrics), file=sys.stderr, flush=True)
                 if config.checkpoint_every and league.iteration % config.checkpoint_every == 0:
                     written, saved_at = save_league(league, run_dir), league.iteration
         finally:

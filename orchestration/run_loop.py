@@ -79,27 +79,23 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
                dynamic_ncols=True, file=sys.stderr)
     metrics: dict[str, float] = {}
     last_save = time.monotonic()
-    saved_at = trainer.iteration if resume else None  # the iteration whose state is on disk already
+    saved = _trained_state(trainer) if resume else None  # what the newest checkpoint on disk holds
 
     def checkpoint() -> None:
-        nonlocal last_save, saved_at
-        if saved_at == trainer.iteration:  # the same state again would push an older checkpoint out
+        nonlocal last_save, saved
+        if saved == _trained_state(trainer):  # the same state again would push an older checkpoint out
             return
         save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
-        last_save, saved_at = time.monotonic(), trainer.iteration
+        last_save, saved = time.monotonic(), _trained_state(trainer)
 
     stopped = None
     try:
         with _Stop(trainer.interrupt) as stop:
             while trainer.iteration < config.iterations and stop.signal is None:
-                saved_at = None  # train() changes the state (learners' inboxes) even when it does not complete
                 try:
                     metrics = trainer.train()
                 except CollectionInterrupted:
-                    break  # a signal, during a wait for data: the checkpoint below keeps what arrived
-                except BaseException:
-                    _save_anyway(checkpoint)  # what was trained so far survives an env error or Ctrl-C
-                    raise
+                    break  # a signal while no data came: nothing was trained in this iteration
                 log.write(trainer.env_steps, metrics)
                 bar.update(1)
                 faults = int(sum(v for k, v in metrics.items() if k.startswith("env/")))
@@ -121,6 +117,9 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
                     checkpoint()
             stopped = stop.signal
         checkpoint()
+    except BaseException:
+        _save_anyway(checkpoint)  # what was trained so far survives an env error, a logger's or Ctrl-C
+        raise
     finally:
         bar.close()
         log.close()
@@ -141,8 +140,15 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
     return metrics
 
 
+def _trained_state(trainer) -> tuple:
+    """What tells two checkpoints of a run apart: its iteration and every policy's weights version (a learner
+    that trained in an iteration that then failed moved its version). Collected data that no iteration trained
+    on is not in it: a fleet restores its actors at an iteration's boundary and collects it again."""
+    return trainer.iteration, tuple(sorted((pid, version) for pid, (version, _) in trainer.weights.items()))
+
+
 def _last_logged(csv_path: Path) -> dict[str, float]:
-    """The last row of the metrics CSV (a column's last non-empty cell), or nothing when there is none."""
+    """Each column's last non-empty cell in the metrics CSV (the figures logged last), or nothing without one."""
     columns = read_csv(csv_path) if csv_path.exists() else {}
     return {k: next((v for v in reversed(values) if not math.isnan(v)), math.nan) for k, values in columns.items()}
 

@@ -43,6 +43,7 @@ from tensordict import TensorDictBase
 from orchestration.collection_driver import CollectionDriver, evaluate_members
 from orchestration.config import TrainConfig
 from core.specs import groups
+from orchestration.fleet import CollectionInterrupted
 from orchestration.statistics import episode_metrics, fragment_accounting, merge_monitors, structure_metrics
 
 
@@ -183,7 +184,12 @@ class Trainer:
             if time.perf_counter() - last_progress > self.config.ray.iteration_timeout_s:
                 raise TimeoutError(f"learners {sorted([*pending, *retry])} got no trainable batch for "
                                    f"{self.config.ray.iteration_timeout_s} s")
-            self.fleet.pump(self.weights)  # local: one round of fragments; Ray: replace dead workers, wait a moment
+            try:
+                self.fleet.pump(self.weights)  # local: one round of fragments; Ray: replace dead workers, wait a moment
+            except CollectionInterrupted:
+                if not metrics:
+                    raise
+                break  # some learners trained in this iteration: it counts (the others train in the next)
             for pid in retry:
                 pending[pid] = self.trainable[pid].submit(progress, lr)
         wall = time.perf_counter() - start
@@ -335,10 +341,12 @@ class Trainer:
             self.envsets.load_state_(state["collection"])
 
     def interrupt(self) -> None:
-        """Safe from a signal handler: a collection that may wait for long (external simulators that deliver
-        nothing) gives up, and :meth:`train` raises :class:`orchestration.fleet.CollectionInterrupted`: the iteration
-        did not happen, and what arrived before is in the learners' inboxes (checkpointed)."""
-        self.fleet.interrupt()
+        """Safe from a signal handler: a collection that waits for data that may not come (external simulators
+        that deliver nothing) gives up, and :meth:`train` raises :class:`orchestration.fleet.CollectionInterrupted`
+        unless a learner trained in this iteration (then it returns it): no iteration happened."""
+        interrupt = getattr(self.fleet, "interrupt", None)  # a fleet of the user's may lack it: a no-op then
+        if interrupt is not None:
+            interrupt()
 
     def close(self) -> None:
         """Stops the fleet, settles the accounting, releases fleet and learners."""

@@ -113,9 +113,9 @@ def coverage_warnings(covered: set[str], report: Report, *, discrete_actions: bo
     return [(key, text) for done, key, text in seen if not done]
 
 
-
 def count(n: int, noun: str) -> str:
     """``1 episode``, ``2 episodes``."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
 
 __all__ = ["Findings", "Report", "count", "coverage_warnings", "describe", "short"]

@@ -151,6 +151,17 @@ def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkey
         assert len(err.strip().splitlines()) == 1  # one paragraph
 
 
+def test_seeds_into_a_run_dir_check_every_seed_before_training_any(tmp_path, monkeypatch, capsys):
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base" / "seed_1" / "checkpoints" / "ckpt-000001").mkdir(parents=True)  # seed 1 ran before
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *ARGS, "--iterations", "1", "--seeds", "0", "1", "--run-dir", str(tmp_path / "base")])
+    assert exit_.value.code == 2 and "seed_1 holds a run already" in capsys.readouterr().err
+    assert not (tmp_path / "base" / "seed_0").exists()  # refused before seed 0 trained
+
+
 def test_zero_iterations_is_a_valid_run(tmp_path, monkeypatch):
     from orchestration.cli import main
 

@@ -64,6 +64,11 @@ def test_the_cli_tells_external_setup_mistakes_in_one_paragraph(tmp_path, capsys
                "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "idle"))
     assert "no data from any external simulator for 1 s (0 connected to ws://127.0.0.1:" in err, err
     assert err.strip().splitlines()[-1].startswith("shoal serve: no data") and "--external.wait-s sets this" in err
+    # a supervisor restarting the run while the simulators are away: the same state is never written again
+    # (copies would push the run's older checkpoints out of the three kept)
+    for _ in range(2):
+        told("serve", "--resume", "--run-dir", str(tmp_path / "idle"), "--external.port", "0", "--no-progress")
+    assert [p.name for p in (tmp_path / "idle" / "checkpoints").glob("ckpt-*")] == ["ckpt-000000"]
 
     def failing(*args):  # the same error once training runs: a checkpoint is written, then one paragraph
         raise SimulatorsFailed("external simulator sim-1 exited ...")
@@ -76,7 +81,8 @@ def test_the_cli_tells_external_setup_mistakes_in_one_paragraph(tmp_path, capsys
         main(list(args[:-1]) + [str(tmp_path / "cp2")])
 
 
-def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(tmp_path, mode):
     """No simulator delivers (none connected, wait-s 0: wait for good): SIGTERM (a supervisor's stop) ends the
     run within moments, as a stop, with a checkpoint to resume from; it does not wait for an iteration that may
     never complete."""
@@ -88,7 +94,7 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
     run = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "serve", "--external.tree",
                                 str(tmp_path / "tree.json"), "--external.port", "0", "--external.wait-s", "0",
-                                "--iterations", "1", "--no-progress", "--run-dir", str(run)],
+                                "--iterations", "1", "--mode", mode, "--no-progress", "--run-dir", str(run)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in process.stderr:  # serving
@@ -107,8 +113,8 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
 
 
 def test_a_resumed_run_keeps_its_token_and_a_given_token_wins(tmp_path):
-    """Simulators and robots configured with a run's token reconnect to the resumed run; the token stays out of
-    the config (and so of config.json and the checkpoints): only the 0600 file holds it."""
+    """Simulators and robots configured with a run's token reconnect to the resumed run (the token is read back
+    from the run's 0600 file; a token given by flag still wins)."""
     from orchestration.config import TrainConfig
     from orchestration.external_fleet import build_external
 
