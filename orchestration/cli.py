@@ -52,12 +52,14 @@ def _config_from_file(path: str, base: TrainConfig | None = None) -> TrainConfig
 _TRAIN_HELP = """Train with PPO. Besides the flags below: ENV may be given as the first argument;
 --preset NAME starts from a tuned config shipped with Shoal ({presets}; flags override it);
 --config-file F reads a YAML or JSON config (strict keys; over the preset if any; flags override it);
---resume continues the run that --run-dir names from its latest checkpoint; --seeds S1 S2 ... trains one run
+--resume continues the run that --run-dir names from its latest checkpoint (--resume=auto: if it has one, else
+starts it there: one command for a supervisor that restarts the run); --seeds S1 S2 ... trains one run
 per seed; --no-progress hides the progress bar."""
 
 
-def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool, bool, str | None]:
-    """Pulls out the positional env, ``--config-file``, ``--resume``, ``--no-progress`` and ``--preset``."""
+def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool | str, bool, str | None]:
+    """Pulls out the positional env, ``--config-file``, ``--resume`` (True, or ``"auto"``), ``--no-progress`` and
+    ``--preset``."""
     rest, config_file, resume, progress, preset = [], None, False, True, None
     it = iter(argv)
     for arg in it:
@@ -71,6 +73,11 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool, boo
             config_file, preset = (value, preset) if name == "--config-file" else (config_file, value)
         elif arg == "--resume":
             resume = True
+        elif arg.startswith("--resume="):
+            if arg != "--resume=auto":
+                raise ValueError(f"{arg}: --resume takes no value, or =auto (resume if the run has a checkpoint, "
+                                 f"else start it)")
+            resume = "auto"
         elif arg == "--no-progress":
             progress = False
         elif not arg.startswith("-") and not rest and "--env" not in argv:
@@ -104,7 +111,7 @@ def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
     """
     with user_errors(command):
         argv, seeds = _seeds(list(argv))
-        if seeds and "--resume" in argv:
+        if seeds and any(a == "--resume" or a.startswith("--resume=") for a in argv):
             raise ValueError("--seeds starts new runs; resume each run on its own with --resume --run-dir RUN")
     if seeds:
         base = _run_dir_from(argv, TrainConfig())
@@ -155,6 +162,9 @@ def _setup_training(argv: list[str], command: str = "train"):
         if not named:
             raise ValueError("--resume continues a run: name its directory with --run-dir RUN (runs/ holds one "
                              "directory per run)")
+        if resume == "auto":  # a supervisor's one command: the first start starts, every restart resumes
+            resume = any((Path(named) / "checkpoints").glob("ckpt-*"))
+    if resume:
         from orchestration.checkpoint import load_checkpoint
         from orchestration.run_state import load_config
 

@@ -151,6 +151,17 @@ def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkey
         assert len(err.strip().splitlines()) == 1  # one paragraph
 
 
+def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys):
+    """One command for a supervisor that restarts the run: the first start starts it, the next resumes it."""
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for iterations in (1, 2):
+        main(["train", *ARGS, "--iterations", str(iterations), "--resume=auto", "--run-dir", str(tmp_path / "r")])
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["env_steps"] == iterations * 8 * 32
+    assert len(_rows(tmp_path / "r" / "metrics.csv")) == 2  # one row per iteration: none again, none lost
+
+
 def test_seeds_into_a_run_dir_check_every_seed_before_training_any(tmp_path, monkeypatch, capsys):
     from orchestration.cli import main
 
