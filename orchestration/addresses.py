@@ -1,8 +1,9 @@
-"""Whether a ``host:port`` address a user gave accepts connections, checked before a library that would retry
-it for minutes (Ray's ``ray.init``) is handed it."""
+"""Network addresses a user gives: whether a ``host:port`` accepts connections, checked before a library that
+would retry it for minutes (Ray's ``ray.init``) is handed it; whether a host is loopback only; a WebSocket URL."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -20,4 +21,19 @@ def check_reachable(address: str, flag: str, timeout_s: float = 5.0) -> None:
                          f"instance") from None
 
 
-__all__ = ["check_reachable"]
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def server_url(host: str, port: int, tls: bool) -> str:
+    """``ws://host:port`` (``wss`` with TLS); an IPv6 address in brackets (RFC 3986)."""
+    return f"{'wss' if tls else 'ws'}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+__all__ = ["check_reachable", "is_loopback", "server_url"]

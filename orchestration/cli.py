@@ -29,7 +29,6 @@ import dataclasses
 import difflib
 import gc
 import importlib
-import math
 import sys
 import time
 from pathlib import Path
@@ -254,102 +253,6 @@ def _run_dir_from(args: list[str], default: TrainConfig) -> str:
     return default.run_dir
 
 
-def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4,
-             env: str | None = None, threads: int = 1, opponent: str | None = None, seats: tuple[str, ...] = (),
-             sample: bool = False, video: str | None = None) -> float:
-    """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return
-    and its standard deviation. With ``--opponent``: plays each seat against it and prints win/draw/loss rates
-    with 95% intervals per seat (:mod:`orchestration.matches`). With ``--video DIR``: plays the episodes in one
-    env that renders ``rgb_array`` frames and writes one video per episode into ``DIR``, as MP4 when the
-    video extra is installed (``pip install 'shoal[video]'``), else as animated GIFs (:mod:`orchestration.videos`).
-    A checkpoint of a run on an environment collection plays ``episodes`` episodes in each of its evaluation
-    envs and prints the means over all of them plus per env (``eval_return_mean/env:<id>``); the stored
-    collection document never imports code (``module:factory`` members are refused: pass ``--env``).
-
-    Args:
-        checkpoint: a checkpoint directory, or a run's ``checkpoints`` directory (its newest checkpoint).
-        episodes: episodes to play (per seat with ``--opponent``).
-        num_envs: envs stepped together.
-        env: the env to play in, instead of the checkpoint's env or collection (default: the checkpoint's,
-            unless naming it would import a module: an env read from a checkpoint never imports code).
-        threads: torch CPU threads (1 is fastest for small networks on a shared machine).
-        opponent: ``random``, a scripted player ``scripted:MODULE:FUNCTION`` (:mod:`orchestration.scripted`) or
-            another checkpoint (same tree) playing every seat but the evaluated one.
-        seats: the agents the checkpoint plays, one at a time (default: every agent).
-        sample: the checkpoint's policy samples instead of acting with its mode (the opponent always samples).
-        video: a directory to write a video of every episode into (one env, whatever ``num_envs`` says).
-    """
-    import statistics
-
-    import torch
-
-    from core.specs import from_json
-    from orchestration.builder import assignment_for, build_evaluator, build_policies
-    from orchestration.checkpoint import load_checkpoint
-    from orchestration.collection_driver import evaluate_members
-    from orchestration.env_collection import load_collection, member_config
-    from orchestration.envs import imports_code
-    from orchestration.run_state import load_config
-
-    if video is not None and opponent is not None:
-        raise ValueError("--video records the evaluation of one checkpoint; it does not combine with --opponent")
-    torch.set_num_threads(threads)
-    weights, _, state = load_checkpoint(checkpoint)
-    config = load_config(state)
-    if env is None and (why := imports_code(config.env)):
-        raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "
-                         f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
-    if env is not None:  # an env named here replaces the checkpoint's env and its collection
-        config = dataclasses.replace(config, env=env, collection=None)
-    if opponent is not None:
-        from orchestration.matches import play_seats
-
-        per_seat = play_seats(checkpoint, opponent, episodes=episodes, seats=tuple(seats), env=config.env,
-                              num_envs=num_envs, sample=sample)
-        print_result({"checkpoint": str(checkpoint), "opponent": opponent, "seats": per_seat})
-        return min(r["win"] for r in per_seat.values())
-    tree = from_json(state["tree"])
-    assignment = assignment_for(config, tree)
-    policies, fixed = build_policies(config, tree, assignment)
-    for pid, policy in policies.items():
-        policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
-    def summarize(returns) -> dict[str, float]:
-        out = {}
-        for key, values in returns.items():
-            out[key.replace("return", "eval_return_mean", 1)] = sum(values) / max(len(values), 1)
-            out[key.replace("return", "eval_return_std", 1)] = statistics.pstdev(values) if values else math.nan
-        return out
-
-    videos = None
-    if video is None:
-        # a collection's document, as the checkpoint stores it, never imports code (load_collection refuses it)
-        collection = load_collection(config)
-        actor = build_evaluator(config, policies, assignment, fixed, num_envs=num_envs)
-        if collection is None:
-            results = summarize(actor.run_episodes(episodes))
-        else:  # every evaluation env: overall means plus ``/env:<id>`` ones
-            results = evaluate_members(actor, collection.evaluation_ids(), episodes, summarize)
-    else:
-        from orchestration.videos import record_episodes
-
-        collection = load_collection(config)
-        if collection is None:
-            returns, videos = record_episodes(config, policies, assignment, fixed, episodes=episodes, out_dir=video)
-        else:  # each evaluation env of the collection, filmed into DIR/<env id>/
-            returns, videos = {}, []
-            for env_id in collection.evaluation_ids():
-                got, paths = record_episodes(member_config(config, collection, env_id), policies, assignment,
-                                             fixed, episodes=episodes, out_dir=Path(video) / env_id)
-                videos += paths
-                for key, values in got.items():
-                    returns.setdefault(key, []).extend(values)
-                    returns.setdefault(f"{key}/env:{env_id}", []).extend(values)
-        results = summarize(returns)
-    print_result({"checkpoint": str(checkpoint), "episodes": episodes, **results,
-                  **({"videos": [str(v) for v in videos]} if videos is not None else {})})
-    return results["eval_return_mean"]
-
-
 def _serve_args(argv: Sequence[str]) -> None:
     """Refuses an env other than ``external`` given to ``shoal serve`` (it would train that env, serving nothing)."""
     for i, arg in enumerate(argv):
@@ -397,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         train(rest)
     elif command == "evaluate":
         with user_errors("evaluate"):
+            from orchestration.evaluate_cli import evaluate
+
             tyro.cli(evaluate, args=rest, prog="shoal evaluate")
     elif command == "export":
         with user_errors("export"):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import ipaddress
 import secrets
 import ssl
 import sys
@@ -36,27 +35,13 @@ from websockets.sync.server import ServerConnection, serve
 from adapters.external.messages import PROTOCOL_VERSION, ProtocolError, decode, encode, field, name_field, spec_hash
 from core.layout import ACTION, LOG_PROB
 from core.specs import Tree, from_json, to_json
+from orchestration.addresses import is_loopback, server_url
 from orchestration.config import ExternalConfig
 from adapters.external.codec import TreeCodec, action_maps
 from orchestration.external_episodes import Episode, Lanes
 from orchestration.external_uploads import LocalPolicyHandlers
 
 _DRAIN = 64  # frames a connection reads before it answers them (they share inference batches)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def server_url(host: str, port: int, tls: bool) -> str:
-    """``ws://host:port`` (``wss`` with TLS); an IPv6 address in brackets (RFC 3986)."""
-    return f"{'wss' if tls else 'ws'}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 class ExternalServer(LocalPolicyHandlers):
@@ -398,4 +383,4 @@ def _inputs(request, group: str) -> dict:
     return out
 
 
-__all__ = ["server_url", "ExternalServer", "is_loopback"]
+__all__ = ["ExternalServer"]

@@ -20,7 +20,7 @@ def _imported_after(code: str) -> list[str]:
     return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
 
 
-@pytest.mark.parametrize("module", ["orchestration.config", "orchestration.cli"])
+@pytest.mark.parametrize("module", ["orchestration.config", "orchestration.cli", "orchestration.evaluate_cli"])
 def test_the_config_and_the_command_import_no_torch(module):
     assert _imported_after(f"import {module}") == []
 

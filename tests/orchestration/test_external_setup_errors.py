@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from orchestration.config import ExternalConfig
-from orchestration.external_server import ExternalServer, server_url
+from orchestration.addresses import server_url
+from orchestration.external_server import ExternalServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from external_sim import TREE  # noqa: E402
