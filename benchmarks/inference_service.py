@@ -14,8 +14,10 @@ and 256x256, whose forward weighs more against the per-request cost.
 
 What limits ours here: Python threads. Every answer costs the interpreter a future, a queue put, two thread
 wake-ups (caller -> service, service -> caller) and a result object, all under the GIL; on a 2-core machine
-the callers and the service thread mostly take turns. With the forward replaced by a no-op, 64 caller
-threads got 20-30k answers/s on this machine (~40 µs each), a ceiling whatever the network. For comparison
+the callers and the service thread mostly take turns, and the woken callers take CPU from the forward itself.
+``bare_ratio`` measures that ceiling in the same rounds: the same caller threads asking a bare server (a
+``SimpleQueue`` in, one lock per caller out, no checks, deadlines, futures or result objects) that runs the same
+``act_step`` on whatever is queued: no service built on Python threads beats it on this machine. For comparison
 the JSON also gives ``<c>_requests_from_one_thread``: the largest caller count's requests submitted by one
 thread, then awaited (one rollout worker for many envs), which pays no wake-up per request.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import threading
 import time
@@ -76,6 +79,56 @@ def ours(service: InferenceService, pid: str, asks: list[dict], seconds: float) 
     return answered / elapsed, window
 
 
+def bare(policy, asks: list[dict], generator: torch.Generator, seconds: float) -> float:
+    """Agent actions/s of ``len(asks)`` caller threads served by the barest thread server: a ``SimpleQueue`` of
+    caller indices in, one ``act_step`` of whatever is queued (concatenated), each caller's rows out through its
+    own lock. The ceiling of any service whose callers are threads of this process (module docstring)."""
+    device = next(policy.parameters()).device
+    inbox, stop = queue.SimpleQueue(), threading.Event()
+    locks = [threading.Lock() for _ in asks]
+    for lock in locks:
+        lock.acquire()
+    out: list = [None] * len(asks)
+    done = [0] * len(asks)
+
+    def server() -> None:
+        with torch.no_grad():
+            while (first := inbox.get()) is not None:  # None: every caller has left
+                taken = [first]
+                while True:
+                    try:
+                        taken.append(inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                batch = {k: torch.cat([asks[i][k] for i in taken]).to(device) for k in asks[0]}
+                got = policy.act_step(batch, None, generator, False, with_value=False, with_log_prob=True)
+                for i, action in zip(taken, got[ACTION].cpu().split([asks[i][OBSERVATION].shape[0] for i in taken])):
+                    out[i] = action
+                    locks[i].release()
+
+    def caller(i: int) -> None:
+        n = asks[i][OBSERVATION].shape[:2].numel()
+        while not stop.is_set():
+            inbox.put(i)
+            locks[i].acquire()
+            done[i] += n
+
+    threads = [threading.Thread(target=server, daemon=True)]
+    threads += [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    time.sleep(min(0.1, seconds / 4))
+    start, before = time.perf_counter(), sum(done)
+    time.sleep(seconds)
+    rate = (sum(done) - before) / (time.perf_counter() - start)
+    stop.set()
+    for t in threads[1:]:  # the server answers every caller until all have left
+        t.join()
+    inbox.put(None)
+    threads[0].join()
+    return rate
+
+
 def one_thread(service: InferenceService, pid: str, asks: list[dict], seconds: float) -> float:
     """Agent actions/s when ONE thread submits every request, then waits for all (a rollout worker's pattern:
     one caller for many envs): the same batches without a thread per request."""
@@ -116,7 +169,8 @@ def measure(args: argparse.Namespace, hidden: tuple[int, ...]) -> dict:
     direct = policy.to(service.device)
     generator = torch.Generator(device=service.device).manual_seed(1)
     asks = {c: requests(policy, c, args.rows, seed=c) for c in args.callers}
-    runs: dict[int, dict[str, list]] = {c: {"ours": [], "direct": [], "rows": [], "requests": []} for c in args.callers}
+    runs: dict[int, dict[str, list]] = {c: {"ours": [], "direct": [], "bare": [], "rows": [], "requests": []}
+                                        for c in args.callers}
     top, single, single_direct = max(args.callers), [], []
     for c in args.callers:  # warm-up: first calls, allocator, threads
         ours(service, pid, asks[c], 0.05), reference(direct, asks[c], generator, 0.05)
@@ -125,6 +179,7 @@ def measure(args: argparse.Namespace, hidden: tuple[int, ...]) -> dict:
             rate, window = ours(service, pid, asks[c], args.seconds)
             runs[c]["ours"].append(rate)
             runs[c]["direct"].append(reference(direct, asks[c], generator, args.seconds))
+            runs[c]["bare"].append(bare(direct, asks[c], generator, args.seconds))
             runs[c]["rows"].append(window["rows"] / max(window["batches"], 1))
             runs[c]["requests"].append(window["served"] / max(window["batches"], 1))
         single.append(one_thread(service, pid, asks[top], args.seconds))
@@ -134,11 +189,14 @@ def measure(args: argparse.Namespace, hidden: tuple[int, ...]) -> dict:
     for c, r in runs.items():
         o, d = statistics.median(r["ours"]), statistics.median(r["direct"])
         ratio = statistics.median(x / y for x, y in zip(r["ours"], r["direct"]))  # within a round: same load
+        bare_ratio = statistics.median(x / y for x, y in zip(r["bare"], r["direct"]))
         results[f"{c}_callers"] = {
             "ours_actions_per_s": round(o), "direct_actions_per_s": round(d), "ratio": round(ratio, 3),
+            "bare_actions_per_s": round(statistics.median(r["bare"])), "bare_ratio": round(bare_ratio, 3),
             "total_batch_rows": c * args.rows, "rows_per_batch": round(statistics.median(r["rows"]), 1),
             "requests_per_batch": round(statistics.median(r["requests"]), 1),
-            "ours_runs": [round(x) for x in r["ours"]], "direct_runs": [round(x) for x in r["direct"]]}
+            "ours_runs": [round(x) for x in r["ours"]], "direct_runs": [round(x) for x in r["direct"]],
+            "bare_runs": [round(x) for x in r["bare"]]}
     o, d = statistics.median(single), statistics.median(single_direct)
     ratio = statistics.median(x / y for x, y in zip(single, single_direct))
     results[f"{top}_requests_from_one_thread"] = {"ours_actions_per_s": round(o), "direct_actions_per_s": round(d),
@@ -167,8 +225,10 @@ def main() -> None:
         "rounds": args.rounds, "seconds_per_run": args.seconds, "hidden": sizes,
         "target": {"callers": max(args.callers), "min_ratio": 0.5},
         "meets_target": {h: r[top]["ratio"] >= 0.5 for h, r in sizes.items()},
+        "bare_meets_target": {h: r[top]["bare_ratio"] >= 0.5 for h, r in sizes.items()},
         "note": "callers are Python threads of this process: every answer costs a future, a queue put and two "
-                "thread wake-ups under the GIL, which the reference does not pay"}, indent=1))
+                "thread wake-ups under the GIL, which the reference does not pay; bare_ratio is the same callers' "
+                "ceiling with a server that does nothing but the forward"}, indent=1))
 
 
 if __name__ == "__main__":
