@@ -94,23 +94,28 @@ def time_echo(ws, frame: bytes, n: int) -> list[float]:
     return out
 
 
-def time_forward(policy, tree_doc: dict, obs: np.ndarray, n: int) -> list[float]:
-    """The served policy's bare ``act_step`` on one row of ``obs`` (with the present-agent mask the server passes)."""
+def time_forward(policy, device: torch.device, tree_doc: dict, obs: np.ndarray, n: int) -> list[float]:
+    """The served policy's bare ``act_step`` on one row of ``obs`` (with the present-agent mask the server passes),
+    on the service's ``device``, inputs from and outputs back to the CPU as the service does."""
     capacity = tree_doc["tree"]["array"]["capacity"]
     x = torch.zeros(1, capacity, *obs.shape, dtype=torch.from_numpy(obs).dtype)
     x[0, 0] = torch.from_numpy(obs)
     inputs = {"observation": x, "mask": torch.arange(capacity).eq(0)[None]}
-    generator, out = torch.Generator().manual_seed(0), []
+    generator, out, accelerator = torch.Generator(device=device).manual_seed(0), [], device.type != "cpu"
     with torch.inference_mode():
         for _ in range(n):
             t = time.perf_counter()
-            policy.act_step(inputs, None, generator, False, with_value=False, with_log_prob=True)
+            got = policy.act_step({k: v.to(device) for k, v in inputs.items()} if accelerator else inputs, None,
+                                  generator, False, with_value=False, with_log_prob=True)
+            if accelerator:  # the copy back to the CPU waits for the device, as the service's does
+                got["action"].cpu(), got["log_prob"].cpu()
             out.append(time.perf_counter() - t)
     return out
 
 
 def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds: int) -> dict:
     server, service, policy = start_server(tree_doc, max_bytes=1 << 22)
+    policy = policy.to(service.device)  # the service acts with its own copy on its device: time the same
     echo = echo_server()
     client = SimulatorClient(server.url, "bench", tree_doc, "bench")
     ws = connect(f"ws://127.0.0.1:{echo.socket.getsockname()[1]}", compression=None, max_size=None, proxy=None,
@@ -119,11 +124,11 @@ def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds
     ours, ref, bare = [], [], []
     time_ours(client, obs, 20, "warm")
     time_echo(ws, frame, 20)
-    time_forward(policy, tree_doc, obs, 20)
+    time_forward(policy, service.device, tree_doc, obs, 20)
     for r in range(rounds):
         ours += time_ours(client, obs, requests, f"e{r}")
         ref += time_echo(ws, frame, requests)
-        bare += time_forward(policy, tree_doc, obs, requests)
+        bare += time_forward(policy, service.device, tree_doc, obs, requests)
     client.close()
     ws.close()
     echo.shutdown()

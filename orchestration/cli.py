@@ -113,8 +113,9 @@ def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
         if seeds and any(a == "--resume" or a.startswith("--resume=") for a in argv):
             raise ValueError("--seeds starts new runs; resume each run on its own with --resume --run-dir RUN")
     if seeds:
-        base = _run_dir_from(argv, TrainConfig())
         with user_errors(command):  # every seed's directory, before any of them trains
+            rest, config_file, _, _, preset = _split_train_args(argv)
+            base = _run_dir_from(rest, _defaults(preset, config_file))  # a flag, else the config file's or preset's
             for seed in seeds if base else ():
                 _refuse_a_used_run_dir(str(Path(base) / f"seed_{seed}"))
         runs, metrics = [], {}
@@ -150,11 +151,10 @@ def _setup_training(argv: list[str], command: str = "train"):
     """Config, trainer and restored state of ``shoal train``: every user error surfaces here."""
     from orchestration.envs import imports_code
 
-    from orchestration.presets import load_preset, preset_names
+    from orchestration.presets import preset_names
 
     rest, config_file, resume, progress, preset = _split_train_args(argv)
-    default = load_preset(preset) if preset else TrainConfig()
-    default = _config_from_file(config_file, default) if config_file else default
+    default = _defaults(preset, config_file)
     ckpt_root = None
     if resume:
         named = _run_dir_from(rest, default)
@@ -219,6 +219,14 @@ def _setup_training(argv: list[str], command: str = "train"):
         trainer.close()
         raise
     return trainer, config, resume, progress
+
+
+def _defaults(preset: str | None, config_file: str | None) -> TrainConfig:
+    """The config that flags change: the preset's (or TrainConfig's), with the config file over it."""
+    from orchestration.presets import load_preset
+
+    default = load_preset(preset) if preset else TrainConfig()
+    return _config_from_file(config_file, default) if config_file else default
 
 
 def _refuse_a_used_run_dir(run_dir: str) -> None:

@@ -26,7 +26,6 @@ import importlib
 import pkgutil
 import re
 from functools import partial
-from pathlib import Path
 from typing import Any, Iterable
 
 from adapters.extras import EXTRAS, extra_for, is_installed, missing_extra, require
@@ -124,15 +123,15 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 
 
 def _vmas_scenario(name: str) -> str:
-    """The scenario of ``vmas:<scenario>`` (a name, ``name.py`` or a scenario file, as VMAS takes them), or a
-    ValueError naming the nearest one (VMAS itself fails an assert)."""
+    """The scenario of ``vmas:<scenario>`` (one of VMAS's scenario names, with or without ``.py``: VMAS loads
+    scenarios from its own package only), or a ValueError naming the nearest one (VMAS itself fails an assert)."""
     import vmas
 
     from core.envsets.ids import hint  # imports torch: only on this path (the command's --help stays light)
 
     scenario = name.split(":", 1)[1]
     known = sorted({*vmas.scenarios, *vmas.debug_scenarios, *vmas.mpe_scenarios})
-    if scenario.removesuffix(".py") not in known and not Path(scenario).is_file():
+    if scenario.removesuffix(".py") not in known:
         raise ValueError(f"env {name!r}: unknown VMAS scenario {scenario!r}{hint(scenario, known, rest_as='VMAS has {}')}")
     return scenario
 

@@ -36,7 +36,7 @@ from orchestration.inference import InferenceConfig, InferenceService
 from orchestration.statistics import EpisodeStatistics
 
 _PUMP_WAIT_S = 0.05  # how long an async pump waits for a first fragment before handing back to the trainer
-_INTERRUPT_GRACE_S = 2.0  # seconds without data before a signal gives up a collection
+_INTERRUPT_GRACE_S = 2.0  # seconds without a simulator acting before a signal gives up a collection
 
 
 class ExternalFleet:
@@ -49,6 +49,7 @@ class ExternalFleet:
         learners: policy id -> learner receiving every fragment (the learning ones).
         launcher: simulators to keep running, or None when they connect by themselves.
         wait_s: longest a collect or pump waits with no fragment at all (0: forever).
+        clock: monotonic seconds, read for those waits and a signal's grace (time is an argument).
     """
 
     restarts = 0
@@ -56,7 +57,8 @@ class ExternalFleet:
     resume_exact = False
 
     def __init__(self, server: ExternalServer, service: InferenceService, lanes: Lanes, learners: Mapping[str, Any],
-                 *, launcher: SimulatorLauncher | None = None, wait_s: float = 300.0) -> None:
+                 *, launcher: SimulatorLauncher | None = None, wait_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.server, self.service, self.lanes, self.launcher = server, service, lanes, launcher
         self.learners = dict(learners)
         self.wait_s = wait_s
@@ -65,7 +67,9 @@ class ExternalFleet:
         self.dead = set()
         self.stats = EpisodeStatistics()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._last_data = time.monotonic()
+        self._clock = clock
+        self._last_data = self._last_activity = clock()
+        self._activity = -1  # act requests and uploaded steps the server had counted when last looked at
         self._interrupted = False
 
     def enqueue(self, fragment, meta: dict, episodes: dict) -> None:
@@ -76,10 +80,8 @@ class ExternalFleet:
     def _deliver(self, block_s: float, check: bool = True) -> int:
         """Delivers every queued fragment (waiting up to ``block_s`` for the first); returns env steps delivered.
         ``check``: then raises :class:`NoSimulatorData` after ``wait_s`` without data and lets the launcher restart
-        simulators that exited."""
-        if check and self._interrupted and time.monotonic() - self._last_data > _INTERRUPT_GRACE_S:
-            self._interrupted = False  # nothing came for a moment: simulators away, restarting, or gone for good
-            raise CollectionInterrupted("external collection interrupted")
+        simulators that exited; after :meth:`interrupt`, raises :class:`CollectionInterrupted` once no simulator
+        acted for ``_INTERRUPT_GRACE_S``."""
         steps = 0
         timeout: float | None = block_s
         while True:
@@ -93,11 +95,15 @@ class ExternalFleet:
             self.stats.add(meta["worker_id"], meta["sequence"], episodes)
             self.reported[meta["worker_id"]] = meta["sequence"] + 1
             steps += meta["env_steps"]
-        now = time.monotonic()
+        now = self._clock()
         if steps:
             self._last_data = now
         if not check:
             return steps
+        acted = self._acted(now)  # looked at on every delivery, so that a signal's grace runs from the last act
+        if self._interrupted and not steps and now - acted > _INTERRUPT_GRACE_S:
+            self._interrupted = False  # nobody acts: simulators away, restarting, or gone for good
+            raise CollectionInterrupted("external collection interrupted")
         if not steps and self.wait_s and now - self._last_data > self.wait_s:
             raise NoSimulatorData(f"no data from any external simulator for {self.wait_s:g} s "
                                   f"({len(self.server.connected)} connected to {self.server.url}): is one running and "
@@ -107,10 +113,18 @@ class ExternalFleet:
             self.launcher.check(self.server.connected)
         return steps
 
+    def _acted(self, now: float) -> float:
+        """When a simulator last asked for an action, uploaded a step or completed a fragment: a slow simulator
+        (a robot at 20 Hz takes seconds per fragment) is acting, not away."""
+        seen = self.server.counters["requests"] + self.server.counters["uploaded_steps"]
+        if seen != self._activity:
+            self._activity, self._last_activity = seen, now
+        return max(self._last_activity, self._last_data)
+
     def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int] | None = None) -> list[dict]:
         """Loads ``weights`` into the service, then delivers fragments until ``target_steps`` arrived."""
         self.broadcast(weights)
-        self._last_data = time.monotonic()
+        self._last_data = self._clock()
         got = 0
         while got < target_steps:
             got += self._deliver(0.1)
@@ -118,7 +132,7 @@ class ExternalFleet:
 
     def start(self, weights: Weights) -> None:
         self.broadcast(weights)
-        self._last_data = time.monotonic()
+        self._last_data = self._clock()
 
     def pump(self, weights: Weights | None = None) -> None:
         """Delivers what the simulators produced (waits a moment when nothing is queued)."""
@@ -158,10 +172,10 @@ class ExternalFleet:
         """Nothing to restore: episodes in flight are not checkpointed (module docstring)."""
 
     def interrupt(self) -> None:
-        """The collection under way (or the next) raises :class:`CollectionInterrupted` once no data came for
-        ``_INTERRUPT_GRACE_S``; while simulators deliver, it completes and is trained on (this fleet keeps no state
-        across a resume: what an abandoned collection received is not trained on, so only a stalled one is
-        abandoned). Safe from a signal handler: it sets a flag."""
+        """The collection under way (or the next) raises :class:`CollectionInterrupted` once no simulator acted
+        (asked for an action, uploaded a step) for ``_INTERRUPT_GRACE_S``; while simulators act, however slowly, it
+        completes and is trained on (this fleet keeps no state across a resume: what an abandoned collection received
+        is not trained on, so only a stalled one is abandoned). Safe from a signal handler: it sets a flag."""
         self._interrupted = True
 
     def stop(self) -> None:

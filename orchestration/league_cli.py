@@ -58,8 +58,7 @@ def split_league_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple | None]:
     """The run's TrainConfig, the LeagueConfig, whether to show progress and, with ``--resume``, the league's
     checkpoint ``(weights, tensors, state)``; ``--help`` prints both flag sets."""
-    from orchestration.cli import _config_from_file, _run_dir_from, _split_train_args
-    from orchestration.presets import load_preset
+    from orchestration.cli import _defaults, _run_dir_from, _split_train_args
 
     rest, league_args = split_league_args(argv)
     if "-h" in rest or "--help" in rest:
@@ -69,17 +68,19 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
         except SystemExit:
             pass
     train_args, config_file, resume, progress, preset = _split_train_args(rest)
-    default = load_preset(preset) if preset else TrainConfig()
-    default = _config_from_file(config_file, default) if config_file else default
+    default = _defaults(preset, config_file)
     league_default, checkpoint = LeagueConfig(), None
+    if resume:
+        named = _run_dir_from(train_args, default)
+        if not named:
+            raise ValueError("--resume continues a league: name its directory with --run-dir RUN")
+        if resume == "auto":  # a supervisor's one command: the first start starts, every restart resumes
+            resume = any((Path(named) / "league" / "checkpoints").glob("ckpt-*"))
     if resume:
         from orchestration.checkpoint import load_checkpoint
         from orchestration.envs import imports_code
         from orchestration.run_state import load_config
 
-        named = _run_dir_from(train_args, default)
-        if not named:
-            raise ValueError("--resume continues a league: name its directory with --run-dir RUN")
         checkpoint = load_checkpoint(Path(named) / "league" / "checkpoints")
         state = checkpoint[2]
         if "league" not in state:

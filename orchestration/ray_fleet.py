@@ -233,7 +233,8 @@ class RayFleet:
         return reports
 
     def interrupt(self) -> None:
-        """Nothing to give up: a collection's waits are bounded by the workers' timeouts."""
+        """Nothing to give up: the workers' collections end by themselves (an env that hangs inside a worker holds
+        its collection until ``rollout.env_timeout_s`` restarts it; 0, the default, waits for good)."""
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ends streaming; waits until each worker delivered what it built (its final report)."""

@@ -78,6 +78,8 @@ def test_a_misspelled_env_id_names_the_nearest_one():
     pytest.importorskip("vmas")
     with pytest.raises(ValueError, match=r"unknown VMAS scenario 'navigaton' \(did you mean 'navigation'\?\)"):
         make_env("vmas:navigaton", 1)  # VMAS itself fails an assert, which the CLI would show as a traceback
+    with pytest.raises(ValueError, match=r"unknown VMAS scenario '.*my_scenario\.py'"):
+        make_env(f"vmas:{__file__.replace('test_extras', 'my_scenario')}", 1)  # VMAS reads its own folder only
 
 
 def test_the_cli_prints_one_paragraph_and_exits_2(monkeypatch, tmp_path, capsys):

@@ -171,6 +171,11 @@ def test_seeds_into_a_run_dir_check_every_seed_before_training_any(tmp_path, mon
         main(["train", *ARGS, "--iterations", "1", "--seeds", "0", "1", "--run-dir", str(tmp_path / "base")])
     assert exit_.value.code == 2 and "seed_1 holds a run already" in capsys.readouterr().err
     assert not (tmp_path / "base" / "seed_0").exists()  # refused before seed 0 trained
+    (tmp_path / "run.yaml").write_text(f"run_dir: {tmp_path / 'base'}\n")  # the base named by a config file
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *ARGS, "--iterations", "1", "--seeds", "0", "1", "--config-file", str(tmp_path / "run.yaml")])
+    assert exit_.value.code == 2 and "seed_1 holds a run already" in capsys.readouterr().err
+    assert not (tmp_path / "base" / "seed_0").exists()
 
 
 def test_zero_iterations_is_a_valid_run(tmp_path, monkeypatch):

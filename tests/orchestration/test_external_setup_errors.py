@@ -101,7 +101,9 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
         for line in process.stderr:  # serving
             if "waiting for external environments" in line:
                 break
+        deadline = time.monotonic() + 120
         while not (run / "config.json").exists():  # written as the training loop starts
+            assert process.poll() is None and time.monotonic() < deadline, "the run never started training"
             time.sleep(0.1)
         time.sleep(3)  # the loop is in iteration 1's collection, waiting for data that will not come
         process.send_signal(signal.SIGTERM)
@@ -111,6 +113,32 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM after iteration 0; continue with: shoal train --resume" in err and "Traceback" not in err
     assert any((run / "checkpoints").glob("ckpt-000000*"))
+
+
+def test_a_signal_gives_up_a_collection_only_once_no_simulator_acts():
+    """A slow simulator (a robot acting every second, completing no fragment for many seconds) is acting, not away:
+    a signal does not throw its collection away; once nobody acts for the grace period, it does. (A small fake
+    server: the test is about the fleet's rule; the signal end to end is the test above.)"""
+    from types import SimpleNamespace
+
+    from orchestration import external_fleet
+    from orchestration.external_fleet import ExternalFleet
+    from orchestration.fleet import CollectionInterrupted
+
+    now = [0.0]
+    server = SimpleNamespace(counters={"requests": 0, "uploaded_steps": 0}, connected={"robot"}, url="ws://test")
+    fleet = ExternalFleet(server, None, SimpleNamespace(fragment_length=64), {}, wait_s=0, clock=lambda: now[0])
+    fleet.pump()
+    fleet.interrupt()
+    for _ in range(10):  # 10 s of acting, no fragment: the collection goes on
+        now[0] += 1.0
+        server.counters["requests"] += 1
+        fleet.pump()
+    now[0] += external_fleet._INTERRUPT_GRACE_S * 0.9
+    fleet.pump()  # silent, but within the grace
+    now[0] += external_fleet._INTERRUPT_GRACE_S * 0.2
+    with pytest.raises(CollectionInterrupted):
+        fleet.pump()
 
 
 def test_a_resumed_run_keeps_its_token_and_a_given_token_wins(tmp_path):

@@ -186,9 +186,9 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
 
     flags = ["--rollout.num-envs", "4", "--rollout.fragment-length", "16", "--run-dir", str(tmp_path),
              "--checkpoint-every", "1", "--league.league-exploiters", "0", "--league.snapshot-every", "1"]
-    main(["league", GAME, "--iterations", "2", *flags])
+    main(["league", GAME, "--iterations", "2", "--resume=auto", *flags])  # nothing to resume: it starts
     before = json.loads((tmp_path / "league" / "league.json").read_text())
-    main(["league", "--resume", "--iterations", "3", "--run-dir", str(tmp_path)])
+    main(["league", "--resume=auto", "--iterations", "3", "--run-dir", str(tmp_path)])  # a checkpoint: resumed
     after = json.loads((tmp_path / "league" / "league.json").read_text())
     assert before["iteration"] == 2 and after["iteration"] == 3
     names = [p["name"] for p in after["players"]]
