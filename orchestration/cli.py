@@ -229,10 +229,10 @@ def _defaults(preset: str | None, config_file: str | None) -> TrainConfig:
     return _config_from_file(config_file, default) if config_file else default
 
 
-def _refuse_a_used_run_dir(run_dir: str) -> None:
-    """Raises ValueError naming ``--resume`` when ``run_dir`` holds a run's checkpoints: a new run there would mix
-    two runs' checkpoints, logs and TensorBoard files."""
-    if any((Path(run_dir) / "checkpoints").glob("ckpt-*")):
+def _refuse_a_used_run_dir(run_dir: str, checkpoints: str = "checkpoints") -> None:
+    """Raises ValueError naming ``--resume`` when ``run_dir`` holds a run's checkpoints (under ``checkpoints``): a
+    new run there would mix two runs' checkpoints, logs and TensorBoard files."""
+    if any((Path(run_dir) / checkpoints).glob("ckpt-*")):
         raise ValueError(f"--run-dir {run_dir} holds a run already (its checkpoints): continue it with --resume "
                          f"--run-dir {run_dir}, or name a new --run-dir (without one, each run gets its own under "
                          f"runs/; to start over there, remove its checkpoints directory)")

@@ -58,7 +58,7 @@ def split_league_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple | None]:
     """The run's TrainConfig, the LeagueConfig, whether to show progress and, with ``--resume``, the league's
     checkpoint ``(weights, tensors, state)``; ``--help`` prints both flag sets."""
-    from orchestration.cli import _defaults, _run_dir_from, _split_train_args
+    from orchestration.cli import _defaults, _refuse_a_used_run_dir, _run_dir_from, _split_train_args
 
     rest, league_args = split_league_args(argv)
     if "-h" in rest or "--help" in rest:
@@ -93,6 +93,8 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
     config = tyro.cli(TrainConfig, args=train_args, default=default, prog="shoal league",
                       description="Train a league (shoal league --help lists the --league.* flags first).")
     league = tyro.cli(_LeagueFlags, args=league_args, default=_LeagueFlags(league_default), prog="shoal league").league
+    if not resume and config.run_dir:
+        _refuse_a_used_run_dir(config.run_dir, "league/checkpoints")
     return config, league, progress, checkpoint
 
 

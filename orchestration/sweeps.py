@@ -27,8 +27,11 @@ import dataclasses
 import difflib
 import json
 import math
+import numbers
 import sys
 import time
+import types
+import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -75,6 +78,7 @@ def _field(base: Any, key: str, where: str) -> Any:
 def _apply(base: Any, params: Mapping[str, Any], where: str) -> Any:
     nested: dict[str, dict[str, Any]] = {}
     changes: dict[str, Any] = {}
+    hints = _hints(base)
     for key, value in params.items():
         current = _field(base, key, where)
         head, _, rest = key.partition(".")
@@ -83,20 +87,68 @@ def _apply(base: Any, params: Mapping[str, Any], where: str) -> Any:
         elif isinstance(value, Mapping) and dataclasses.is_dataclass(current):
             nested.setdefault(head, {}).update(value)
         else:
-            changes[head] = _coerce(current, value)
+            changes[head] = _coerce(current, value, where + key, hints.get(head, Any))
     changes.update({head: _apply(getattr(base, head), sub, f"{where}{head}.") for head, sub in nested.items()})
     return dataclasses.replace(base, **changes)
 
 
-def _coerce(current: Any, value: Any) -> Any:
+def _coerce(current: Any, value: Any, key: str, hint: Any = Any) -> Any:
+    """``value`` for the field ``key`` (annotated ``hint``, its value now ``current``) in the field's type: lists as
+    tuples, numbers and number strings as floats where the field is a float (YAML 1.1 reads ``1e-3`` as a string).
+    ValueError naming ``key`` for a value the annotation does not allow."""
     if isinstance(current, tuple) and isinstance(value, list):
-        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-    if isinstance(current, float) and isinstance(value, str):
+        value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    elif isinstance(current, float) and isinstance(value, str):
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
-            return value
-    return value
+            pass
+    if _allows(hint, value):  # numbers as Python's own (a search space may give numpy's)
+        if isinstance(value, numbers.Number) and not isinstance(value, bool) and type(current) in (int, float):
+            return type(current)(value)
+        return value
+    kind = "a section (a mapping of its keys)" if dataclasses.is_dataclass(current) else _describe(hint)
+    raise ValueError(f"key '{key}' takes {kind}, got {value!r}")
+
+
+def _allows(hint: Any, value: Any) -> bool:
+    """Whether ``value`` is of the annotated type (containers by kind only; anything not understood passes)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_allows(a, value) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    if origin is tuple or hint is tuple:
+        return isinstance(value, tuple)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
+    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+            type(None): "null"}.get(hint, "a list" if origin is tuple or hint is tuple else str(hint))
+
+
+def _hints(config: Any) -> dict[str, Any]:
+    """The field annotations of a config dataclass, resolved (empty where they cannot be: nothing is checked)."""
+    try:
+        return typing.get_type_hints(type(config))
+    except Exception:  # noqa: BLE001 - an annotation naming something not importable here: check nothing
+        return {}
 
 
 def run_trial(config: TrainConfig, trial_dir: str, restored: str | None,

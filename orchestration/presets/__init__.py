@@ -43,7 +43,7 @@ def config_from_file(path: str, base: TrainConfig | None = None) -> TrainConfig:
     valid spelling."""
     with open(path) as f:
         raw = _parse(f.read(), f"config file {path}", yaml=path.endswith((".yaml", ".yml")))
-    return config_from_mapping(raw, base or TrainConfig(), "config file")
+    return config_from_mapping(raw, base or TrainConfig(), f"config file {path}")
 
 
 def config_from_mapping(raw: dict[str, Any], base: TrainConfig, where: str) -> TrainConfig:
@@ -53,16 +53,25 @@ def config_from_mapping(raw: dict[str, Any], base: TrainConfig, where: str) -> T
     _check_keys(raw, base, "", where)
     if isinstance(raw.get("collection"), dict):  # an env collection written out in the file: its JSON document
         raw = {**raw, "collection": json.dumps(raw["collection"])}
-    return config_from_params(base, raw)  # YAML's ``1e-3`` (a string to YAML 1.1) becomes a float
+    try:
+        return config_from_params(base, raw)  # YAML's ``1e-3`` (a string to YAML 1.1) becomes a float
+    except ValueError as error:  # a value of the wrong kind, or one the config's own checks refuse
+        raise ValueError(f"{where}: {error}") from None
 
 
 def _parse(text: str, where: str, *, yaml: bool) -> dict[str, Any]:
     if yaml:
         import yaml as pyyaml
 
-        raw = pyyaml.safe_load(text)
+        try:
+            raw = pyyaml.safe_load(text)
+        except pyyaml.YAMLError as error:
+            raise ValueError(f"{where} is not valid YAML: {error}") from None
     else:
-        raw = json.loads(text)
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} is not valid JSON: {error}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a mapping of TrainConfig fields, got {type(raw).__name__}")
     return raw

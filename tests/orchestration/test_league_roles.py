@@ -205,6 +205,10 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
     with pytest.raises(SystemExit) as stop:
         main(["league", "--resume", "--run-dir", str(tmp_path / "nothing")])
     assert stop.value.code == 2 and "no checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # a new league in this one's directory would mix the two
+        main(["league", GAME, "--iterations", "1", *flags])
+    assert stop.value.code == 2 and "holds a run already" in capsys.readouterr().err
+    assert json.loads((tmp_path / "league" / "league.json").read_text())["iteration"] == 3  # untouched
 
 
 @pytest.mark.ray

@@ -59,3 +59,33 @@ def test_help_lists_the_presets(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in preset_names())
+
+
+@pytest.mark.parametrize("text, named", [
+    ("iterations: [2", "is not valid YAML"),
+    ("iterations: two", "key 'iterations' takes a whole number, got 'two'"),
+    ("lr: fast", "key 'lr' takes a number, got 'fast'"),
+    ("rollout: 4", "key 'rollout' takes a section"),
+    ("rollout: {num_envs: 4.5}", "key 'rollout.num_envs' takes a whole number, got 4.5"),
+    ("env: 5", "key 'env' takes a string, got 5"),
+    ("backend: rai", "key 'backend' takes one of 'local', 'ray', got 'rai'"),
+    ("ppo: {normalize_advantage: 1}", "key 'ppo.normalize_advantage' takes true or false, got 1"),
+    ("run_dir: null", "key 'run_dir' takes a string, got None"),
+])
+def test_a_config_file_value_of_the_wrong_kind_is_refused_naming_the_file_and_key(tmp_path, text, named):
+    from orchestration.presets import config_from_file
+
+    (tmp_path / "run.yaml").write_text(text + "\n")
+    with pytest.raises(ValueError, match="config file .*run.yaml") as error:
+        config_from_file(str(tmp_path / "run.yaml"))
+    assert named in str(error.value)
+
+
+def test_a_config_file_takes_what_its_fields_allow(tmp_path):
+    from orchestration.presets import config_from_file
+
+    (tmp_path / "run.yaml").write_text("lr: 1\nppo: {clip_eps: 1e-1, value_clip_eps: null}\nray: {learner_num_gpus: 0.5}\n"
+                                       "policy: {hidden_sizes: [32, 32]}\n")
+    config = config_from_file(str(tmp_path / "run.yaml"))
+    assert (config.lr, config.ppo.clip_eps, config.ray.learner_num_gpus, config.policy.hidden_sizes) == \
+        (1.0, 0.1, 0.5, (32, 32)) and isinstance(config.lr, float)
