@@ -202,7 +202,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     from orchestration.builder import build_trainer
     from orchestration.checkpoint import clean_stale, load_checkpoint
     from orchestration.run_loop import fresh_run_dir
-    from orchestration.run_state import restore_trainer_
+    from orchestration.run_state import changed_settings, restore_trainer_
 
     if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -214,7 +214,15 @@ def _setup_training(argv: list[str], command: str = "train"):
     trainer = build_trainer(config, pretrain=not resume)  # a resumed run's checkpoint holds trained weights
     try:
         if resume:
-            restore_trainer_(trainer, *load_checkpoint(ckpt_root))
+            try:
+                restore_trainer_(trainer, *load_checkpoint(ckpt_root))
+            except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
+                if not (changed := changed_settings(default, config)):
+                    raise
+                raise ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
+                                 f"{'; '.join(changed)} ({str(err).splitlines()[0]}). Resume without changing "
+                                 f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another "
+                                 f"--run-dir") from None
     except BaseException:
         trainer.close()
         raise

@@ -22,6 +22,7 @@ mpe2, VMAS, PettingZoo's classic and butterfly games and gymnasium's Box2D envs 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import pkgutil
 import re
@@ -48,7 +49,50 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 
     ``shared_state=False`` leaves a PettingZoo env's ``state()`` out of the tree (nothing reads it without a
     central critic, and mpe2's costs 100-190 µs per step); None lets the adapter probe for it.
+
+    Raises:
+        ValueError: among others, a keyword of ``kwargs`` (``--env-kwargs``) that the env does not take, named
+        with the nearest one it takes where its signature tells.
     """
+    try:
+        return _make_env(name, num_envs, check=check, kwargs=kwargs, shared_state=shared_state)
+    except TypeError as err:
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+        if bad is None or bad.group(1) not in (kwargs or {}):
+            raise
+        from core.envsets.ids import hint
+
+        word = bad.group(1)
+        raise ValueError(f"env {name!r}: --env-kwargs {word} is not a keyword it takes"
+                         f"{hint(word, _keywords(name), rest_as='it takes {}')} ({err})") from None
+
+
+def _keywords(name: str) -> list[str]:
+    """The keyword arguments env ``name`` takes, where a signature tells (else none: the message goes without)."""
+    import inspect
+
+    try:
+        if name.startswith("builtin:"):
+            from adapters import builtin
+
+            configs = {n.lower(): getattr(builtin, n) for n in builtin.__all__ if n.endswith("Config")}
+            config = configs[f"{name.split(':', 1)[1]}config"]
+            return [f.name for f in dataclasses.fields(config) if f.name != "num_envs"]
+        if ":" in name and (factory := _factory(name)) is not None:
+            return list(inspect.signature(factory).parameters)
+        if ":" not in name:
+            import gymnasium
+            from gymnasium.envs.registration import load_env_creator
+
+            creator = gymnasium.spec(name).entry_point
+            creator = load_env_creator(creator) if isinstance(creator, str) else creator
+            return [p for p in inspect.signature(creator).parameters if p != "self"]
+    except Exception:  # noqa: BLE001 - a hint only: no signature, no hint
+        pass
+    return []
+
+
+def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | None, shared_state: bool | None):
     kwargs = dict(kwargs or {})
     if name.startswith("builtin:"):
         which = name.split(":", 1)[1]

@@ -161,4 +161,17 @@ def _load_config(state: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**raw)
 
 
-__all__ = ["config_to_dict", "load_config", "restore_trainer_", "trainer_state"]
+def changed_settings(saved: TrainConfig, config: TrainConfig, ignore: tuple[str, ...] = ("iterations", "run_dir")) -> list[str]:
+    """``--flag saved -> now`` for every setting (dotted path, as a flag) where ``config`` differs from ``saved``."""
+    def flat(value, prefix: str = "") -> dict[str, Any]:
+        if dataclasses.is_dataclass(value):
+            return {k: v for f in dataclasses.fields(value) for k, v in flat(getattr(value, f.name),
+                                                                              f"{prefix}{f.name}.").items()}
+        return {prefix.rstrip("."): value}
+
+    before, after = flat(saved), flat(config)
+    return [f"--{key.replace('_', '-')} {before[key]!r} -> {after[key]!r}" for key in after
+            if key not in ignore and before.get(key) != after[key]]
+
+
+__all__ = ["changed_settings", "config_to_dict", "load_config", "restore_trainer_", "trainer_state"]

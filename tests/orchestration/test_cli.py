@@ -138,6 +138,9 @@ print(json.dumps(action.tolist()))
     (["train", "builtin:cartpole", "--rollout.num-envs", "2", "--rollout.env-processes", "3"], "cannot exceed"),
     (["trian", "builtin:cartpole"], "unknown command 'trian' (did you mean 'train'?)"),
     (["train", "vmas:navigaton"], "unknown VMAS scenario 'navigaton' (did you mean 'navigation'?)"),
+    (["train", "builtin:spread", "--env-kwargs", "capcity", "3"],
+     "env 'builtin:spread': --env-kwargs capcity is not a keyword it takes (did you mean 'capacity'?)"),
+    (["train", "CartPole-v1", "--env-kwargs", "render_mod", "human"], "(did you mean 'render_mode'?)"),
 ])
 def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkeypatch, capsys, args, named):
     from orchestration.cli import main
@@ -281,3 +284,20 @@ def test_interquartile_mean_trims_a_quarter_each_side():
 
     assert interquartile_mean([1, 2, 3, 4]) == 2.5 and interquartile_mean([0, 10, 10, 1000]) == 10.0
     assert interquartile_mean([1, 2, 3, 4, 5, 6, 7, 8]) == 4.5
+
+
+def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path, monkeypatch, capsys):
+    """A checkpoint whose shapes no longer fit (another network, env count or env) is refused in one paragraph
+    naming the flags that changed, with their saved and new values; the run directory is left as it was."""
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["train", *ARGS, "--iterations", "1", "--run-dir", "r"])
+    capsys.readouterr()
+    for flags, named in ((["--policy.hidden-sizes", "32"], "--policy.hidden-sizes (64, 64) -> (32,)"),
+                         (["--rollout.num-envs", "4"], "--rollout.num-envs 8 -> 4")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", *flags])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and named in err and "does not fit this run" in err, err
+    assert [p.name for p in (tmp_path / "r" / "checkpoints").glob("ckpt-*")] == ["ckpt-000001"]
