@@ -312,6 +312,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(__doc__)
         return
     command, rest = argv[0], argv[1:]
+    try:
+        _dispatch(command, rest)
+    except KeyboardInterrupt:  # Ctrl-C where no stop is handled (starting up, waiting, a league): no traceback
+        if not command_line:
+            raise
+        print(f"shoal {command}: interrupted (a run keeps the checkpoints it wrote: shoal {command} --resume "
+              f"--run-dir RUN continues it)", file=sys.stderr)
+        raise SystemExit(130) from None
+    if command_line:
+        # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
+        # here). Files, loggers and envs are closed already and atexit handlers still run; in-process callers
+        # (tests) keep their collector as it was.
+        gc.freeze()
+
+
+def _dispatch(command: str, rest: list[str]) -> None:
     if command == "train":
         train(rest)
     elif command == "evaluate":
@@ -347,11 +363,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"shoal: unknown command {command!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
               + f": use {', '.join(commands[:-1])} or {commands[-1]}", file=sys.stderr)
         raise SystemExit(2)  # a user error, as every other one
-    if command_line:
-        # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
-        # here). Files, loggers and envs are closed already and atexit handlers still run; in-process callers
-        # (tests) keep their collector as it was.
-        gc.freeze()
 
 
 if __name__ == "__main__":

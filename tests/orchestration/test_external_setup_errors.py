@@ -115,6 +115,26 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
     assert any((run / "checkpoints").glob("ckpt-000000*"))
 
 
+def test_ctrl_c_while_waiting_for_the_first_simulator_ends_without_a_traceback(tmp_path):
+    """Before any simulator connected (no tree yet, nothing trained): Ctrl-C ends ``shoal serve`` with one line and
+    exit 130, as every Ctrl-C the training loop does not handle itself."""
+    import signal
+    import subprocess
+
+    process = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "serve", "--external.port", "0",
+                                "--no-progress", "--run-dir", str(tmp_path / "run")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if "waiting for external environments" in line:
+                break
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and "shoal serve: interrupted" in err and "Traceback" not in err, err
+
+
 def test_a_signal_gives_up_a_collection_only_once_no_simulator_acts():
     """A slow simulator (a robot acting every second, completing no fragment for many seconds) is acting, not away:
     a signal does not throw its collection away; once nobody acts for the grace period, it does. (A small fake
