@@ -139,7 +139,7 @@ def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     from orchestration.run_loop import run_training  # imported once a run is set up (it imports torch)
 
     try:  # run_training wrote a checkpoint of what was trained before the error
-        return run_training(trainer, config, resume, progress)
+        return run_training(trainer, config, resume, progress, command)
     except RuntimeError as err:
         if not is_users_mistake(err):
             raise
@@ -179,12 +179,16 @@ def _setup_training(argv: list[str], command: str = "train"):
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(presets=", ".join(preset_names())))
-    if config.backend == "local" and config.ray != type(config.ray)():
-        changed = [f"--ray.{f.replace('_', '-')}" for f in config.ray.__dataclass_fields__
-                   if getattr(config.ray, f) != getattr(type(config.ray)(), f)]
-        one = len(changed) == 1
-        print(f"shoal {command}: {', '.join(changed)} {'applies' if one else 'apply'} to --backend ray only; this run "
-              f"is local and does not use {'it' if one else 'them'}", file=sys.stderr)
+    for section, unused, what in (("ray", config.backend == "local", "--backend ray only; this run is local"),
+                                  ("external", config.env != "external", f"--env external only; this run trains "
+                                                                           f"{config.env}")):
+        settings = getattr(config, section)
+        changed = [f"--{section}.{f.replace('_', '-')}" for f in settings.__dataclass_fields__
+                   if getattr(settings, f) != getattr(type(settings)(), f)]
+        if unused and changed:  # named, not ignored silently
+            one = len(changed) == 1
+            print(f"shoal {command}: {', '.join(changed)} {'applies' if one else 'apply'} to {what} and does not use "
+                  f"{'it' if one else 'them'}", file=sys.stderr)
     if resume and config.env != default.env:
         print(f"shoal {command} --resume: the run was trained on env {default.env!r} and goes on with --env "
               f"{config.env!r}", file=sys.stderr)
@@ -271,6 +275,9 @@ def _run_dir_from(args: list[str], default: TrainConfig) -> str:
 
 def _serve_args(argv: Sequence[str]) -> None:
     """Refuses an env other than ``external`` given to ``shoal serve`` (it would train that env, serving nothing)."""
+    if argv and not argv[0].startswith("-"):  # ``shoal serve CartPole-v1``: the env as the first argument
+        raise ValueError(f"it trains on external environments only, not {argv[0]}: drop it (or run shoal train "
+                         f"{argv[0]})")
     for i, arg in enumerate(argv):
         if arg.startswith("--env="):
             value = arg.split("=", 1)[1]

@@ -44,7 +44,10 @@ def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list
     group_specs = groups(tree)
     policies = _export_policies(weights, config, tree, assignment)
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file in the way, no permission
+        raise ValueError(f"--out {out}: cannot make that directory ({error.strerror or error})") from None
     manifest: dict = {"format": "shoal.export/2", "tree": to_json(deployment_view(tree)), "layout": _EXPORT_LAYOUT,
                       "agents": {}, "policies": {}, "programs": {}}
     written: list[str] = []

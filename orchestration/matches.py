@@ -44,6 +44,9 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
     config = dataclasses.replace(load_config(state), env=env, seed=seed)
     tree = from_json(state["tree"])
     agents = list(agent_index(tree))
+    if len(agents) < 2:
+        raise ValueError(f"--opponent plays the other seats of a game, and env {env!r} has one agent "
+                         f"({agents[0]!r}): evaluate it without --opponent")
     unknown = [s for s in seats if s not in agents]
     if unknown:
         raise ValueError(f"unknown seats {unknown}: the tree's agents are {agents}")

@@ -144,17 +144,21 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not runs:
+        raise ValueError("name the run directories to draw, e.g. runs/A runs/B")
     curves = []
     for run in runs:
         path = Path(run) / "metrics.csv"
         if not path.exists():
-            raise ValueError(f"shoal plot: {run} has no metrics.csv (is it a run directory?)")
+            raise ValueError(f"{run} has no metrics.csv (is it a run directory?)")
         data = read_csv(path)
         if y not in data:
-            raise ValueError(f"shoal plot: {path} has no column {y!r}; it has {sorted(data)}")
+            raise ValueError(f"{path} has no column {y!r}; it has {sorted(data)}")
         xs, ys = np.asarray(data["env_steps"]), np.asarray(data[y])
         keep = np.isfinite(ys)
         curves.append((xs[keep], ys[keep]))
+    if not any(len(xs) for xs, _ in curves):
+        raise ValueError(f"no run has a value of {y!r} yet (every row of its column is empty)")
     end = min(float(xs[-1]) for xs, _ in curves if len(xs))
     grid = np.linspace(min(float(xs[0]) for xs, _ in curves), end, points)
     stacked = np.stack([np.interp(grid, xs, ys) for xs, ys in curves])  # [runs, points]

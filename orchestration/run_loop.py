@@ -51,15 +51,17 @@ class _Stop:
             signal.signal(sig, handler)
 
 
-def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> dict[str, float]:
-    """The training loop of ``shoal train``: metrics, checkpoints, signals."""
+def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
+                 command: str = "train") -> dict[str, float]:
+    """The training loop of ``shoal train`` (``command`` names it in messages: ``serve`` trains too): metrics,
+    checkpoints, signals."""
     from tqdm import tqdm
 
     run_dir = Path(config.run_dir)
     ckpt_root = run_dir / "checkpoints"
     if resume:
         if not trainer.resume_exact:
-            print("shoal train --resume: this continuation is not bit-identical to an uninterrupted run: "
+            print(f"shoal {command} --resume: this continuation is not bit-identical to an uninterrupted run: "
                   + ("envs that cannot save their state were reset (a new episode starts in every env)"
                      if config.mode == "sync" else "asynchronous mode: fragments waiting in a learner's pool and "
                      "in flight at the checkpoint are not restored") + "; learners, optimizers and schedules are.",
@@ -70,7 +72,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
         trainer.close()
         if not isinstance(err, ImportError):
             raise
-        print(f"shoal train: {err}", file=sys.stderr)
+        print(f"shoal {command}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str))
     (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))
@@ -125,13 +127,13 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool) -> 
         log.close()
         trainer.close()
     if stopped is not None:
-        print(f"shoal train: stopped by {signal.Signals(stopped).name} after iteration {trainer.iteration}; "
-              f"continue with: shoal train --resume --run-dir {run_dir}", file=sys.stderr)
+        print(f"shoal {command}: stopped by {signal.Signals(stopped).name} after iteration {trainer.iteration}; "
+              f"continue with: shoal {command} --resume --run-dir {run_dir}", file=sys.stderr)
         raise SystemExit(128 + stopped)
     png = plot_learning_curve(log.csv_path, run_dir / "learning_curve.png", title=config.env)
     if not metrics:  # nothing left to train (a resumed run that had finished): the figures logged last
-        print(f"shoal train: the run is at iteration {trainer.iteration} of {config.iterations} already; nothing was "
-              f"trained (raise --iterations to train on)", file=sys.stderr)
+        print(f"shoal {command}: the run is at iteration {trainer.iteration} of {config.iterations} already; nothing "
+              f"was trained (raise --iterations to train on)", file=sys.stderr)
         metrics = _last_logged(log.csv_path)
     final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10")}
     final["env_steps"] = trainer.env_steps

@@ -80,10 +80,11 @@ def test_resuming_a_finished_run_trains_nothing_writes_no_checkpoint_and_reports
     assert exit_.value.code == 2 and f"holds a run already (its checkpoints): continue it with --resume --run-dir {run}" \
         in capsys.readouterr().err
     main(["train", "--resume", "--run-dir", str(run), "--env", "CartPole-v1", "--no-progress",  # said, not hidden
-          "--ray.learners-per-policy", "2"])
+          "--ray.learners-per-policy", "2", "--external.instances", "2"])
     err = capsys.readouterr().err
     assert "the run was trained on env 'builtin:cartpole' and goes on with --env 'CartPole-v1'" in err
     assert "--ray.learners-per-policy applies to --backend ray only; this run is local and does not use it" in err
+    assert "--external.instances applies to --env external only; this run trains CartPole-v1 and does not use it" in err
 
 
 @pytest.mark.slow
@@ -130,6 +131,30 @@ print(json.dumps(action.tolist()))
 
 
 @pytest.mark.parametrize("args, named", [
+    (["evaluate", "{ckpt}", "--episodes", "0"], "--episodes and --num-envs must be >= 1, got 0 and 4"),
+    (["evaluate", "{ckpt}", "--opponent", "random"], "env 'builtin:cartpole' has one agent ('agent')"),
+    (["export", "{ckpt}", "--out", "{run}/metrics.csv/x"], "--out {run}/metrics.csv/x: cannot make that directory"),
+])
+def test_a_checkpoints_user_error_is_one_paragraph(cartpole_run, capsys, args, named):
+    from orchestration.cli import main
+
+    fill = {"ckpt": str(cartpole_run / "checkpoints"), "run": str(cartpole_run)}
+    with pytest.raises(SystemExit) as exit_:
+        main([a.format(**fill) for a in args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and named.format(**fill) in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def cartpole_run(tmp_path_factory):
+    from orchestration.cli import main
+
+    run = tmp_path_factory.mktemp("cartpole") / "run"
+    main(["train", *ARGS, "--iterations", "1", "--run-dir", str(run)])
+    return run
+
+
+@pytest.mark.parametrize("args, named", [
     (["train", "CartPol-v1"], "Did you mean: `CartPole`"),
     (["train", "pettingzoo:connect_four_v3"], "pettingzoo:classic.connect_four_v3"),
     (["train", "builtin:spread", "--policy-mapping", "agent_9", "x"], "did you mean 'agents_3'"),
@@ -141,6 +166,9 @@ print(json.dumps(action.tolist()))
     (["train", "builtin:spread", "--env-kwargs", "capcity", "3"],
      "env 'builtin:spread': --env-kwargs capcity is not a keyword it takes (did you mean 'capacity'?)"),
     (["train", "CartPole-v1", "--env-kwargs", "render_mod", "human"], "(did you mean 'render_mode'?)"),
+    (["plot", "--out", "x.png"], "shoal plot: name the run directories to draw"),
+    (["plot", "nowhere"], "shoal plot: nowhere has no metrics.csv"),
+    (["serve", "CartPole-v1"], "shoal serve: it trains on external environments only, not CartPole-v1"),
 ])
 def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkeypatch, capsys, args, named):
     from orchestration.cli import main
@@ -149,7 +177,7 @@ def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkey
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--no-progress"] if args[0] == "train" else args)
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and named in err and "Traceback" not in err
+    assert exit_.value.code == 2 and named in err and "Traceback" not in err and f"shoal {args[0]}: " * 2 not in err
     if "--rollout.env-processes" not in args:  # a flag value tyro refuses comes in tyro's own box
         assert len(err.strip().splitlines()) == 1  # one paragraph
 

@@ -111,7 +111,7 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
     finally:
         process.kill()
     assert process.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM after iteration 0; continue with: shoal train --resume" in err and "Traceback" not in err
+    assert "stopped by SIGTERM after iteration 0; continue with: shoal serve --resume" in err and "Traceback" not in err
     assert any((run / "checkpoints").glob("ckpt-000000*"))
 
 
