@@ -157,8 +157,23 @@ def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | 
 
     from adapters.gymnasium_env import make_gymnasium
 
+    from gymnasium.error import NameNotFound
+
     try:
         return make_gymnasium(name, num_envs, check=check, **kwargs)
+    except NameNotFound as err:
+        if ":" not in name:
+            raise
+        # ``module:attr`` whose module has no callable ``attr`` and registers no gymnasium id ``attr``: most likely a
+        # misspelled factory, so the module's callables are the nearest choices
+        from core.envsets.ids import hint
+
+        module_name, attr = name.split(":", 1)
+        module = importlib.import_module(module_name)
+        callables = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
+        raise ValueError(f"env {name!r}: module {module_name} has no factory {attr!r}"
+                         f"{hint(attr, callables, rest_as='it has {}')}, and registers no gymnasium id {attr!r} "
+                         f"({err})") from None
     except (DependencyNotInstalled, ModuleNotFoundError) as err:  # e.g. LunarLander-v3 without Box2D
         module = getattr(err, "name", None) or next((m for m in EXTRAS if m in str(err)), "")
         if extra_for(module) is None:

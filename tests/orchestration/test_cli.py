@@ -264,6 +264,9 @@ def test_a_factory_returning_something_else_is_named(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit):
         main(["train", "my_envs:make_nothing", "--no-progress"])
     assert "returned int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a misspelled factory: gymnasium would only say its id does not exist
+        main(["train", "my_envs:make_nothng", "--no-progress"])
+    assert "module my_envs has no factory 'make_nothng' (did you mean 'make_nothing'?)" in capsys.readouterr().err
 
 
 def test_runs_get_their_own_directories_with_provenance_and_plot_draws_them(tmp_path, monkeypatch):
