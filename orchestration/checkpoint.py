@@ -150,7 +150,8 @@ def _complete(directory: Path) -> bool:
 
 
 def resolve(path: str | Path) -> Path:
-    """The checkpoint directory that ``path`` names: a checkpoint itself, or a root with ``latest``.
+    """The checkpoint directory that ``path`` names: a checkpoint itself, a root with ``latest``, or a run directory
+    (its ``checkpoints`` root).
 
     When ``latest`` is missing or names an incomplete checkpoint (a crash mid-write), the newest complete
     checkpoint under the root is used instead, with a warning.
@@ -169,6 +170,8 @@ def resolve(path: str | Path) -> Path:
         warnings.warn(f"checkpoint pointer {path / LATEST} is {'missing' if named is None else 'stale'}; "
                       f"using the newest complete checkpoint, {complete[-1].name}", RuntimeWarning, stacklevel=2)
         return complete[-1]
+    if (path / "checkpoints").is_dir():  # a run's directory, named instead of its checkpoints
+        return resolve(path / "checkpoints")
     raise FileNotFoundError(f"no checkpoint at {path}: neither a checkpoint directory (state.json) nor a "
                             f"checkpoint root with complete '{_PREFIX}*' directories")
 

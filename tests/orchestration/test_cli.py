@@ -332,3 +332,10 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and named in err and "does not fit this run" in err, err
     assert [p.name for p in (tmp_path / "r" / "checkpoints").glob("ckpt-*")] == ["ckpt-000001"]
+
+
+def test_a_run_directory_names_its_checkpoints(cartpole_run, capsys):
+    from orchestration.cli import main
+
+    main(["evaluate", str(cartpole_run), "--episodes", "2"])  # the run, not its checkpoints directory
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["episodes"] == 2
