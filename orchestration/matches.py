@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,11 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
 
         scripted = load_function(opponent)
     elif opponent != "random":
+        if not Path(opponent).exists():
+            from core.envsets.ids import hint
+
+            raise ValueError(f"--opponent {opponent!r} is no checkpoint{hint(opponent, ['random'])}: it takes random, "
+                             f"scripted:MODULE:FUNCTION or a checkpoint directory")
         other_weights, _, other_state = load_checkpoint(opponent)
         if other_state["tree"] != state["tree"]:
             raise ValueError(f"opponent checkpoint {opponent!r} was trained on another tree than {checkpoint!r}")

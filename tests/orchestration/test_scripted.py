@@ -75,3 +75,7 @@ def test_shoal_evaluate_plays_a_checkpoint_against_a_scripted_player(tmp_path, c
     for seat in ("player_0", "player_1"):  # an untrained policy: the heuristic beats it far more than random does
         assert results[HEURISTIC]["seats"][seat]["games"] == 20
         assert results[HEURISTIC]["seats"][seat]["win"] + 0.3 <= results["random"]["seats"][seat]["win"]
+    with pytest.raises(SystemExit) as exit_:  # a misspelled opponent is named, with the nearest choice
+        main(["evaluate", str(tmp_path / "checkpoints"), "--opponent", "randm"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--opponent 'randm' is no checkpoint (did you mean 'random'?)" in err, err
