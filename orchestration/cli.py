@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import gc
 import importlib
+import re
 import sys
 import time
 from pathlib import Path
@@ -224,13 +225,20 @@ def _setup_training(argv: list[str], command: str = "train"):
                 if not (changed := changed_settings(default, config)):
                     raise
                 raise ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
-                                 f"{'; '.join(changed)} ({str(err).splitlines()[0]}). Resume without changing "
+                                 f"{'; '.join(changed)} ({_shape_detail(err)}). Resume without changing "
                                  f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another "
                                  f"--run-dir") from None
     except BaseException:
         trainer.close()
         raise
     return trainer, config, resume, progress
+
+
+def _shape_detail(err: BaseException) -> str:
+    """The line of a failed restore that names the mismatch (torch's "size mismatch for ...", also inside a Ray
+    actor's error, whose first lines name the actor), without terminal colours."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
+    return next((line for line in lines if "size" in line), lines[-1] if lines else type(err).__name__)
 
 
 def _defaults(preset: str | None, config_file: str | None) -> TrainConfig:

@@ -32,7 +32,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     collection document never imports code (``module:factory`` members are refused: pass ``--env``).
 
     Args:
-        checkpoint: a checkpoint directory, or a run's ``checkpoints`` directory (its newest checkpoint).
+        checkpoint: a checkpoint directory, or a run's ``checkpoints`` directory or the run's own directory (its
+            newest checkpoint).
         episodes: episodes to play (per seat with ``--opponent``).
         num_envs: envs stepped together.
         env: the env to play in, instead of the checkpoint's env or collection (default: the checkpoint's,

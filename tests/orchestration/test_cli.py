@@ -325,7 +325,7 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
     monkeypatch.chdir(tmp_path)
     main(["train", *ARGS, "--iterations", "1", "--run-dir", "r"])
     capsys.readouterr()
-    for flags, named in ((["--policy.hidden-sizes", "32"], "--policy.hidden-sizes (64, 64) -> (32,)"),
+    for flags, named in ((["--policy.hidden-sizes", "32"], "--policy.hidden-sizes (64, 64) -> (32,) (size mismatch for"),
                          (["--rollout.num-envs", "4"], "--rollout.num-envs 8 -> 4")):
         with pytest.raises(SystemExit) as exit_:
             main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", *flags])
