@@ -207,7 +207,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     from orchestration.builder import build_trainer
     from orchestration.checkpoint import clean_stale, load_checkpoint
     from orchestration.run_loop import fresh_run_dir
-    from orchestration.run_state import changed_settings, restore_trainer_
+    from orchestration.run_state import restore_trainer_
 
     if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -222,16 +222,23 @@ def _setup_training(argv: list[str], command: str = "train"):
             try:
                 restore_trainer_(trainer, *load_checkpoint(ckpt_root))
             except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
-                if not (changed := changed_settings(default, config)):
-                    raise
-                raise ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
-                                 f"{'; '.join(changed)} ({_shape_detail(err)}). Resume without changing "
-                                 f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another "
-                                 f"--run-dir") from None
+                raise _misfit(err, default, config) from None
     except BaseException:
         trainer.close()
         raise
     return trainer, config, resume, progress
+
+
+def _misfit(err: BaseException, saved, config) -> BaseException:
+    """What a resume whose checkpoint does not fit raises: a ValueError naming each setting changed since the
+    checkpoint (``saved``, a TrainConfig) and the mismatch, or ``err`` itself when no setting changed."""
+    from orchestration.run_state import changed_settings
+
+    if not (changed := changed_settings(saved, config)):
+        return err
+    return ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
+                      f"{'; '.join(changed)} ({_shape_detail(err)}). Resume without changing "
+                      f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another --run-dir")
 
 
 def _shape_detail(err: BaseException) -> str:

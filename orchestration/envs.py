@@ -52,8 +52,10 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 
     Raises:
         ValueError: among others, a keyword of ``kwargs`` (``--env-kwargs``) that the env does not take, named
-        with the nearest one it takes where its signature tells.
+        with the nearest one it takes where its signature tells; a value whose type is not the one the
+        keyword's annotation (a bool, int, float or str) asks for.
     """
+    _check_values(name, kwargs or {})
     try:
         return _make_env(name, num_envs, check=check, kwargs=kwargs, shared_state=shared_state)
     except TypeError as err:
@@ -64,12 +66,32 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 
         word = bad.group(1)
         raise ValueError(f"env {name!r}: --env-kwargs {word} is not a keyword it takes"
-                         f"{hint(word, _keywords(name), rest_as='it takes {}')} ({err})") from None
+                         f"{hint(word, _parameters(name), rest_as='it takes {}')} ({err})") from None
 
 
-def _keywords(name: str) -> list[str]:
-    """The keyword arguments env ``name`` takes, where a signature tells (else none: the message goes without)."""
+_SIMPLE = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}  # annotation -> the values it takes
+
+
+def _check_values(name: str, kwargs: dict[str, Any]) -> None:
+    """Raises ValueError naming the first keyword whose value is not of its parameter's simple annotated type
+    (``--env-kwargs max_steps abc`` for an ``int``): the env would fail later, deep inside, or silently take it."""
+    params = _parameters(name) if kwargs else {}
+    for key, value in kwargs.items():
+        want = params.get(key)
+        takes = _SIMPLE.get(want)
+        if takes is None:
+            continue  # another annotation, or none: the env checks it
+        if not isinstance(value, takes) or (isinstance(value, bool) and want is not bool):
+            raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is a {type(value).__name__}, but {key} "
+                             f"takes {'an' if want is int else 'a'} {want.__name__} (values are read as Python literals: e.g. 3, 0.5, True, "
+                             f"'text')")
+
+
+def _parameters(name: str) -> dict[str, Any]:
+    """The keyword arguments env ``name`` takes, each with its annotation (resolved; None where there is none or
+    it does not resolve), where a signature tells (else none: messages go without)."""
     import inspect
+    import typing
 
     try:
         if name.startswith("builtin:"):
@@ -77,19 +99,27 @@ def _keywords(name: str) -> list[str]:
 
             configs = {n.lower(): getattr(builtin, n) for n in builtin.__all__ if n.endswith("Config")}
             config = configs[f"{name.split(':', 1)[1]}config"]
-            return [f.name for f in dataclasses.fields(config) if f.name != "num_envs"]
-        if ":" in name and (factory := _factory(name)) is not None:
-            return list(inspect.signature(factory).parameters)
-        if ":" not in name:
+            hints = typing.get_type_hints(config)
+            return {f.name: hints.get(f.name) for f in dataclasses.fields(config) if f.name != "num_envs"}
+        if name.split(":", 1)[0] in ("vmas", "torchrl", "mpe2", "pettingzoo", "external"):
+            return {}  # their own checks name a bad keyword
+        if ":" in name:
+            creator = _factory(name)
+        else:
             import gymnasium
             from gymnasium.envs.registration import load_env_creator
 
             creator = gymnasium.spec(name).entry_point
             creator = load_env_creator(creator) if isinstance(creator, str) else creator
-            return [p for p in inspect.signature(creator).parameters if p != "self"]
+        if creator is None:
+            return {}
+        try:
+            hints = typing.get_type_hints(creator.__init__ if inspect.isclass(creator) else creator)
+        except Exception:  # noqa: BLE001 - annotations that do not resolve: names only
+            hints = {}
+        return {p: hints.get(p) for p in inspect.signature(creator).parameters if p != "self"}
     except Exception:  # noqa: BLE001 - a hint only: no signature, no hint
-        pass
-    return []
+        return {}
 
 
 def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | None, shared_state: bool | None):

@@ -118,6 +118,12 @@ def run(argv: Sequence[str]) -> dict:
         if checkpoint is not None:
             try:
                 restore_league_(league, Path(config.run_dir), checkpoint)
+            except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
+                league.close()
+                from orchestration.cli import _misfit
+                from orchestration.run_state import load_config
+
+                raise _misfit(err, load_config(checkpoint[2]), config) from None
             except BaseException:
                 league.close()
                 raise

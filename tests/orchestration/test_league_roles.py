@@ -208,6 +208,11 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
     with pytest.raises(SystemExit) as stop:  # a new league in this one's directory would mix the two
         main(["league", GAME, "--iterations", "1", *flags])
     assert stop.value.code == 2 and "holds a run already" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # another network: the flag is named, not torch's traceback
+        main(["league", "--resume", "--iterations", "4", "--run-dir", str(tmp_path), "--policy.hidden-sizes", "8"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--policy.hidden-sizes (64, 64) -> (8,) (size mismatch for" in err, err
+    assert "Traceback" not in err
     assert json.loads((tmp_path / "league" / "league.json").read_text())["iteration"] == 3  # untouched
 
 
