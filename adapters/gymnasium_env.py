@@ -140,7 +140,10 @@ class GymnasiumVectorEnv(_GymnasiumBase):
         return arrays, rows
 
     def _env_step(self, actions):
-        obs, reward, term, trunc, info = self.env.step(self._act.unflatten(actions, self._batch))
+        try:
+            obs, reward, term, trunc, info = self.env.step(self._act.unflatten(actions, self._batch))
+        except ValueError as error:  # gymnasium could not stack the sub-envs' observations
+            raise self._misfit(error) from None
         if self.autoreset_mode != AutoresetMode.SAME_STEP:
             self._current = self._flat(obs)
             return self._current, reward, term, trunc, None, None
@@ -152,6 +155,19 @@ class GymnasiumVectorEnv(_GymnasiumBase):
         for i in np.flatnonzero(auto):
             self._obs.write(info["final_obs"][i], nxt, i)
         return nxt, reward, term, trunc, root, auto
+
+
+    def _misfit(self, error: ValueError) -> Exception:
+        """What a failed step raises: an :class:`EnvOutputError` naming the first sub-env whose observation does
+        not fit the observation space (a ``SyncVectorEnv`` keeps each one's), else ``error`` itself."""
+        each = getattr(self._base, "_env_obs", None)
+        if not isinstance(each, list) or self._current is None:
+            return error
+        scratch = [a.copy() for a in self._current]
+        for i, obs in enumerate(each):
+            if obs is not None and (problem := self._obs.write(obs, scratch, i)) is not None:
+                return EnvOutputError(problem[1], env_index=i, agent=AGENT, key=(NEXT, AGENT, OBSERVATION, *problem[0]))
+        return error
 
 
 def make_gymnasium(env_id: str, num_envs: int = 1, *, vectorization: str = "sync", check: CheckMode = "strict",

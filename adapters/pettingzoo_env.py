@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 from tensordict import TensorDict, TensorDictBase
 
-from core.layout import NEXT, OBSERVATION, SHARED, TERMINATED, TRUNCATED
+from core.layout import NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
 from core.specs import Payoff
 
 from .checking import CheckMode, EnvOutputError
@@ -100,6 +100,8 @@ class PettingZooParallelEnv(_PettingZooBase):
                     reward[slot.group][e, slot.slot] = value
                 else:
                     self._write_reward(e, agent, value, nxt)
+            if rewards.keys() != act.keys():  # every agent that acted gets its reward (0 would pass unseen)
+                self._check_rewards(e, rewards, act)
             if any(terms.values()) or any(truncs.values()):
                 self._write_flags(e, nxt, terms, truncs)
             if self._state is not None:
@@ -114,6 +116,14 @@ class PettingZooParallelEnv(_PettingZooBase):
         self._mark_live(root, partial)
         ended = [e for e, live in partial if not live]
         return self._finish(nxt, root, present, ended)
+
+    def _check_rewards(self, e: int, rewards, act) -> None:
+        for agent in act:
+            if agent not in rewards:
+                slot = self._slots[agent]
+                self._checker.report(EnvOutputError("no reward for an agent that acted (a parallel env's step returns "
+                                                    "one for every agent that acted)", env_index=e, agent=slot.name,
+                                                    key=(NEXT, self._specs[slot.group].name, REWARD)))
 
     def _mark_live(self, root: dict, partial: list) -> None:
         """Root masks of the copies in ``partial`` (``(copy, live agents)``); the others have every agent."""

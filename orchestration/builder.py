@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any, Collection, Mapping
 
 import torch
@@ -278,8 +279,9 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
         critic = build_team_critic(config, tree, teams)  # one more receiver of every fragment
         receivers = {pid: lrn for pid, lrn in learners.items() if lrn.learns}
         fleet = LocalFleet(actors, receivers if critic is None else {**receivers, TEAM_CRITIC: critic})
-    evaluator = build_evaluator(config, policies, assignment, fixed, trusted_collection=True) if config.eval_every else None
-    return Trainer(config, fleet, learners, evaluator, tree, on_close=close, team_critic=critic)
+    make_evaluator = partial(build_evaluator, config, policies, assignment, fixed, trusted_collection=True)
+    return Trainer(config, fleet, learners, make_evaluator() if config.eval_every else None, tree, on_close=close,
+                   team_critic=critic, make_evaluator=make_evaluator)
 
 
 __all__ = ["assignment_for", "build_actor", "build_evaluator", "build_learner", "build_learners", "build_policies",

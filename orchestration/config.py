@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -211,7 +213,8 @@ class TrainConfig:
     a VMAS scenario (``vmas:navigation``), a built-in one (``builtin:cartpole``, ``builtin:spread``), or
     ``external``: simulators that connect over the network (``external`` settings)."""
     env_kwargs: tuple[tuple[str, str], ...] = ()
-    """Extra keyword arguments of the env constructor as ``(name, python literal)`` pairs."""
+    """Extra keyword arguments of the env constructor as ``(name, python literal)`` pairs (from Python, a dict
+    ``{"max_cycles": 25}`` is taken too and kept as such pairs)."""
     collection: str | None = None
     """An environment collection to train on instead of ``env`` (``orchestration.env_collection``): a
     ``.json``/``.yaml`` file, or the JSON document itself (format ``shoal.envcollection/1``: envs by id plus a
@@ -260,7 +263,9 @@ class TrainConfig:
     run_dir: str = ""
     """Directory for metrics.csv, TensorBoard files, the learning-curve PNG, checkpoints and run.json; empty:
     a fresh ``runs/<env>__<seed>__<time>`` per run (``--resume`` needs the directory named). A directory that
-    holds a run's checkpoints takes only ``--resume``: a new run there would mix two runs' files."""
+    holds a run's checkpoints takes only ``--resume``: a new run there would mix two runs' files. Written by
+    ``shoal train`` and, from Python, :func:`orchestration.run_loop.run_training`; ``Trainer.train`` alone
+    writes nothing (docs/single-agent.md, "From Python")."""
     loggers: tuple[str, ...] = ("csv", "tensorboard")
     """Where each iteration's metrics (evaluation included) go: ``csv`` (``run_dir/metrics.csv``, against env
     steps), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases; ``pip install
@@ -304,6 +309,7 @@ class TrainConfig:
     """One critic per team shared by its policies, trained as a learner of its own (``--team-critic.enabled``)."""
 
     def __post_init__(self) -> None:
+        self._check_kinds()
         for name, ok, rule in (("iterations", self.iterations >= 0, ">= 0"),
                                ("train_batch_size", self.train_batch_size >= 0, ">= 0"),
                                ("lr", self.lr > 0, "> 0"), ("threads", self.threads >= 1, ">= 1"),
@@ -336,6 +342,29 @@ class TrainConfig:
             raise ValueError(f"--ray.learners-per-policy {world}: each of a policy's data-parallel learners trains an "
                              f"equal share of a batch's env rows, and a batch holds {rows} ({made}); make it a "
                              f"multiple of {world}")
+
+    def _check_kinds(self) -> None:
+        """What Python callers get wrong before any value is read: a dict for a nested config (named with its
+        class), a misspelled backend; ``env_kwargs`` may be a dict (kept as its ``(name, repr)`` pairs)."""
+        from core.envsets.ids import hint
+
+        for f in dataclasses.fields(self):
+            if f.default_factory is dataclasses.MISSING:
+                continue
+            kind, value = type(f.default_factory()), getattr(self, f.name)
+            if dataclasses.is_dataclass(kind) and not isinstance(value, kind):
+                raise TypeError(f"TrainConfig.{f.name} must be a {kind.__name__}, got a {type(value).__name__}"
+                                f"{f' (write {kind.__name__}(**{value!r}))' if isinstance(value, dict) else ''}")
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"TrainConfig.backend must be 'local' or 'ray', got {self.backend!r}"
+                             f"{hint(str(self.backend).lower(), ('local', 'ray'))}")
+        if isinstance(self.env_kwargs, Mapping):
+            object.__setattr__(self, "env_kwargs", tuple((str(k), repr(v)) for k, v in self.env_kwargs.items()))
+        pairs = self.env_kwargs
+        if not isinstance(pairs, (tuple, list)) or not all(
+                isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
+            raise TypeError(f"TrainConfig.env_kwargs must be (name, python literal) pairs of strings, e.g. "
+                            f"(('max_cycles', '25'),), or a dict {{'max_cycles': 25}}; got {pairs!r}")
 
     @property
     def schedule_iterations(self) -> int:

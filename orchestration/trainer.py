@@ -35,6 +35,7 @@ Accounting (every fragment the fleet produced is exactly one of these, per learn
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from typing import Any, Callable, Mapping
 
@@ -55,6 +56,7 @@ class Trainer:
         fleet: where fragments come from (:mod:`orchestration.fleet`).
         learners: policy id -> learner (:mod:`orchestration.learner` protocol; local or remote).
         evaluator: a deterministic actor on separate envs, or None.
+        make_evaluator: builds one when :meth:`evaluate` is called without ``evaluator`` (its envs are made then).
         tree: the env's tree.
         on_close: called last by :meth:`close` (the builder's teardown, e.g. a Ray instance it started).
         team_critic: the team critic (a :class:`orchestration.team_critic.TeamCriticLearner` or its Ray proxy;
@@ -62,8 +64,10 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, fleet, learners: Mapping[str, Any], evaluator, tree,
-                 on_close: Callable[[], None] | None = None, team_critic=None) -> None:
+                 on_close: Callable[[], None] | None = None, team_critic=None,
+                 make_evaluator: Callable[[], Any] | None = None) -> None:
         self.config, self.fleet, self.learners, self.evaluator, self.tree = config, fleet, dict(learners), evaluator, tree
+        self._make_evaluator = make_evaluator
         self.team_critic = team_critic
         self.trainable = {pid: lrn for pid, lrn in self.learners.items() if lrn.learns}
         self.weights: dict[str, tuple[int, Any]] = {pid: lrn.published() for pid, lrn in self.learners.items()}
@@ -81,6 +85,7 @@ class Trainer:
         self._started = self._closed = False
         self._actors_restored: bool | None = None  # set by load_state_
         self._final: dict[str, float] | None = None
+        self._warned_past_budget = False
         self._on_close = on_close
         self._env_counters: dict[int, dict[str, int]] = {}
         self.envsets = CollectionDriver.from_config(config) if config.collection is not None else None
@@ -94,6 +99,11 @@ class Trainer:
         cfg = self.config
         progress = self.iteration / max(cfg.schedule_iterations, 1)
         lr = cfg.lr * max(0.0, 1.0 - progress) if cfg.anneal_lr else None  # past the budget: stay at 0
+        if lr == 0.0 and not cfg.anneal_iterations and not self._warned_past_budget:  # a Python loop past the budget
+            self._warned_past_budget = True
+            warnings.warn(f"Trainer.train: iteration {self.iteration + 1} is past TrainConfig.iterations="
+                          f"{cfg.iterations}, where the annealed learning rate reached 0: nothing learns any more. "
+                          f"Raise iterations (or anneal_iterations), or set anneal_lr=False", stacklevel=2)
         steps_before = self.env_steps
         start = time.perf_counter()
         if self.envsets is not None:  # each actor's member for this iteration, switched at its next boundary
@@ -275,6 +285,10 @@ class Trainer:
         ``eval_return_mean`` (all agents) and, with several policies, ``eval_return_mean/<policy>``. With a
         collection: ``episodes`` in each evaluation env, those keys over all of them and per env id
         (``eval_return_mean/env:<id>``)."""
+        if self._closed:
+            raise RuntimeError("this trainer was closed")
+        if self.evaluator is None and self._make_evaluator is not None:  # asked for once, without eval_every
+            self.evaluator = self._make_evaluator()
         actor = self.evaluator
         if actor is None:
             raise ValueError("this trainer has no evaluation actor (TrainConfig.eval_every is 0)")
@@ -359,6 +373,8 @@ class Trainer:
             self._final = self.accounting()
         finally:  # released even when a learner could not be reached
             self.fleet.close()
+            if self.evaluator is not None:
+                self.evaluator.env.close()
             for learner in [*self.learners.values(), self.team_critic]:
                 close = getattr(learner, "close", None)
                 if close is not None:

@@ -147,6 +147,19 @@ def test_vector_env_locates_the_env_at_fault(fault, mode):
     assert sum(int(o["next", "done"][1].item()) for o in more) == 1
 
 
+@pytest.mark.parametrize("mode", list(AutoresetMode))
+def test_a_vector_sub_env_observation_of_the_wrong_shape_is_named_not_left_to_numpy(mode):
+    """gymnasium's SyncVectorEnv fails to stack it ('Output array is the wrong shape', naming nothing): the
+    adapter names the sub-env, agent and key instead."""
+    env = GymnasiumVectorEnv(SyncVectorEnv([BadEnv, BadEnv, partial(BadEnv, "shape")], autoreset_mode=mode))
+    env.reset(seed=0)
+    for _ in range(FAULT_AT - 1):
+        env.step(actions(3))
+    with pytest.raises(EnvOutputError, match=r"env 2, agent 'agent', key next/agent/observation/pos: .*\(4,\)") as info:
+        env.step(actions(3))
+    assert (info.value.env_index, info.value.agent, info.value.key) == (2, "agent", FAULTS["shape"])
+
+
 @pytest.mark.parametrize("check", ["strict", "lenient"])
 def test_out_of_range_action_is_never_sent(check):
     raw = BadEnv()

@@ -31,7 +31,8 @@ SEED = 3
 class JoinLeaveEnv(ParallelEnv):
     """A real ParallelEnv: walker_2 joins at t=2, walker_0 terminates at t=3, the rest truncate at t=6.
 
-    Action masks come in ``infos``; ``fault`` makes it emit an unknown agent or drop one without a flag.
+    Action masks come in ``infos``; ``fault`` makes it emit an unknown agent, drop one without a flag, or leave
+    out the reward of one that acted.
     """
 
     metadata = {"name": "join_leave_v0"}
@@ -76,6 +77,8 @@ class JoinLeaveEnv(ParallelEnv):
             obs["ghost_0"] = np.zeros(2, np.float32)
         if self.fault == "vanish" and self.t == 2:
             self.agents.remove("walker_1")
+        if self.fault == "no_reward" and self.t == 2:  # walker_1 acted: its reward must not read as 0
+            rewards.pop("walker_1")
         infos = {a: self._info(a) for a in self.agents}
         self.agents = [a for a in self.agents if not (terms[a] or truncs[a])]
         return obs, rewards, terms, truncs, infos
@@ -184,6 +187,7 @@ def test_info_action_mask_forbids_actions():
 @pytest.mark.parametrize("fault, agent, key", [
     ("unknown", "ghost_0", ("next", "observation")),
     ("vanish", "walker_1", ("next", "walker", "truncated")),
+    ("no_reward", "walker_1", ("next", "walker", "reward")),
 ])
 def test_unknown_or_vanishing_agent_strict_and_lenient(fault, agent, key):
     legal = TensorDict({"walker": TensorDict({"action": torch.tensor([[1, 2, 2]])}, batch_size=(1, 3))},

@@ -20,3 +20,22 @@ def test_every_nested_tuple_field_survives_json():
                          policy_mapping=(("agent", "main"),))
     state = {"config": json.loads(json.dumps(dataclasses.asdict(config)))}
     assert load_config(state) == config
+
+
+def test_python_callers_mistakes_are_named_with_the_field_and_the_fix():
+    """A misspelled backend would train locally unnoticed, and a dict for a nested config failed later with an
+    AttributeError deep in the builder: both are refused at construction, naming the field."""
+    import pytest
+
+    with pytest.raises(ValueError, match=r"TrainConfig.backend must be 'local' or 'ray', got 'Ray' \(did you mean 'ray'"):
+        TrainConfig(backend="Ray")
+    with pytest.raises(TypeError, match=r"TrainConfig.rollout must be a RolloutConfig, got a dict \(write RolloutConfig"):
+        TrainConfig(rollout={"num_envs": 4})
+    with pytest.raises(TypeError, match=r"TrainConfig.ppo must be a PPOConfig"):
+        TrainConfig(ppo={"num_epochs": 1})
+    with pytest.raises(TypeError, match=r"TrainConfig.env_kwargs must be \(name, python literal\) pairs"):
+        TrainConfig(env_kwargs=("ab",))
+    config = TrainConfig(env="builtin:cartpole", env_kwargs={"max_steps": 50, "name": "x"})  # a dict is taken
+    assert config.env_kwargs == (("max_steps", "50"), ("name", "'x'"))
+    state = {"config": json.loads(json.dumps(dataclasses.asdict(config)))}
+    assert load_config(state) == config

@@ -160,3 +160,49 @@ def test_zero_sum_games_report_win_rates_and_competitive_groups_their_own_return
     spec = type("Spec", (), {"capacity": 2, "payoff": "zero_sum", "agent_names": ("a", "b")})()
     out = structure_metrics({"g": [[1.0, -1.0], [0.0, 0.0], [-1.0, 1.0], [1.0, -1.0]]}, {"g": spec})
     assert (out["win_rate/a"], out["draw_rate/a"], out["loss_rate/a"]) == (0.5, 0.25, 0.25)
+
+
+def _evaluates_on_demand(config: TrainConfig) -> None:
+    """Without ``eval_every``, ``evaluate`` builds its deterministic actor when first asked, acts with the
+    learner's newest weights (the same return as a trainer that evaluates every iteration), and is closed
+    with the trainer."""
+    lazy = build_trainer(config)
+    eager = build_trainer(dataclasses.replace(config, eval_every=1, eval_episodes=4))
+    try:
+        assert lazy.evaluator is None
+        lazy.train()
+        assert lazy.evaluate(4)["eval_return_mean"] == eager.train()["eval_return_mean"]
+        assert lazy.evaluator is not None
+    finally:
+        lazy.close(), eager.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        lazy.evaluate(1)
+
+
+def test_evaluate_on_demand_without_eval_every():
+    _evaluates_on_demand(TrainConfig(env="builtin:cartpole", seed=1, iterations=2,
+                                     rollout=RolloutConfig(num_envs=4, fragment_length=16)))
+
+
+@pytest.mark.ray
+def test_evaluate_on_demand_without_eval_every_on_ray(ray_session):
+    from orchestration.config import RayConfig
+
+    _evaluates_on_demand(TrainConfig(env="builtin:cartpole", seed=1, iterations=2, backend="ray",
+                                     ray=RayConfig(learner_num_cpus=0, worker_num_cpus=0),
+                                     rollout=RolloutConfig(num_envs=4, fragment_length=16)))
+
+
+def test_training_past_the_budget_warns_that_the_annealed_learning_rate_is_zero():
+    trainer = build_trainer(TrainConfig(env="builtin:cartpole", iterations=1,
+                                        rollout=RolloutConfig(num_envs=4, fragment_length=16)))
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            trainer.train()  # within the budget: silent
+        with pytest.warns(UserWarning, match=r"iteration 2 is past TrainConfig.iterations=1.*nothing learns"):
+            trainer.train()
+    finally:
+        trainer.close()
