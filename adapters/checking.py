@@ -56,7 +56,9 @@ class EnvOutputError(ValueError):
     """
 
     def __init__(self, message: str, *, env_index: int | None, agent: str | None, key: tuple[str, ...]) -> None:
-        super().__init__(f"env {env_index}, agent {agent!r}, key {'/'.join(key)}: {message}")
+        where = [f"env {env_index}" if env_index is not None else "", f"agent {agent!r}" if agent is not None else "",
+                 f"key {'/'.join(key)}"]  # a fault of the whole batch (a wrong action tensor) names the key alone
+        super().__init__(f"{', '.join(w for w in where if w)}: {message}")
         self.env_index, self.agent, self.key = env_index, agent, tuple(key)
 
 

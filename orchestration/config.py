@@ -15,7 +15,7 @@ from orchestration.team_critic_config import TeamCriticConfig
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
-    """How experience is collected (seed 000/004 vocabulary: see ARCHITECTURE.md)."""
+    """How experience is collected: envs per actor, fragment length, actors, checks and env processes."""
 
     num_envs: int = 16
     """Envs stepped together by one actor (one batched forward pass per step serves all of them)."""
@@ -285,9 +285,9 @@ class TrainConfig:
     backend: Literal["local", "ray"] = "local"
     """``local``: everything in this process; ``ray``: rollout workers and learners as Ray actors."""
     mode: Literal["sync", "async"] = "sync"
-    """``sync``: collect ``train_batch_size`` env steps with the current weights, train, broadcast (seed 000).
+    """``sync``: collect ``train_batch_size`` env steps with the current weights, train, broadcast.
     ``async``: actors keep producing while learners train whenever a batch is ready, and pick up new weights
-    at their next fragment boundary (seed 004); on the local backend a deterministic serial interleaving."""
+    at their next fragment boundary; on the local backend a deterministic serial interleaving."""
     max_staleness: int = 1
     """Asynchronous mode: fragments whose policy version lags the learner's by more than this are dropped and
     counted (``fragments_stale``), never trained on."""

@@ -258,7 +258,8 @@ class MultiAgentRolloutBuffer:
         return torch.cat([flatten_transitions(f) for f in fragments], 0)
 
     def get_minibatches(self, minibatch_size: int, generator: torch.Generator) -> list[TensorDict]:
-        """Shuffled near-equal minibatches of :meth:`transitions` (agents of a step stay together)."""
+        """Shuffled minibatches of :meth:`transitions` (agents of a step stay together): every one holds
+        ``minibatch_size`` transitions but the last, which holds the rest (:func:`core.buffers.batching.minibatches`)."""
         return minibatches(self.transitions(), minibatch_size, generator)
 
     def _seed_view(self, fragment: TensorDict | None) -> dict[str, Any]:

@@ -325,3 +325,9 @@ def test_bad_reset_observation_inside_a_step_is_named_or_retried():
     out = lenient.step(actions(3))
     assert lenient.counters["invalid_reset_retries"] == 1
     assert out["agent", "observation"][:, 0].tolist() == [[0.5] * 3] * 3
+
+
+def test_an_error_of_the_whole_batch_names_its_key_without_a_none_env_or_agent():
+    assert str(EnvOutputError("action missing", env_index=None, agent=None, key=("blue", "action"))) == \
+        "key blue/action: action missing"
+    assert str(EnvOutputError("bad", env_index=2, agent=None, key=("next", "shared"))) == "env 2, key next/shared: bad"
