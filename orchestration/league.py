@@ -104,7 +104,9 @@ class LeagueTrainer:
             with torch.no_grad():
                 TensorDict.from_module(policy).update_(member.weights)
             written.append(save_snapshot(Path(directory) / f"{i:04d}-{member.name.replace('/', '_')}", policy, tree,
-                                         group=group, policy_id=member.name, version=i, config=config))
+                                         group=group, policy_id=member.name, version=i, config=config,
+                                         record={"games": member.games, "score": member.score,
+                                                 "rating": member.rating}))
         return written
 
     def add_member(self, weights: TensorDictBase, name: str | None = None) -> Member:
@@ -121,13 +123,24 @@ class LeagueTrainer:
         self.pool.append(member)
         return member
 
-    def add_snapshot(self, path: str | Path) -> Member:
-        """Adds a saved snapshot to the pool (its weights must fit the opponent slot); from memory:
-        :meth:`add_member`."""
+    def add_snapshot(self, path: str | Path, name: str | None = None) -> Member:
+        """Adds a saved snapshot to the pool (its weights must fit the opponent slot) under ``name`` (default:
+        its policy id), with the games, score and rating :meth:`save_pool` recorded; from memory:
+        :meth:`add_member`.
+
+        Raises:
+            ValueError: the pool holds a member of that name already.
+        """
         from orchestration.snapshots import load_snapshot
 
         snapshot = load_snapshot(path)
-        member = Member(snapshot.policy_id, snapshot.weights())
+        name = snapshot.policy_id if name is None else name
+        if any(m.name == name for m in self.pool):
+            raise ValueError(f"the pool holds a member named {name!r} already ({path}): add it under another name, "
+                             f"add_snapshot(path, name=...)")
+        record = snapshot.record
+        member = Member(name, snapshot.weights(), games=int(record.get("games", 0)), score=record.get("score", 0.0),
+                        rating=record.get("rating", INITIAL))
         self.pool.append(member)
         return member
 

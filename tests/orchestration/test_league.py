@@ -94,8 +94,12 @@ def test_snapshots_saved_by_a_league_play_the_same_actions_in_a_new_process(tmp_
     there = subprocess.run([sys.executable, "-c", script, str(paths[-1]), str(tmp_path / "obs.pt")],
                            capture_output=True, text=True, check=True).stdout.strip()
     assert there == str(here.tolist())
-    member = league.add_snapshot(paths[0])
-    assert len(league.pool) == 3 and (member.weights == league.pool[0].weights).all()
+    first = league.pool[0]
+    with pytest.raises(ValueError, match=f"holds a member named '{first.name}' already"):
+        league.add_snapshot(paths[0])  # a second member of one name: refused, the pool unchanged
+    member = league.add_snapshot(paths[0], name="again")
+    assert len(league.pool) == 3 and (member.weights == first.weights).all()
+    assert first.games > 0 and (member.games, member.score, member.rating) == (first.games, first.score, first.rating)
     league.trainer.close()
 
 
