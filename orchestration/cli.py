@@ -231,11 +231,13 @@ def _setup_training(argv: list[str], command: str = "train"):
 
 def _misfit(err: BaseException, saved, config) -> BaseException:
     """What a resume whose checkpoint does not fit raises: a ValueError naming each setting changed since the
-    checkpoint (``saved``, a TrainConfig) and the mismatch, or ``err`` itself when no setting changed."""
+    checkpoint (``saved``, a TrainConfig) and the mismatch torch found (a size or shape); ``err`` itself for
+    another error, or when no setting changed."""
     from orchestration.run_state import changed_settings
 
-    if not (changed := changed_settings(saved, config)):
-        return err
+    text = str(err)
+    if ("size" not in text and "shape" not in text) or not (changed := changed_settings(saved, config)):
+        return err  # another fault (a missing player checkpoint, say): not the changed settings' doing
     return ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
                       f"{'; '.join(changed)} ({_shape_detail(err)}). Resume without changing "
                       f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another --run-dir")

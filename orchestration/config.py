@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from core.losses import PPOConfig
 from core.policies import PolicyConfig
@@ -204,6 +206,21 @@ class PastSelvesConfig:
                              f"got {self.fraction}, {self.snapshot_every}, {self.pool_size}")
 
 
+def _literal(name: str, value: Any) -> str:
+    """``value`` of env keyword ``name`` as the Python literal text ``env_kwargs`` holds (a string as it is: the
+    text of a literal already, or a bare word that :func:`orchestration.envs.parse_kwargs` keeps as a string)."""
+    if isinstance(value, str):
+        return value
+    value = value.item() if hasattr(value, "item") and callable(value.item) else value  # numpy, torch scalars
+    try:
+        if ast.literal_eval(repr(value)) == value:
+            return repr(value)
+    except (ValueError, SyntaxError):
+        pass
+    raise TypeError(f"TrainConfig.env_kwargs {name}: {value!r} has no Python literal form (env_kwargs holds "
+                    f"numbers, strings, bools, None and containers of them)")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """A whole training run: environment, rollout, PPO, policy, budget, evaluation, outputs."""
@@ -346,8 +363,6 @@ class TrainConfig:
     def _check_kinds(self) -> None:
         """What Python callers get wrong before any value is read: a dict for a nested config (named with its
         class), a misspelled backend; ``env_kwargs`` may be a dict (kept as its ``(name, repr)`` pairs)."""
-        from core.envsets.ids import hint
-
         for f in dataclasses.fields(self):
             if f.default_factory is dataclasses.MISSING:
                 continue
@@ -356,15 +371,17 @@ class TrainConfig:
                 raise TypeError(f"TrainConfig.{f.name} must be a {kind.__name__}, got a {type(value).__name__}"
                                 f"{f' (write {kind.__name__}(**{value!r}))' if isinstance(value, dict) else ''}")
         if self.backend not in ("local", "ray"):
+            near = difflib.get_close_matches(str(self.backend).lower(), ("local", "ray"), n=1, cutoff=0.5)
             raise ValueError(f"TrainConfig.backend must be 'local' or 'ray', got {self.backend!r}"
-                             f"{hint(str(self.backend).lower(), ('local', 'ray'))}")
-        if isinstance(self.env_kwargs, Mapping):
-            object.__setattr__(self, "env_kwargs", tuple((str(k), repr(v)) for k, v in self.env_kwargs.items()))
-        pairs = self.env_kwargs
-        if not isinstance(pairs, (tuple, list)) or not all(
-                isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
-            raise TypeError(f"TrainConfig.env_kwargs must be (name, python literal) pairs of strings, e.g. "
-                            f"(('max_cycles', '25'),), or a dict {{'max_cycles': 25}}; got {pairs!r}")
+                             f"{f' (did you mean {near[0]!r}?)' if near else ''}")
+        pairs = self.env_kwargs.items() if isinstance(self.env_kwargs, Mapping) else self.env_kwargs
+        if not isinstance(pairs, (tuple, list, type({}.items()))) or not all(
+                isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+            raise TypeError(f"TrainConfig.env_kwargs must be (name, python literal) pairs, e.g. (('max_cycles', "
+                            f"'25'),), or a dict {{'max_cycles': 25}}; got {self.env_kwargs!r}")
+        if isinstance(self.env_kwargs, Mapping) or not all(isinstance(v, str) for _, v in pairs):
+            # a dict, or values a config file wrote as numbers (``[[max_steps, 100]]``): kept as literal text
+            object.__setattr__(self, "env_kwargs", tuple((k, _literal(k, v)) for k, v in pairs))
 
     @property
     def schedule_iterations(self) -> int:

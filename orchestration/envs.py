@@ -69,22 +69,39 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
                          f"{hint(word, _parameters(name), rest_as='it takes {}')} ({err})") from None
 
 
-_SIMPLE = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}  # annotation -> the values it takes
-
-
 def _check_values(name: str, kwargs: dict[str, Any]) -> None:
-    """Raises ValueError naming the first keyword whose value is not of its parameter's simple annotated type
-    (``--env-kwargs max_steps abc`` for an ``int``): the env would fail later, deep inside, or silently take it."""
+    """Raises ValueError naming the first keyword whose value (one a literal gives: a bool, number or string)
+    is not of its parameter's annotated type (``--env-kwargs max_steps abc`` for an ``int``): the env would
+    fail later, deep inside, or silently take it. Other values (numpy scalars, devices from Python) and
+    annotations that do not resolve are left to the env."""
+    from orchestration.sweeps import _allows
+
     params = _parameters(name) if kwargs else {}
     for key, value in kwargs.items():
         want = params.get(key)
-        takes = _SIMPLE.get(want)
-        if takes is None:
-            continue  # another annotation, or none: the env checks it
-        if not isinstance(value, takes) or (isinstance(value, bool) and want is not bool):
-            raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is a {type(value).__name__}, but {key} "
-                             f"takes {'an' if want is int else 'a'} {want.__name__} (values are read as Python literals: e.g. 3, 0.5, True, "
-                             f"'text')")
+        if want is None or type(value) not in (bool, int, float, str) or _allows(want, value):
+            continue
+        raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is {_a(type(value))}, but {key} takes "
+                         f"{_python_type(want)} (values are read as Python literals: e.g. 3, 0.5, True, 'text')")
+
+
+def _a(kind: type) -> str:
+    return f"{'an' if kind.__name__[0] in 'aeiou' else 'a'} {kind.__name__}"
+
+
+def _python_type(hint: Any) -> str:
+    """An annotation in words, for a Python literal."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_python_type(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if hint is type(None):
+        return "None"
+    return _a(hint) if isinstance(hint, type) else str(hint)
 
 
 def _parameters(name: str) -> dict[str, Any]:

@@ -105,8 +105,7 @@ class LeagueTrainer:
                 TensorDict.from_module(policy).update_(member.weights)
             written.append(save_snapshot(Path(directory) / f"{i:04d}-{member.name.replace('/', '_')}", policy, tree,
                                          group=group, policy_id=member.name, version=i, config=config,
-                                         record={"games": member.games, "score": member.score,
-                                                 "rating": member.rating}))
+                                         record={"rating": member.rating}))
         return written
 
     def add_member(self, weights: TensorDictBase, name: str | None = None) -> Member:
@@ -125,22 +124,18 @@ class LeagueTrainer:
 
     def add_snapshot(self, path: str | Path, name: str | None = None) -> Member:
         """Adds a saved snapshot to the pool (its weights must fit the opponent slot) under ``name`` (default:
-        its policy id), with the games, score and rating :meth:`save_pool` recorded; from memory:
-        :meth:`add_member`.
-
-        Raises:
-            ValueError: the pool holds a member of that name already.
-        """
+        its policy id; ``@2``, ``@3``... appended where the pool holds that name already), with the Elo rating
+        :meth:`save_pool` recorded (its games and score were against another learner: they start at 0, so
+        PFSP draws it as a new opponent); from memory: :meth:`add_member`."""
         from orchestration.snapshots import load_snapshot
 
         snapshot = load_snapshot(path)
-        name = snapshot.policy_id if name is None else name
-        if any(m.name == name for m in self.pool):
-            raise ValueError(f"the pool holds a member named {name!r} already ({path}): add it under another name, "
-                             f"add_snapshot(path, name=...)")
-        record = snapshot.record
-        member = Member(name, snapshot.weights(), games=int(record.get("games", 0)), score=record.get("score", 0.0),
-                        rating=record.get("rating", INITIAL))
+        base = snapshot.policy_id if name is None else name
+        taken, name, k = {m.name for m in self.pool}, base, 1
+        while name in taken:
+            k += 1
+            name = f"{base}@{k}"
+        member = Member(name, snapshot.weights(), rating=snapshot.record.get("rating", INITIAL))
         self.pool.append(member)
         return member
 

@@ -37,7 +37,7 @@ from orchestration.checkpoint import CheckpointError
 
 FORMAT = "shoal.snapshot/1"
 _MAX_JSON = 16 << 20
-_RECORD = ("games", "score", "rating")
+_RECORD = ("rating",)
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class Snapshot:
     version: int
     tree: Tree
     record: dict[str, float] = field(default_factory=dict)
-    """What a league knew of it when saved (``games``, ``score``, ``rating``: :class:`orchestration.league.Member`
-    fields); empty when none was given."""
+    """What a league knew of it when saved (``rating``: :class:`orchestration.league.Member`'s Elo rating);
+    empty when none was given."""
 
     def weights(self) -> TensorDictBase:
         """The weights as :meth:`orchestration.trainer.Trainer.set_weights` takes them."""
@@ -107,7 +107,7 @@ def load_snapshot(path: str | Path) -> Snapshot:
             raise CheckpointError(f"{path / 'snapshot.json'}: {key!r} must be a {kind.__name__}")
     record = meta.get("record", {})
     if not isinstance(record, dict) or set(record) - set(_RECORD) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in record.values()):
+            type(v) is float and math.isfinite(v) for v in record.values()):  # an int of any size is not taken
         raise CheckpointError(f"{path / 'snapshot.json'}: 'record' must map some of {list(_RECORD)} to finite numbers")
     tree = from_json(meta["tree"])
     policy = make_policies(tree, policy_config_from_dict(meta["policy_config"]))[meta["group"]]

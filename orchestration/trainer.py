@@ -372,15 +372,17 @@ class Trainer:
             self._settle()  # every worker flushed: what a learner never got is lost (in flight only while running)
             self._final = self.accounting()
         finally:  # released even when a learner could not be reached
-            self.fleet.close()
-            if self.evaluator is not None:
-                self.evaluator.env.close()
-            for learner in [*self.learners.values(), self.team_critic]:
-                close = getattr(learner, "close", None)
-                if close is not None:
-                    close()
-            if self._on_close is not None:
-                self._on_close()
+            try:
+                self.fleet.close()
+                if self.evaluator is not None:
+                    self.evaluator.env.close()
+            finally:
+                for learner in [*self.learners.values(), self.team_critic]:
+                    close = getattr(learner, "close", None)
+                    if close is not None:
+                        close()
+                if self._on_close is not None:
+                    self._on_close()
 
 
 __all__ = ["Trainer"]

@@ -35,7 +35,15 @@ def test_python_callers_mistakes_are_named_with_the_field_and_the_fix():
         TrainConfig(ppo={"num_epochs": 1})
     with pytest.raises(TypeError, match=r"TrainConfig.env_kwargs must be \(name, python literal\) pairs"):
         TrainConfig(env_kwargs=("ab",))
-    config = TrainConfig(env="builtin:cartpole", env_kwargs={"max_steps": 50, "name": "x"})  # a dict is taken
+    import numpy as np
+
+    config = TrainConfig(env="builtin:cartpole", env_kwargs={"max_steps": np.int64(50), "name": "'x'"})  # a dict
     assert config.env_kwargs == (("max_steps", "50"), ("name", "'x'"))
+    with pytest.raises(TypeError, match=r"env_kwargs limit: inf has no Python literal form"):
+        TrainConfig(env_kwargs={"limit": float("inf")})
+    # pairs whose values a config file or an older checkpoint wrote as numbers still load, as literal text
+    assert TrainConfig(env_kwargs=(("max_steps", 100),)).env_kwargs == (("max_steps", "100"),)
+    assert load_config({"config": {**dataclasses.asdict(config), "env_kwargs": [["max_steps", 50], ["name", "'x'"]]}}
+                       ) == config
     state = {"config": json.loads(json.dumps(dataclasses.asdict(config)))}
     assert load_config(state) == config

@@ -95,11 +95,10 @@ def test_snapshots_saved_by_a_league_play_the_same_actions_in_a_new_process(tmp_
                            capture_output=True, text=True, check=True).stdout.strip()
     assert there == str(here.tolist())
     first = league.pool[0]
-    with pytest.raises(ValueError, match=f"holds a member named '{first.name}' already"):
-        league.add_snapshot(paths[0])  # a second member of one name: refused, the pool unchanged
-    member = league.add_snapshot(paths[0], name="again")
-    assert len(league.pool) == 3 and (member.weights == first.weights).all()
-    assert first.games > 0 and (member.games, member.score, member.rating) == (first.games, first.score, first.rating)
+    member = league.add_snapshot(paths[0])  # its name is taken: a second member of one name would mix their stats
+    assert len(league.pool) == 3 and (member.weights == first.weights).all() and member.name == f"{first.name}@2"
+    assert first.rating != 1000.0 and member.rating == first.rating  # the rating survives; its games start again
+    assert member.games == 0 and league.add_snapshot(paths[0], name="x").name == "x"
     league.trainer.close()
 
 
@@ -122,6 +121,10 @@ def test_a_snapshot_that_is_not_one_is_refused_by_name(tmp_path):
     (path / "snapshot.json").write_text(json.dumps({**meta, "format": "pickle"}))
     with pytest.raises(CheckpointError, match="format must be"):
         load_snapshot(path)
+    for record in ('{"rating": Infinity}', '{"rating": 1' + '0' * 400 + '}', '{"games": 3.0}', '{"rating": "x"}'):
+        (path / "snapshot.json").write_text(json.dumps(meta)[:-1] + ', "record": ' + record + "}")
+        with pytest.raises(CheckpointError, match="'record' must map"):
+            load_snapshot(path)
     with pytest.raises(FileExistsError):
         save_snapshot(path, policy, tree, group="agent", policy_id="agent", version=3, config=PolicyConfig())
 

@@ -173,8 +173,12 @@ def _evaluates_on_demand(config: TrainConfig) -> None:
         lazy.train()
         assert lazy.evaluate(4)["eval_return_mean"] == eager.train()["eval_return_mean"]
         assert lazy.evaluator is not None
+        closed = []
+        env_close = lazy.evaluator.env.close
+        lazy.evaluator.env.close = lambda: (closed.append(True), env_close())
     finally:
         lazy.close(), eager.close()
+    assert closed == [True]  # the evaluator's envs go with the trainer
     with pytest.raises(RuntimeError, match="closed"):
         lazy.evaluate(1)
 
