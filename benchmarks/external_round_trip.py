@@ -8,7 +8,11 @@
    interleaved rounds. Target (issue 13): p50 within 2x of the echo. Also timed in the same rounds: the served
    policy's bare forward for one request (its ``act_step`` on one row: ``*_forward_p50_us``), and
    ``*_floor_vs_echo`` = (echo + bare forward) / echo: what a server costing nothing but the forward would
-   reach, the bound on ``*_p50_vs_echo`` with this policy on this transport and machine.
+   reach, the bound on ``*_p50_vs_echo`` with this policy on this transport and machine. And ``*_bare_p50_us``:
+   the same client against a bare protocol server in the same rounds (a ``websockets`` handler that decodes
+   the ``act``, parses it against the tree, runs the policy's ``act_step`` and answers: no inference service,
+   no recording, no counters, no checks of episode state): what the protocol in Python costs before anything
+   Shoal's server adds; ``*_bare_vs_echo`` is its ratio to the echo.
 2. ``simulators``: 16 copies of the example simulator (``examples/external_sim.py``'s episode loop) as threads,
    through the server on loopback, against the same 16 loops in this process asking the same inference
    service directly (no sockets, no protocol, no recording): env steps per second, and their ratio.
@@ -34,12 +38,12 @@ from websockets.sync.server import serve
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from adapters.external.client import SimulatorClient  # noqa: E402
-from adapters.external.messages import encode  # noqa: E402
+from adapters.external.codec import TreeCodec, action_maps  # noqa: E402
+from adapters.external.messages import decode, encode  # noqa: E402
 from core.policies import PolicyConfig, make_policies  # noqa: E402
 from core.specs import from_json  # noqa: E402
 from orchestration.assignment import assign  # noqa: E402
 from orchestration.config import ExternalConfig  # noqa: E402
-from adapters.external.codec import TreeCodec
 from orchestration.external_episodes import Lanes  # noqa: E402
 from orchestration.external_server import ExternalServer  # noqa: E402
 from orchestration.inference import InferenceConfig, InferenceService  # noqa: E402
@@ -69,6 +73,31 @@ def echo_server():
     def handler(ws):
         for frame in ws:
             ws.send(frame)
+
+    server = serve(handler, "127.0.0.1", 0, compression=None, max_size=None)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def bare_server(tree_doc: dict, policy, device: torch.device):
+    """A bare protocol server (module docstring): parse, one ``act_step``, answer; nothing else."""
+    codec = TreeCodec(from_json(json.dumps(tree_doc)))
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def handler(ws):
+        for frame in ws:
+            message = decode(frame, max_bytes=1 << 22)
+            if message["type"] == "hello":
+                ws.send(encode({"type": "welcome", "protocol": 1, "session": "bare", "max_message_bytes": 1 << 22}))
+            elif message["type"] == "act":
+                request = codec.parse_act(message, "act")
+                inputs = {"observation": request.observation["agents"].to(device),
+                          "mask": request.mask["agents"].to(device)}
+                with torch.inference_mode():
+                    out = policy.act_step(inputs, None, generator, False, with_value=False, with_log_prob=True)
+                actions = action_maps({"agents": out["action"].cpu()}, request.agents)
+                ws.send(encode({"type": "actions", "id": message["id"], "episode": message["episode"],
+                                "actions": actions, "version": 0}))
 
     server = serve(handler, "127.0.0.1", 0, compression=None, max_size=None)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -120,16 +149,22 @@ def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds
     client = SimulatorClient(server.url, "bench", tree_doc, "bench")
     ws = connect(f"ws://127.0.0.1:{echo.socket.getsockname()[1]}", compression=None, max_size=None, proxy=None,
                  legacy=True)
+    bare_protocol = bare_server(tree_doc, policy, service.device)
+    bare_client = SimulatorClient(f"ws://127.0.0.1:{bare_protocol.socket.getsockname()[1]}", "bench", tree_doc, "bare")
     frame = encode({"type": "act", "id": 0, "episode": "e", "agents": {"agents_0": {"observation": obs}}})
-    ours, ref, bare = [], [], []
+    ours, ref, bare, floor = [], [], [], []
     time_ours(client, obs, 20, "warm")
+    time_ours(bare_client, obs, 20, "warm")
     time_echo(ws, frame, 20)
     time_forward(policy, service.device, tree_doc, obs, 20)
     for r in range(rounds):
         ours += time_ours(client, obs, requests, f"e{r}")
+        floor += time_ours(bare_client, obs, requests, f"e{r}")
         ref += time_echo(ws, frame, requests)
         bare += time_forward(policy, service.device, tree_doc, obs, requests)
     client.close()
+    bare_client.close()
+    bare_protocol.shutdown()
     ws.close()
     echo.shutdown()
     server.close()
@@ -139,7 +174,8 @@ def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds
             f"{name}_p99_us": round(q(ours, 99), 1), f"{name}_echo_p50_us": round(q(ref, 50), 1),
             f"{name}_echo_p99_us": round(q(ref, 99), 1), f"{name}_p50_vs_echo": round(q(ours, 50) / q(ref, 50), 2),
             f"{name}_forward_p50_us": round(q(bare, 50), 1),
-            f"{name}_floor_vs_echo": round((q(ref, 50) + q(bare, 50)) / q(ref, 50), 2)}
+            f"{name}_floor_vs_echo": round((q(ref, 50) + q(bare, 50)) / q(ref, 50), 2),
+            f"{name}_bare_p50_us": round(q(floor, 50), 1), f"{name}_bare_vs_echo": round(q(floor, 50) / q(ref, 50), 2)}
 
 
 class DirectClient:
