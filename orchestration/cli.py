@@ -30,6 +30,7 @@ import difflib
 import gc
 import importlib
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -336,19 +337,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(__doc__)
         return
     command, rest = argv[0], argv[1:]
+    if command_line:  # a supervisor's SIGTERM where no stop is handled ends the run as Ctrl-C does (clean-up too)
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         _dispatch(command, rest)
-    except KeyboardInterrupt:  # Ctrl-C where no stop is handled (starting up, waiting, a league): no traceback
+    except KeyboardInterrupt as stop:  # Ctrl-C where no stop is handled (starting up, waiting, a league)
         if not command_line:
             raise
-        print(f"shoal {command}: interrupted (a run keeps the checkpoints it wrote: shoal {command} --resume "
+        how = "stopped by SIGTERM" if isinstance(stop, _Terminated) else "interrupted"
+        print(f"shoal {command}: {how} (a run keeps the checkpoints it wrote: shoal {command} --resume "
               f"--run-dir RUN continues it)", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(143 if isinstance(stop, _Terminated) else 130) from None
     if command_line:
         # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
         # here). Files, loggers and envs are closed already and atexit handlers still run; in-process callers
         # (tests) keep their collector as it was.
         gc.freeze()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM outside the training loop (which handles it itself): unwinds as Ctrl-C does, so that launched
+    simulators, env processes and Ray are released."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated
 
 
 def _dispatch(command: str, rest: list[str]) -> None:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from ssl import SSLError
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.sync.client import connect
 
 from adapters.external.messages import (PROTOCOL_VERSION, SERVER_TYPES, ProtocolError, decode, encode, field,
@@ -69,8 +70,15 @@ class SimulatorClient:
                  max_message_bytes: int = 1 << 20, ssl: Any = None) -> None:
         self.timeout_s = timeout_s
         self._ids = itertools.count()
-        self._ws = connect(url, open_timeout=timeout_s, max_size=None, compression=None, ssl=ssl,
-                           ping_interval=None, proxy=None, legacy=True)
+        try:
+            self._ws = connect(url, open_timeout=timeout_s, max_size=None, compression=None, ssl=ssl,
+                               ping_interval=None, proxy=None, legacy=True)
+        except InvalidHandshake as error:  # something answers there, but not a WebSocket server
+            raise ExternalError("connect", f"cannot connect to {url}: it did not answer as a Shoal server does "
+                                           f"({error}); check the host and port") from None
+        except SSLError as error:
+            raise ExternalError("connect", f"cannot connect to {url}: TLS failed ({error}); a server without "
+                                           f"TLS is reached with ws://, not wss://") from None
         self._max = max_message_bytes
         self._ws.send(encode({"type": "hello", "protocol": PROTOCOL_VERSION, "token": token, "sim_id": sim_id,
                               "tree": dict(tree)}))

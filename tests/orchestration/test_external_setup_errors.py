@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,41 @@ def test_ctrl_c_while_waiting_for_the_first_simulator_ends_without_a_traceback(t
     assert process.returncode == 130 and "shoal serve: interrupted" in err and "Traceback" not in err, err
 
 
+def test_sigterm_while_waiting_for_launched_simulators_stops_them_and_ends_in_one_line(tmp_path):
+    """A supervisor's SIGTERM before any simulator connected (no training loop handles it yet) unwinds as Ctrl-C
+    does: the launched simulators' process groups are killed, one line, exit 143; not a bare death that leaves
+    them running."""
+    import signal
+    import subprocess
+
+    marker = f"shoal-test-{tmp_path.name}"
+    process = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "train", "--env", "external",
+                                "--external.command", f"{sys.executable} -c 'import time; time.sleep(300)' {marker} {{port}}",
+                                "--external.instances", "2", "--rollout.num-envs", "1", "--no-progress",
+                                "--run-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+
+    def simulators() -> list[str]:
+        out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+        return [pid for pid in out.split() if int(pid) != process.pid]
+
+    try:
+        deadline = time.monotonic() + 60
+        while len(simulators()) < 2 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.1)
+        assert len(simulators()) == 2
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        subprocess.run(["pkill", "-f", marker])
+    assert process.returncode == 143 and "shoal train: stopped by SIGTERM" in err and "Traceback" not in err, err
+    deadline = time.monotonic() + 10
+    while simulators() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert simulators() == []
+
+
 def test_a_signal_gives_up_a_collection_only_once_no_simulator_acts():
     """A slow simulator (a robot acting every second, completing no fragment for many seconds) is acting, not away:
     a signal does not throw its collection away; once nobody acts for the grace period, it does. (A small fake
@@ -185,3 +221,26 @@ def test_a_resumed_run_keeps_its_token_and_a_given_token_wins(tmp_path):
     assert token() == first == (tmp_path / "run" / "external_token").read_text()
     assert (tmp_path / "run" / "external_token").stat().st_mode & 0o777 == 0o600
     assert token(token="given") == "given"
+
+
+def test_a_client_that_reaches_something_else_than_a_shoal_server_gets_an_external_error():
+    """An HTTP server on the port (not WebSocket) gave websockets' InvalidMessage traceback, which neither the
+    example simulator's ``except (OSError, ExternalError)`` nor a user's caught."""
+    import threading
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    from adapters.external.client import ExternalError, SimulatorClient
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    http = HTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ExternalError, match=r"cannot connect to ws://127.0.0.1:\d+: it did not answer as a Shoal "
+                                                r"server does .*check the host and port") as info:
+            SimulatorClient(f"ws://127.0.0.1:{http.server_address[1]}", "token", {"tree": {}}, timeout_s=5)
+        assert info.value.code == "connect"
+    finally:
+        http.shutdown()
