@@ -42,6 +42,7 @@ from orchestration.external_episodes import Episode, Lanes
 from orchestration.external_uploads import LocalPolicyHandlers
 
 _DRAIN = 64  # frames a connection reads before it answers them (they share inference batches)
+_TOLD = 5  # refusals and fatal protocol errors printed on the server's log; the rest are counted only
 
 
 class ExternalServer(LocalPolicyHandlers):
@@ -75,6 +76,7 @@ class ExternalServer(LocalPolicyHandlers):
         self.connected: set[str] = set()
         """sim ids of the simulators connected now."""
         self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0, uploaded_steps=0)
+        self._told = 0  # refusals printed on the log
         self._server = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -192,13 +194,13 @@ class ExternalServer(LocalPolicyHandlers):
             self._hello(ws, state)
             self._serve(ws, episodes)
         except ProtocolError as error:
-            self._refuse(ws, error)
+            self._refuse(ws, error, state["sim"] or state.get("hello_sim"))
         except (ConnectionClosed, TimeoutError, OSError):
             pass
         except Exception as error:  # noqa: BLE001 - one connection's bug never takes the server down
             print(f"shoal: external connection of {state['sim'] or 'an unnamed simulator'} ended by an internal "
                   f"error: {type(error).__name__}: {error}", file=self._log)
-            self._refuse(ws, ProtocolError("internal", f"{type(error).__name__}: {error}"))
+            self._refuse(ws, ProtocolError("internal", f"{type(error).__name__}: {error}"), tell=False)
         finally:
             for episode in episodes.values():
                 episode.cut()
@@ -209,10 +211,17 @@ class ExternalServer(LocalPolicyHandlers):
                 self.counters["disconnects"] += 1
             ws.close()
 
-    def _refuse(self, ws: ServerConnection, error: ProtocolError) -> None:
+    def _refuse(self, ws: ServerConnection, error: ProtocolError, sim: str | None = None, tell: bool = True) -> None:
+        refused = error.code in ("bad_token", "busy", "protocol_version", "spec_mismatch")
+        tell = tell and (refused or error.fatal)
         with self._lock:
-            self.counters["refused" if error.code in ("bad_token", "busy", "protocol_version", "spec_mismatch")
-                          else "protocol_errors"] += 1
+            self.counters["refused" if refused else "protocol_errors"] += 1
+            self._told += tell
+            told = self._told
+        if tell and told <= _TOLD:  # the simulator is told; whoever runs the server would not know
+            print(f"shoal: external connection{f' of {sim!r}' if sim else ''} refused: {error.code}: {error}"
+                  + ("" if told < _TOLD else " (further refusals are only counted: env/external_refused, "
+                                                "env/external_protocol_errors)"), file=self._log)
         try:
             ws.send(encode(error.as_message()))
         except (ConnectionClosed, OSError):
@@ -225,6 +234,7 @@ class ExternalServer(LocalPolicyHandlers):
         if field(hello, "protocol", int) != PROTOCOL_VERSION:
             raise ProtocolError("protocol_version", f"protocol {hello['protocol']} is not served; this server speaks "
                                                     f"version {PROTOCOL_VERSION}")
+        state["hello_sim"] = hello.get("sim_id") if isinstance(hello.get("sim_id"), str) else None
         token = field(hello, "token", str)
         if not hmac.compare_digest(token.encode(), self.token.encode()):
             raise ProtocolError("bad_token", "the token does not match this run's")

@@ -49,7 +49,9 @@ def served():
     out: list = []
     lanes = Lanes(TreeCodec(tree), assign(tree, {}), 4, lambda *item: out.append(item))
     config = ExternalConfig(token="secret", heartbeat_s=0.5, idle_timeout_s=5.0, max_message_bytes=4096, max_episodes=4)
-    server = ExternalServer(config, tree, log=io.StringIO()).start()
+    log = io.StringIO()
+    server = ExternalServer(config, tree, log=log).start()
+    server.test_log = log  # what the server printed (an attribute of the test's own)
     server.attach(service, lanes)
     yield server, lanes, out
     server.close()
@@ -103,6 +105,12 @@ def test_refusals_name_the_fault_and_the_server_keeps_serving(served):
     with SimulatorClient(server.url, "secret", TREE, "good") as client:  # still serving
         assert set(client.act("e", {"agents_0": OBS}).actions) == {"agents_0"}
     assert server.counters["refused"] >= 3 and server.counters["protocol_errors"] >= 4
+    # whoever runs the server is told too (a simulator with the wrong token only looked "never connected"),
+    # the first few times: a misconfigured fleet does not flood the log
+    told = [line for line in server.test_log.getvalue().splitlines() if "refused" in line]
+    assert told[0] == "shoal: external connection of 'x' refused: bad_token: the token does not match this run's"
+    assert len(told) == 5 and told[-1].endswith("(further refusals are only counted: env/external_refused, "
+                                                "env/external_protocol_errors)")
 
 
 def test_a_bad_request_ends_only_its_episode(served):
