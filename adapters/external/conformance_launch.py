@@ -200,9 +200,10 @@ def token_launch(command: str, options: SessionOptions, report: Report, findings
         elif not launch.exited():
             findings.fail("token.hang", f"the simulator was still running {options.timeout_s:g} s after a fatal "
                                         f"bad_token error (it should exit)")
-        elif len(connections) > 1:
-            findings.warn("token.reconnect", f"after a fatal bad_token error the simulator reconnected "
-                                             f"{len(connections) - 1} time(s) before exiting")
+        elif len(connections) > 1:  # the token will not change: a fatal error means stop
+            findings.fail("token.reconnect", f"after a fatal bad_token error the simulator reconnected "
+                                             f"{len(connections) - 1} time(s) before exiting (a fatal error means "
+                                             f"exit without reconnecting)")
     finally:
         if launch is not None:
             exited = launch.exited()
