@@ -32,7 +32,8 @@ from typing import Any, Mapping
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection, serve
 
-from adapters.external.messages import PROTOCOL_VERSION, ProtocolError, decode, encode, field, name_field, spec_hash
+from adapters.external.messages import (PROTOCOL_VERSION, ProtocolError, decode, encode, field, name_field,
+                                        spec_hash, tree_difference)
 from core.layout import ACTION, LOG_PROB
 from core.specs import Tree, from_json, to_json
 from orchestration.addresses import is_loopback, server_url
@@ -174,10 +175,12 @@ class ExternalServer(LocalPolicyHandlers):
                 print(f"shoal: external environment tree adopted from the first simulator (spec hash "
                       f"{self._hash[:12]})", file=self._log)
                 return
-        got = spec_hash(json.loads(to_json(tree)))
+        mine = json.loads(to_json(tree))
+        got = spec_hash(mine)
         if got != self._hash:
             raise ProtocolError("spec_mismatch", f"hello: this simulator's tree (spec hash {got[:12]}) differs from the "
-                                                 f"run's (spec hash {self._hash[:12]})")
+                                                 f"run's (spec hash {self._hash[:12]}): "
+                                                 f"{tree_difference(mine, self._tree_doc)}")
 
     # -- one connection ----------------------------------------------------------------------------------------
     def _handle(self, ws: ServerConnection) -> None:

@@ -136,6 +136,24 @@ def spec_hash(tree_document: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def tree_difference(mine: Any, run: Any, path: str = "") -> str:
+    """The first place where two tree documents (:func:`spec_hash`'s input) differ, e.g. ``at
+    tree/array/template/action/n: 4 here, 3 in the run's``: what a simulator's developer has to change."""
+    if isinstance(mine, dict) and isinstance(run, dict):
+        for key in sorted(set(mine) | set(run)):
+            if key not in run:
+                return f"{path}{key} is not in the run's tree"
+            if key not in mine:
+                return f"{path}{key} is missing here"
+            if mine[key] != run[key]:
+                return tree_difference(mine[key], run[key], f"{path}{key}/")
+    if isinstance(mine, list) and isinstance(run, list) and len(mine) == len(run):
+        for i, (a, b) in enumerate(zip(mine, run)):
+            if a != b:
+                return tree_difference(a, b, f"{path}{i}/")
+    return f"at {path.rstrip('/') or 'the root'}: {json.dumps(mine)[:80]} here, {json.dumps(run)[:80]} in the run's"
+
+
 # -- field checks (each names the message and field at fault) ---------------------------------------------
 def field(message: Mapping[str, Any], name: str, kind: type | tuple[type, ...], *, optional: bool = False,
           request: Any = None, episode: str | None = None, fatal: bool = True) -> Any:
@@ -164,4 +182,4 @@ def name_field(message: Mapping[str, Any], name: str, **kw: Any) -> str:
 
 
 __all__ = ["CLIENT_TYPES", "DTYPES", "ERROR_CODES", "PROTOCOL_VERSION", "ProtocolError", "SERVER_TYPES", "decode",
-           "encode", "field", "from_array", "name_field", "spec_hash", "to_array"]
+           "encode", "field", "from_array", "name_field", "spec_hash", "to_array", "tree_difference"]
