@@ -101,7 +101,8 @@ class SimulatorLauncher:
         seed = self.seed + 1000 * i + 10**6 * (self._starts[i] - 1)
         args = render(self.command, host=self.host, port=self.port, seed=seed, sim_id=sim_id, token=self.token)
         env = {**os.environ, "SHOAL_TOKEN": self.token, "SHOAL_HOST": self.host, "SHOAL_PORT": str(self.port),
-               "SHOAL_SEED": str(seed), "SHOAL_SIM_ID": sim_id}
+               "SHOAL_SEED": str(seed), "SHOAL_SIM_ID": sim_id,
+               "PYTHONUNBUFFERED": "1"}  # a Python simulator's last lines reach its log even when it is killed
         out = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +142,8 @@ class SimulatorLauncher:
             if self.counters["simulator_restarts"] >= self.max_restarts:
                 raise SimulatorsFailed(f"external simulator {self.sim_id(i)} {'exited' if exited else 'never connected'}"
                                        f" and the launcher used all {self.max_restarts} restarts (external.max_restarts)"
-                                       f"{self._hint(i)}; its output is in {self.log_dir or 'nowhere: set run_dir'}")
+                                       f"{self._hint(i)}; its output is in {self.log_dir or 'nowhere: set run_dir'}"
+                                       f"{self._last_words(i)}")
             self.counters["simulator_restarts"] += 1
             pause = self._pause(i, now)
             if self._log is not None:
@@ -162,6 +164,19 @@ class SimulatorLauncher:
         stable = now - self._connected_at[i] >= STABLE_S
         self._short[i] = 0 if stable else self._short[i] + 1
         return 0.0 if stable else min(self.restart_backoff_s * 2 ** (self._short[i] - 1), MAX_BACKOFF_S)
+
+    def _last_words(self, i: int) -> str:
+        """The last line simulator ``i`` wrote to its log, quoted for a message (often the reason it failed)."""
+        if self.log_dir is None:
+            return ""
+        try:
+            with open(self.log_dir / f"{self.sim_id(i)}.log", "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return ""
+        return f" (its last line: {lines[-1][:300]!r})" if lines else ""
 
     def _hint(self, i: int) -> str:
         k = self._unconnected[i]

@@ -265,10 +265,14 @@ class TreeCodec:
                     raise ProtocolError("spec_violation", f"{what}: agent {name!r} sent an action_mask, but its action "
                                                           f"is not discrete", fatal=False)
                 m = to_array(entry["action_mask"], f"{what}: agent {name!r} action_mask")
-                if m.dtype != np.bool_ or m.shape != (self.mask_size[g],) or not m.any():
+                if m.dtype != np.bool_ or m.shape != (self.mask_size[g],):
                     raise ProtocolError("spec_violation", f"{what}: agent {name!r}: action_mask must be bool "
-                                                          f"[{self.mask_size[g]}] with a legal action, got {m.dtype} "
-                                                          f"{list(m.shape)}", fatal=False)
+                                                          f"[{self.mask_size[g]}], got {m.dtype} {list(m.shape)}",
+                                        fatal=False)
+                if not m.any():
+                    raise ProtocolError("spec_violation", f"{what}: agent {name!r}: action_mask allows no action "
+                                                          f"(all False): an agent that needs a decision has a legal "
+                                                          f"one", fatal=False)
                 if g not in legal:
                     legal[g] = np.ones((1, self.groups[g].capacity, self.mask_size[g]), dtype=bool)
                 legal[g][0, slot] = m

@@ -74,7 +74,8 @@ def decode(frame: bytes | str, *, max_bytes: int, allowed: frozenset[str] = CLIE
     except ProtocolError:
         raise
     except Exception as error:  # noqa: BLE001 - msgpack raises several types for malformed input
-        raise ProtocolError("bad_message", f"not a MessagePack message ({type(error).__name__}: {error})") from None
+        why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise ProtocolError("bad_message", f"not a MessagePack message ({why})") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ProtocolError("bad_message", "a message is a map with a string 'type'")
     if message["type"] not in allowed:

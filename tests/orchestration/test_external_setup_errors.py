@@ -56,10 +56,11 @@ def test_the_cli_tells_external_setup_mistakes_in_one_paragraph(tmp_path, capsys
         "serve", "--policy.recurrent", "--external.port", "0")  # refused before serving, not at the first update
     assert "is not a tree document (missing key 'observation')" in told(
         "serve", "--external.tree", str(tmp_path / "tree.json"))
-    err = told("train", "--env", "external", "--external.command", f"{sys.executable} -c pass", "--external.max-restarts",
+    crash = f"{sys.executable} -c \"import sys; sys.exit('boom: cannot load level')\""
+    err = told("train", "--env", "external", "--external.command", crash, "--external.max-restarts",
                "2", "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "run"))  # exits, never connects
     assert "used all 2 restarts (external.max_restarts); none of its last 3 starts connected" in err, err
-    assert f"its output is in {tmp_path / 'run' / 'simulators'}" in err
+    assert f"its output is in {tmp_path / 'run' / 'simulators'} (its last line: 'boom: cannot load level')" in err, err
 
     (tmp_path / "good.json").write_text(json.dumps(TREE))  # served, but no simulator ever connects
     err = told("serve", "--external.tree", str(tmp_path / "good.json"), "--external.port", "0", "--external.wait-s", "1",
