@@ -29,7 +29,6 @@ import dataclasses
 import difflib
 import gc
 import importlib
-import re
 import signal
 import sys
 import time
@@ -49,6 +48,10 @@ def _config_from_file(path: str, base: TrainConfig | None = None) -> TrainConfig
 
     return config_from_file(path, base)
 
+
+_SERVE_HEADLINE = """Serve external environments: wait for simulators or robots to connect over WebSocket
+(docs/external-protocol.md), answer them with actions and train on what they send; the flags are those of
+shoal train with --env external. """
 
 _TRAIN_HELP = """Train with PPO. Besides the flags below: ENV may be given as the first argument;
 --preset NAME starts from a tuned config shipped with Shoal ({presets}; flags override it);
@@ -180,7 +183,8 @@ def _setup_training(argv: list[str], command: str = "train"):
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
-                      description=_TRAIN_HELP.format(presets=", ".join(preset_names())))
+                      description=(_SERVE_HEADLINE if command == "serve" else "") +
+                      _TRAIN_HELP.format(presets=", ".join(preset_names())))
     for section, unused, what in (("ray", config.backend == "local", "--backend ray only; this run is local"),
                                   ("external", config.env != "external", f"--env external only; this run trains "
                                                                            f"{config.env}")):
@@ -208,7 +212,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     from orchestration.builder import build_trainer
     from orchestration.checkpoint import clean_stale, load_checkpoint
     from orchestration.run_loop import fresh_run_dir
-    from orchestration.run_state import restore_trainer_
+    from orchestration.run_state import misfit, restore_trainer_
 
     if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -223,32 +227,11 @@ def _setup_training(argv: list[str], command: str = "train"):
             try:
                 restore_trainer_(trainer, *load_checkpoint(ckpt_root))
             except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
-                raise _misfit(err, default, config) from None
+                raise misfit(err, default, config) from None
     except BaseException:
         trainer.close()
         raise
     return trainer, config, resume, progress
-
-
-def _misfit(err: BaseException, saved, config) -> BaseException:
-    """What a resume whose checkpoint does not fit raises: a ValueError naming each setting changed since the
-    checkpoint (``saved``, a TrainConfig) and the mismatch torch found (a size or shape); ``err`` itself for
-    another error, or when no setting changed."""
-    from orchestration.run_state import changed_settings
-
-    text = str(err)
-    if ("size" not in text and "shape" not in text) or not (changed := changed_settings(saved, config)):
-        return err  # another fault (a missing player checkpoint, say): not the changed settings' doing
-    return ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
-                      f"{'; '.join(changed)} ({_shape_detail(err)}). Resume without changing "
-                      f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another --run-dir")
-
-
-def _shape_detail(err: BaseException) -> str:
-    """The line of a failed restore that names the mismatch (torch's "size mismatch for ...", also inside a Ray
-    actor's error, whose first lines name the actor), without terminal colours."""
-    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
-    return next((line for line in lines if "size" in line), lines[-1] if lines else type(err).__name__)
 
 
 def _defaults(preset: str | None, config_file: str | None) -> TrainConfig:

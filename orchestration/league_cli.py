@@ -120,10 +120,9 @@ def run(argv: Sequence[str]) -> dict:
                 restore_league_(league, Path(config.run_dir), checkpoint)
             except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
                 league.close()
-                from orchestration.cli import _misfit
-                from orchestration.run_state import load_config
+                from orchestration.run_state import load_config, misfit
 
-                raise _misfit(err, load_config(checkpoint[2]), config) from None
+                raise misfit(err, load_config(checkpoint[2]), config) from None
             except BaseException:
                 league.close()
                 raise

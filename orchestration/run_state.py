@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -174,4 +175,24 @@ def changed_settings(saved: TrainConfig, config: TrainConfig, ignore: tuple[str,
             if key not in ignore and before.get(key) != after[key]]
 
 
-__all__ = ["changed_settings", "config_to_dict", "load_config", "restore_trainer_", "trainer_state"]
+def misfit(err: BaseException, saved, config) -> BaseException:
+    """What a resume whose checkpoint does not fit raises: a ValueError naming each setting changed since the
+    checkpoint (``saved``, a TrainConfig) and the mismatch torch found (a size or shape); ``err`` itself for
+    another error, or when no setting changed."""
+    text = str(err)
+    if ("size" not in text and "shape" not in text) or not (changed := changed_settings(saved, config)):
+        return err  # another fault (a missing player checkpoint, say): not the changed settings' doing
+    return ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
+                      f"{'; '.join(changed)} ({shape_detail(err)}). Resume without changing "
+                      f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another --run-dir")
+
+
+def shape_detail(err: BaseException) -> str:
+    """The line of a failed restore that names the mismatch (torch's "size mismatch for ...", also inside a Ray
+    actor's error, whose first lines name the actor), without terminal colours."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
+    return next((line for line in lines if "size" in line), lines[-1] if lines else type(err).__name__)
+
+
+__all__ = ["changed_settings", "config_to_dict", "load_config", "misfit", "restore_trainer_", "shape_detail",
+           "trainer_state"]
