@@ -29,7 +29,6 @@ import dataclasses
 import difflib
 import gc
 import importlib
-import signal
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import tyro
 
 from orchestration.config import TrainConfig
 from orchestration.result_line import print_result
+from orchestration.signals import Terminated, stop_on_sigterm
 from orchestration.user_errors import is_users_mistake, user_errors
 
 
@@ -183,7 +183,9 @@ def _setup_training(argv: list[str], command: str = "train"):
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
-                      description=(_SERVE_HEADLINE if command == "serve" else "") +
+                      description=_SERVE_HEADLINE + _TRAIN_HELP.format(presets=", ".join(preset_names())).replace(
+                          "Train with PPO. Besides the flags below: ENV may be given as the first argument;",
+                          "Besides the flags below:") if command == "serve" else
                       _TRAIN_HELP.format(presets=", ".join(preset_names())))
     for section, unused, what in (("ray", config.backend == "local", "--backend ray only; this run is local"),
                                   ("external", config.env != "external", f"--env external only; this run trains "
@@ -321,30 +323,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command_line:  # a supervisor's SIGTERM where no stop is handled ends the run as Ctrl-C does (clean-up too)
-        signal.signal(signal.SIGTERM, _terminate)
+        stop_on_sigterm()
     try:
         _dispatch(command, rest)
     except KeyboardInterrupt as stop:  # Ctrl-C where no stop is handled (starting up, waiting, a league)
         if not command_line:
             raise
-        how = "stopped by SIGTERM" if isinstance(stop, _Terminated) else "interrupted"
-        print(f"shoal {command}: {how} (a run keeps the checkpoints it wrote: shoal {command} --resume "
-              f"--run-dir RUN continues it)", file=sys.stderr)
-        raise SystemExit(143 if isinstance(stop, _Terminated) else 130) from None
+        how = "stopped by SIGTERM" if isinstance(stop, Terminated) else "interrupted"
+        resumable = command in ("train", "serve", "league")
+        print(f"shoal {command}: {how}" + (f" (a run keeps the checkpoints it wrote: shoal {command} --resume "
+                                           f"--run-dir RUN continues it)" if resumable else ""), file=sys.stderr)
+        raise SystemExit(143 if isinstance(stop, Terminated) else 130) from None
     if command_line:
         # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
         # here). Files, loggers and envs are closed already and atexit handlers still run; in-process callers
         # (tests) keep their collector as it was.
         gc.freeze()
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM outside the training loop (which handles it itself): unwinds as Ctrl-C does, so that launched
-    simulators, env processes and Ray are released."""
-
-
-def _terminate(signum, frame) -> None:
-    raise _Terminated
 
 
 def _dispatch(command: str, rest: list[str]) -> None:

@@ -32,8 +32,8 @@ from typing import Any, Mapping
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection, serve
 
-from adapters.external.messages import (PROTOCOL_VERSION, ProtocolError, decode, encode, field, name_field,
-                                        spec_hash, tree_difference)
+from adapters.external.messages import (MAX_NAME, PROTOCOL_VERSION, ProtocolError, decode, encode, field,
+                                        name_field, spec_hash, tree_difference)
 from core.layout import ACTION, LOG_PROB
 from core.specs import Tree, from_json, to_json
 from orchestration.addresses import is_loopback, server_url
@@ -43,7 +43,7 @@ from orchestration.external_episodes import Episode, Lanes
 from orchestration.external_uploads import LocalPolicyHandlers
 
 _DRAIN = 64  # frames a connection reads before it answers them (they share inference batches)
-_TOLD = 5  # refusals and fatal protocol errors printed on the server's log; the rest are counted only
+_TOLD = 3  # refusals and fatal protocol errors of each code printed on the server's log; the rest are counted
 
 
 class ExternalServer(LocalPolicyHandlers):
@@ -77,7 +77,7 @@ class ExternalServer(LocalPolicyHandlers):
         self.connected: set[str] = set()
         """sim ids of the simulators connected now."""
         self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0, uploaded_steps=0)
-        self._told = 0  # refusals printed on the log
+        self._told: dict[str, int] = {}  # refusals printed on the log, per error code
         self._server = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -178,8 +178,8 @@ class ExternalServer(LocalPolicyHandlers):
         mine = json.loads(to_json(tree))
         got = spec_hash(mine)
         if got != self._hash:
-            raise ProtocolError("spec_mismatch", f"hello: this simulator's tree (spec hash {got[:12]}) differs from the "
-                                                 f"run's (spec hash {self._hash[:12]}): "
+            raise ProtocolError("spec_mismatch", f"hello: this simulator's tree (spec hash {got[:12]}) differs from "
+                                                 f"the run's (spec hash {self._hash[:12]}): "
                                                  f"{tree_difference(mine, self._tree_doc)}")
 
     # -- one connection ----------------------------------------------------------------------------------------
@@ -197,13 +197,17 @@ class ExternalServer(LocalPolicyHandlers):
             self._hello(ws, state)
             self._serve(ws, episodes)
         except ProtocolError as error:
-            self._refuse(ws, error, state["sim"] or state.get("hello_sim"))
-        except (ConnectionClosed, TimeoutError, OSError):
+            self._refuse(ws, error, state)
+        except ConnectionClosed as closed:  # 1009: websockets refused an oversized frame unread
+            if closed.sent is not None and closed.sent.code == 1009:
+                limit = f"max_message_bytes={self.config.max_message_bytes}"
+                self._refuse(ws, ProtocolError("too_large", f"a frame over {limit}"), state)
+        except (TimeoutError, OSError):
             pass
         except Exception as error:  # noqa: BLE001 - one connection's bug never takes the server down
             print(f"shoal: external connection of {state['sim'] or 'an unnamed simulator'} ended by an internal "
                   f"error: {type(error).__name__}: {error}", file=self._log)
-            self._refuse(ws, ProtocolError("internal", f"{type(error).__name__}: {error}"), tell=False)
+            self._refuse(ws, ProtocolError("internal", f"{type(error).__name__}: {error}"), state, tell=False)
         finally:
             for episode in episodes.values():
                 episode.cut()
@@ -214,17 +218,17 @@ class ExternalServer(LocalPolicyHandlers):
                 self.counters["disconnects"] += 1
             ws.close()
 
-    def _refuse(self, ws: ServerConnection, error: ProtocolError, sim: str | None = None, tell: bool = True) -> None:
+    def _refuse(self, ws: ServerConnection, error: ProtocolError, state: dict, tell: bool = True) -> None:
+        sim = state["sim"] or state.get("hello_sim")
         refused = error.code in ("bad_token", "busy", "protocol_version", "spec_mismatch")
         tell = tell and (refused or error.fatal)
         with self._lock:
             self.counters["refused" if refused else "protocol_errors"] += 1
-            self._told += tell
-            told = self._told
+            told = self._told[error.code] = self._told.get(error.code, 0) + tell
         if tell and told <= _TOLD:  # the simulator is told; whoever runs the server would not know
-            print(f"shoal: external connection{f' of {sim!r}' if sim else ''} refused: {error.code}: {error}"
-                  + ("" if told < _TOLD else " (further refusals are only counted: env/external_refused, "
-                                                "env/external_protocol_errors)"), file=self._log)
+            why, more = str(error)[:300], f" (further {error.code} refusals are only counted)" if told == _TOLD else ""
+            print(f"shoal: external connection{f' claiming sim id {sim!r}' if sim else ''} refused: {error.code}: "
+                  f"{why}{more}", file=self._log)  # a client's text: repr'd or JSON-escaped upstream, and bounded
         try:
             ws.send(encode(error.as_message()))
         except (ConnectionClosed, OSError):
@@ -237,7 +241,8 @@ class ExternalServer(LocalPolicyHandlers):
         if field(hello, "protocol", int) != PROTOCOL_VERSION:
             raise ProtocolError("protocol_version", f"protocol {hello['protocol']} is not served; this server speaks "
                                                     f"version {PROTOCOL_VERSION}")
-        state["hello_sim"] = hello.get("sim_id") if isinstance(hello.get("sim_id"), str) else None
+        claimed = hello.get("sim_id")  # before the token: a name for the log only, bounded
+        state["hello_sim"] = claimed if isinstance(claimed, str) and 1 <= len(claimed) <= MAX_NAME else None
         token = field(hello, "token", str)
         if not hmac.compare_digest(token.encode(), self.token.encode()):
             raise ProtocolError("bad_token", "the token does not match this run's")
@@ -321,10 +326,10 @@ class ExternalServer(LocalPolicyHandlers):
         service, policy_of, timeout = self._service, self._lanes.policy_of, self.config.heartbeat_s
         if len(pending) == 1 and len(pending[0][3]) == 1:
             request, (g,) = pending[0][2], pending[0][3]
-            done = service.serve_alone(policy_of[g], _inputs(request, g), shared=request.shared)
+            done = service.serve_alone(policy_of[g], request.inputs(g), shared=request.shared)
             if done is not None:
                 return [{g: done}]
-        out = [{g: service.submit(policy_of[g], _inputs(request, g), shared=request.shared, timeout_s=timeout)
+        out = [{g: service.submit(policy_of[g], request.inputs(g), shared=request.shared, timeout_s=timeout)
                 for g in groups} for _, _, request, groups in pending]
         if out:
             service.serve_queued()  # serve them here if no batch is running (no hand-off)
@@ -387,13 +392,6 @@ class ExternalServer(LocalPolicyHandlers):
         with self._lock:
             self.counters["protocol_errors"] += 1
         ws.send(encode(error.as_message()))
-
-
-def _inputs(request, group: str) -> dict:
-    out = {"observation": request.observation[group], "mask": request.mask[group]}
-    if group in request.action_mask:
-        out["action_mask"] = request.action_mask[group]
-    return out
 
 
 __all__ = ["ExternalServer"]

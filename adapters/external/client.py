@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from ssl import SSLError
+from ssl import SSLCertVerificationError, SSLError
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import connect
 
 from adapters.external.messages import (PROTOCOL_VERSION, SERVER_TYPES, ProtocolError, decode, encode, field,
@@ -73,9 +73,15 @@ class SimulatorClient:
         try:
             self._ws = connect(url, open_timeout=timeout_s, max_size=None, compression=None, ssl=ssl,
                                ping_interval=None, proxy=None, legacy=True)
+        except InvalidURI as error:
+            raise ExternalError("connect", f"{url!r} is not a WebSocket address ({error}): ws://host:port, or "
+                                           f"wss://host:port for a server with TLS") from None
         except InvalidHandshake as error:  # something answers there, but not a WebSocket server
             raise ExternalError("connect", f"cannot connect to {url}: it did not answer as a Shoal server does "
                                            f"({error}); check the host and port") from None
+        except SSLCertVerificationError as error:
+            raise ExternalError("connect", f"cannot connect to {url}: the server's certificate is not trusted "
+                                           f"({error.verify_message}); pass an ssl context that trusts it") from None
         except SSLError as error:
             raise ExternalError("connect", f"cannot connect to {url}: TLS failed ({error}); a server without "
                                            f"TLS is reached with ws://, not wss://") from None

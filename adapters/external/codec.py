@@ -176,6 +176,13 @@ class Request:
     agents: list[tuple[str, str, int]]
     """(agent, group, slot) of the agents asking, in request order."""
 
+    def inputs(self, group: str) -> dict[str, Any]:
+        """``group``'s request to the inference service: observation, agent mask and (when sent) action mask."""
+        out = {"observation": self.observation[group], "mask": self.mask[group]}
+        if group in self.action_mask:
+            out["action_mask"] = self.action_mask[group]
+        return out
+
     def groups_asking(self) -> list[str]:
         """The groups with an agent asking, in the tree's order (``mask[g].any()``, without a tensor op)."""
         asking = {g for _, g, _ in self.agents}

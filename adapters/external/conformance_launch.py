@@ -157,14 +157,27 @@ def main_launch(command: str, options: SessionOptions, report: Report, findings:
         server.close()
 
 
+class _Stamped(threading.Event):
+    """An event that keeps when it was first set (``at``)."""
+
+    at = float("inf")
+
+    def set(self) -> None:
+        self.at = min(self.at, time.monotonic())
+        super().set()
+
+
 def token_launch(command: str, options: SessionOptions, report: Report, findings: Findings) -> None:
     """Step 2: a wrong token, refused with a fatal ``bad_token``; the simulator must exit, not reconnect."""
-    refused, connections = threading.Event(), []
+    refused, connections = _Stamped(), []
 
     def handler(ws: ServerConnection) -> None:
         connections.append(time.monotonic())
         _refuse_connection(ws, "bad_token", "the token is not this run's (the conformance kit's wrong-token check)",
                            options.timeout_s, refused)
+
+    def reconnects() -> int:  # connections opened after a refusal was sent (not several opened at once before)
+        return sum(t > refused.at for t in connections) if refused.is_set() else 0
 
     server = _Server(handler)
     wrong = secrets.token_hex(16)
@@ -190,20 +203,19 @@ def token_launch(command: str, options: SessionOptions, report: Report, findings
                 findings.fail("token.no_connect", f"wrong-token launch: no hello within {options.timeout_s:g} s")
             return
         deadline = time.monotonic() + options.timeout_s
-        while time.monotonic() < deadline and len(connections) <= 3 and not launch.exited(0.05):
+        while time.monotonic() < deadline and reconnects() < 3 and not launch.exited(0.05):
             pass
-        if len(connections) > 3:
+        if reconnects() >= 3:
             findings.fail("token.reconnect", f"after a fatal bad_token error the simulator reconnected "
-                                             f"{len(connections) - 1} times within "
-                                             f"{connections[-1] - connections[0]:.2f} s (a reconnect loop; a fatal "
-                                             f"error means stop)")
+                                             f"{reconnects()} times within {connections[-1] - connections[0]:.2f} s "
+                                             f"(a reconnect loop; a fatal error means stop)")
         elif not launch.exited():
             findings.fail("token.hang", f"the simulator was still running {options.timeout_s:g} s after a fatal "
                                         f"bad_token error (it should exit)")
-        elif len(connections) > 1:  # the token will not change: a fatal error means stop
+        elif reconnects():  # the token will not change: a fatal error means stop
             findings.fail("token.reconnect", f"after a fatal bad_token error the simulator reconnected "
-                                             f"{len(connections) - 1} time(s) before exiting (a fatal error means "
-                                             f"exit without reconnecting)")
+                                             f"{reconnects()} time(s) before exiting (a fatal error means exit "
+                                             f"without reconnecting)")
     finally:
         if launch is not None:
             exited = launch.exited()

@@ -245,3 +245,5 @@ def test_a_client_that_reaches_something_else_than_a_shoal_server_gets_an_extern
         assert info.value.code == "connect"
     finally:
         http.shutdown()
+    with pytest.raises(ExternalError, match=r"'localhost:8765' is not a WebSocket address .*ws://host:port"):
+        SimulatorClient("localhost:8765", "token", {"tree": {}}, timeout_s=5)

@@ -1,0 +1,55 @@
+"""SIGTERM for the ``shoal`` command: where the training loop does not handle it (starting up, waiting for the
+first simulator, a league's set-up), a supervisor's SIGTERM unwinds the run as Ctrl-C does, so launched
+simulators, env processes and Ray are released and the run ends with one line (exit 143).
+
+Usage (the console entry point only: a library caller keeps its own handlers)::
+
+    stop_on_sigterm()
+    try:
+        run()
+    except Terminated:
+        ...                                     # one line, exit 143
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM where nothing else handles it: unwinds as Ctrl-C does."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the clean-up short
+    raise Terminated
+
+
+def _default_in_child() -> None:
+    if signal.getsignal(signal.SIGTERM) is _terminate:  # a forked env worker dies of SIGTERM, as before
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def stop_on_sigterm() -> None:
+    """Makes SIGTERM raise :class:`Terminated` in this process (main thread); forked children keep the default."""
+    signal.signal(signal.SIGTERM, _terminate)
+    os.register_at_fork(after_in_child=_default_in_child)
+
+
+@contextlib.contextmanager
+def kept_sigterm():
+    """Keeps a SIGTERM handler this process installed across a call that installs its own (``ray.init``); the
+    default one it may replace. Main thread only, where handlers live."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if previous not in (None, signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, previous)
+
+
+__all__ = ["Terminated", "kept_sigterm", "stop_on_sigterm"]

@@ -1,0 +1,33 @@
+"""SIGTERM in the ``shoal`` process (:mod:`orchestration.signals`): unwinds like Ctrl-C where nothing else
+handles it, while forked children (gymnasium's AsyncVectorEnv workers, a user's forking factory) still die of
+it, and ``ray.init`` does not take the handler over."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = """
+import multiprocessing, os, signal, sys, time
+from orchestration.signals import Terminated, kept_sigterm, stop_on_sigterm
+stop_on_sigterm()
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+child.start()
+time.sleep(1)  # running (a signal before its after-fork hook ran would race with it)
+child.terminate()
+child.join(10)
+print("child", child.exitcode)
+with kept_sigterm():
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(15))  # what ray.init does
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except Terminated:
+    print("terminated")
+print("second", signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)
+"""
+
+
+def test_sigterm_unwinds_the_shoal_process_but_not_its_forked_children():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[:3] == ["child -15", "terminated", "second True"], out.stdout + out.stderr
