@@ -74,34 +74,16 @@ def _check_values(name: str, kwargs: dict[str, Any]) -> None:
     is not of its parameter's annotated type (``--env-kwargs max_steps abc`` for an ``int``): the env would
     fail later, deep inside, or silently take it. Other values (numpy scalars, devices from Python) and
     annotations that do not resolve are left to the env."""
-    from orchestration.sweeps import _allows
+    from orchestration.sweeps import PYTHON_WORDS, allows, describe
 
     params = _parameters(name) if kwargs else {}
     for key, value in kwargs.items():
         want = params.get(key)
-        if want is None or type(value) not in (bool, int, float, str) or _allows(want, value):
+        if want is None or type(value) not in (bool, int, float, str) or allows(want, value):
             continue
-        raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is {_a(type(value))}, but {key} takes "
-                         f"{_python_type(want)} (values are read as Python literals: e.g. 3, 0.5, True, 'text')")
-
-
-def _a(kind: type) -> str:
-    return f"{'an' if kind.__name__[0] in 'aeiou' else 'a'} {kind.__name__}"
-
-
-def _python_type(hint: Any) -> str:
-    """An annotation in words, for a Python literal."""
-    import types
-    import typing
-
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_python_type(a) for a in args)
-    if origin is typing.Literal:
-        return "one of " + ", ".join(map(repr, args))
-    if hint is type(None):
-        return "None"
-    return _a(hint) if isinstance(hint, type) else str(hint)
+        raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is {PYTHON_WORDS[type(value)]}, but {key} "
+                         f"takes {describe(want, PYTHON_WORDS)} (values are read as Python literals: e.g. 3, 0.5, "
+                         f"True, 'text')")
 
 
 def _parameters(name: str) -> dict[str, Any]:

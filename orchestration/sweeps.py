@@ -103,19 +103,19 @@ def _coerce(current: Any, value: Any, key: str, hint: Any = Any) -> Any:
             value = float(value)
         except ValueError:
             pass
-    if _allows(hint, value):  # numbers as Python's own (a search space may give numpy's)
+    if allows(hint, value):  # numbers as Python's own (a search space may give numpy's)
         if isinstance(value, numbers.Number) and not isinstance(value, bool) and type(current) in (int, float):
             return type(current)(value)
         return value
-    kind = "a section (a mapping of its keys)" if dataclasses.is_dataclass(current) else _describe(hint)
+    kind = "a section (a mapping of its keys)" if dataclasses.is_dataclass(current) else describe(hint)
     raise ValueError(f"key '{key}' takes {kind}, got {value!r}")
 
 
-def _allows(hint: Any, value: Any) -> bool:
+def allows(hint: Any, value: Any) -> bool:
     """Whether ``value`` is of the annotated type (containers by kind only; anything not understood passes)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_allows(a, value) for a in args)
+        return any(allows(a, value) for a in args)
     if origin is typing.Literal:
         return value in args
     if hint is type(None):
@@ -133,14 +133,19 @@ def _allows(hint: Any, value: Any) -> bool:
     return True
 
 
-def _describe(hint: Any) -> str:
+_YAML_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", type(None): "null"}
+PYTHON_WORDS = {bool: "a bool", int: "an int", float: "a float", str: "a str", type(None): "None"}
+"""How :func:`describe` names the plain types for a Python literal (``--env-kwargs``)."""
+
+
+def describe(hint: Any, words: Mapping[Any, str] = _YAML_WORDS) -> str:
+    """An annotation in words (``words``: the plain types' names; a config file's by default)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
+        return " or ".join(describe(a, words) for a in args)
     if origin is typing.Literal:
         return "one of " + ", ".join(map(repr, args))
-    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
-            type(None): "null"}.get(hint, "a list" if origin is tuple or hint is tuple else str(hint))
+    return words.get(hint, "a list" if origin is tuple or hint is tuple else str(hint))
 
 
 def _hints(config: Any) -> dict[str, Any]:
@@ -364,8 +369,8 @@ def _write(rows: list[dict[str, Any]], directory: Path) -> None:
             writer.writerows(rows)
 
 
-__all__ = ["HELP", "SEARCH_KINDS", "check_search", "config_from_params", "field_value", "load_sweep", "main",
-           "results_table", "run_trial"]
+__all__ = ["HELP", "PYTHON_WORDS", "SEARCH_KINDS", "allows", "check_search", "config_from_params", "describe",
+           "field_value", "load_sweep", "main", "results_table", "run_trial"]
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
