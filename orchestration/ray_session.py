@@ -32,6 +32,7 @@ from orchestration.signals import kept_sigterm
 from orchestration.sweeps import config_from_params, run_trial
 
 
+@kept_sigterm()  # ray.init installs a SIGTERM handler of its own
 def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) -> bool:
     """Connects this process to Ray; returns True when this call started or joined it (and owns shutdown).
 
@@ -42,12 +43,6 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
     """
     if ray.is_initialized():
         return False
-    with kept_sigterm():  # ray.init installs its own
-        _init(config, ray_config, min_cpus)
-    return True
-
-
-def _init(config: TrainConfig, ray_config: RayConfig, min_cpus: float) -> None:
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address:
         flag = "--address" if config.address else "RAY_ADDRESS"
@@ -62,6 +57,7 @@ def _init(config: TrainConfig, ray_config: RayConfig, min_cpus: float) -> None:
         if ray_config.worker_niceness is not None:  # read by Ray when it starts its worker processes
             os.environ.setdefault("RAY_worker_niceness", str(ray_config.worker_niceness))
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+    return True
 
 
 def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool,

@@ -31,3 +31,20 @@ print("second", signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)
 def test_sigterm_unwinds_the_shoal_process_but_not_its_forked_children():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.stdout.split("\n")[:3] == ["child -15", "terminated", "second True"], out.stdout + out.stderr
+
+
+RAY_SCRIPT = """
+import signal
+from orchestration.config import RayConfig, TrainConfig
+from orchestration.ray_session import init_ray
+from orchestration.signals import stop_on_sigterm
+stop_on_sigterm()
+mine = signal.getsignal(signal.SIGTERM)
+init_ray(TrainConfig(backend="ray"), RayConfig(num_cpus=1))
+print("kept", signal.getsignal(signal.SIGTERM) is mine)
+"""
+
+
+def test_ray_init_does_not_take_the_sigterm_handler_over():
+    out = subprocess.run([sys.executable, "-c", RAY_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert "kept True" in out.stdout, out.stdout + out.stderr[-2000:]
