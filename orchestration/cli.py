@@ -49,11 +49,12 @@ def _config_from_file(path: str, base: TrainConfig | None = None) -> TrainConfig
     return config_from_file(path, base)
 
 
-_SERVE_HEADLINE = """Serve external environments: wait for simulators or robots to connect over WebSocket
-(docs/external-protocol.md), answer them with actions and train on what they send; the flags are those of
-shoal train with --env external. """
+_HEADLINES = {"train": "Train with PPO. Besides the flags below: ENV may be given as the first argument;",
+              "serve": "Serve external environments: wait for simulators or robots to connect over WebSocket "
+                       "(docs/external-protocol.md), answer them with actions and train on what they send; the "
+                       "flags are those of shoal train with --env external. Besides the flags below:"}
 
-_TRAIN_HELP = """Train with PPO. Besides the flags below: ENV may be given as the first argument;
+_TRAIN_HELP = """{headline}
 --preset NAME starts from a tuned config shipped with Shoal ({presets}; flags override it);
 --config-file F reads a YAML or JSON config (strict keys; over the preset if any; flags override it);
 --resume continues the run that --run-dir names from its latest checkpoint (--resume=auto: if it has one, else
@@ -183,10 +184,7 @@ def _setup_training(argv: list[str], command: str = "train"):
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
-                      description=_SERVE_HEADLINE + _TRAIN_HELP.format(presets=", ".join(preset_names())).replace(
-                          "Train with PPO. Besides the flags below: ENV may be given as the first argument;",
-                          "Besides the flags below:") if command == "serve" else
-                      _TRAIN_HELP.format(presets=", ".join(preset_names())))
+                      description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]), presets=", ".join(preset_names())))
     for section, unused, what in (("ray", config.backend == "local", "--backend ray only; this run is local"),
                                   ("external", config.env != "external", f"--env external only; this run trains "
                                                                            f"{config.env}")):

@@ -105,20 +105,21 @@ class LeagueTrainer:
                 TensorDict.from_module(policy).update_(member.weights)
             written.append(save_snapshot(Path(directory) / f"{i:04d}-{member.name.replace('/', '_')}", policy, tree,
                                          group=group, policy_id=member.name, version=i, config=config,
-                                         record={"rating": member.rating}))
+                                         rating=member.rating))
         return written
 
     def add_member(self, weights: TensorDictBase, name: str | None = None) -> Member:
         """Adds in-memory ``weights`` (fitting the opponent slot, e.g. ``trainer.learners[learner].weights()[1]``)
         to the pool as a frozen member, without a round trip through disk as in :meth:`add_snapshot`: seeds a
         pool, or adds opponents from elsewhere. The weights are copied, so later changes to the given tensors
-        do not reach the member. ``name`` defaults to ``"member/<index>"``."""
+        do not reach the member. ``name`` defaults to ``"member/<index>"`` (``@2``... appended where taken)."""
         expected = self.pool[0].weights
         if set(weights.keys(include_nested=True, leaves_only=True)) != set(
                 expected.keys(include_nested=True, leaves_only=True)) or any(
                 weights[k].shape != v.shape for k, v in expected.items(include_nested=True, leaves_only=True)):
             raise ValueError(f"weights do not fit the opponent slot {self.opponent!r}")
-        member = Member(name if name is not None else f"member/{len(self.pool)}", weights.detach().clone())
+        name = self._unique(name if name is not None else f"member/{len(self.pool)}")
+        member = Member(name, weights.detach().clone())
         self.pool.append(member)
         return member
 
@@ -130,14 +131,19 @@ class LeagueTrainer:
         from orchestration.snapshots import load_snapshot
 
         snapshot = load_snapshot(path)
-        base = snapshot.policy_id if name is None else name
-        taken, name, k = {m.name for m in self.pool}, base, 1
-        while name in taken:
-            k += 1
-            name = f"{base}@{k}"
-        member = Member(name, snapshot.weights(), rating=snapshot.record.get("rating", INITIAL))
+        member = Member(self._unique(snapshot.policy_id if name is None else name), snapshot.weights(),
+                        rating=INITIAL if snapshot.rating is None else snapshot.rating)
         self.pool.append(member)
         return member
+
+    def _unique(self, name: str) -> str:
+        """``name``, or ``name@2``, ``name@3``... where the pool holds it already (each member's statistics are
+        its own: two of one name would be told apart nowhere)."""
+        taken, unique, k = {m.name for m in self.pool}, name, 1
+        while unique in taken:
+            k += 1
+            unique = f"{name}@{k}"
+        return unique
 
     def _draw(self) -> Member:
         if self.sampling == "latest":

@@ -22,8 +22,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +36,6 @@ from orchestration.checkpoint import CheckpointError
 
 FORMAT = "shoal.snapshot/1"
 _MAX_JSON = 16 << 20
-_RECORD = ("rating",)
 
 
 @dataclass(frozen=True)
@@ -49,9 +47,8 @@ class Snapshot:
     group: str
     version: int
     tree: Tree
-    record: dict[str, float] = field(default_factory=dict)
-    """What a league knew of it when saved (``rating``: :class:`orchestration.league.Member`'s Elo rating);
-    empty when none was given."""
+    rating: float | None = None
+    """Its Elo rating in the league that saved it (:class:`orchestration.league.Member`), if one did."""
 
     def weights(self) -> TensorDictBase:
         """The weights as :meth:`orchestration.trainer.Trainer.set_weights` takes them."""
@@ -59,9 +56,9 @@ class Snapshot:
 
 
 def save_snapshot(path: str | Path, policy: GroupPolicy, tree: Tree, *, group: str, policy_id: str, version: int,
-                  config: PolicyConfig, record: Mapping[str, float] | None = None) -> Path:
+                  config: PolicyConfig, rating: float | None = None) -> Path:
     """Writes ``policy`` as a snapshot directory at ``path`` (atomically: a temporary directory renamed), with
-    a league's ``record`` of it (:attr:`Snapshot.record`) if given."""
+    its league ``rating`` (:attr:`Snapshot.rating`) if given."""
     if group not in groups(tree):
         raise ValueError(f"group {group!r} is not in the tree; its groups are {sorted(groups(tree))}")
     path = Path(path)
@@ -74,8 +71,8 @@ def save_snapshot(path: str | Path, policy: GroupPolicy, tree: Tree, *, group: s
     save_file(tensors, str(tmp / "weights.safetensors"))
     meta = {"format": FORMAT, "policy": policy_id, "group": group, "version": int(version), "tree": to_json(tree),
             "policy_config": json.loads(json.dumps(dataclasses.asdict(config)))}
-    if record:
-        meta["record"] = {k: float(record[k]) for k in _RECORD if k in record}
+    if rating is not None:
+        meta["rating"] = float(rating)
     (tmp / "snapshot.json").write_text(json.dumps(meta, indent=1))
     os.replace(tmp, path)
     return path
@@ -105,10 +102,9 @@ def load_snapshot(path: str | Path) -> Snapshot:
     for key, kind in (("policy", str), ("group", str), ("version", int), ("tree", str), ("policy_config", dict)):
         if not isinstance(meta.get(key), kind):
             raise CheckpointError(f"{path / 'snapshot.json'}: {key!r} must be a {kind.__name__}")
-    record = meta.get("record", {})
-    if not isinstance(record, dict) or set(record) - set(_RECORD) or not all(
-            type(v) is float and math.isfinite(v) for v in record.values()):  # an int of any size is not taken
-        raise CheckpointError(f"{path / 'snapshot.json'}: 'record' must map some of {list(_RECORD)} to finite numbers")
+    rating = meta.get("rating")
+    if rating is not None and not (type(rating) is float and math.isfinite(rating)):  # nor an int of any size
+        raise CheckpointError(f"{path / 'snapshot.json'}: 'rating' must be a finite number")
     tree = from_json(meta["tree"])
     policy = make_policies(tree, policy_config_from_dict(meta["policy_config"]))[meta["group"]]
     target = TensorDict.from_module(policy)
@@ -120,7 +116,7 @@ def load_snapshot(path: str | Path) -> Snapshot:
             raise CheckpointError(f"{path}: weight {name!r} holds NaN or Inf values")
     with torch.no_grad():
         target.update_({tuple(k.split(".")): v for k, v in tensors.items()})
-    return Snapshot(policy.eval(), meta["policy"], meta["group"], meta["version"], tree, dict(record))
+    return Snapshot(policy.eval(), meta["policy"], meta["group"], meta["version"], tree, rating)
 
 
 __all__ = ["Snapshot", "load_snapshot", "save_snapshot"]

@@ -99,6 +99,7 @@ def test_snapshots_saved_by_a_league_play_the_same_actions_in_a_new_process(tmp_
     assert len(league.pool) == 3 and (member.weights == first.weights).all() and member.name == f"{first.name}@2"
     assert first.rating != 1000.0 and member.rating == first.rating  # the rating survives; its games start again
     assert member.games == 0 and league.add_snapshot(paths[0], name="x").name == "x"
+    assert league.add_member(first.weights, name="x").name == "x@2"  # in memory: the same rule
     league.trainer.close()
 
 
@@ -121,9 +122,9 @@ def test_a_snapshot_that_is_not_one_is_refused_by_name(tmp_path):
     (path / "snapshot.json").write_text(json.dumps({**meta, "format": "pickle"}))
     with pytest.raises(CheckpointError, match="format must be"):
         load_snapshot(path)
-    for record in ('{"rating": Infinity}', '{"rating": 1' + '0' * 400 + '}', '{"games": 3.0}', '{"rating": "x"}'):
-        (path / "snapshot.json").write_text(json.dumps(meta)[:-1] + ', "record": ' + record + "}")
-        with pytest.raises(CheckpointError, match="'record' must map"):
+    for rating in ("Infinity", "1" + "0" * 400, '"x"', "[1.0]"):
+        (path / "snapshot.json").write_text(json.dumps(meta)[:-1] + ', "rating": ' + rating + "}")
+        with pytest.raises(CheckpointError, match="'rating' must be a finite number"):
             load_snapshot(path)
     with pytest.raises(FileExistsError):
         save_snapshot(path, policy, tree, group="agent", policy_id="agent", version=3, config=PolicyConfig())
