@@ -184,7 +184,8 @@ def _setup_training(argv: list[str], command: str = "train"):
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
-                      description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]), presets=", ".join(preset_names())))
+                      description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]),
+                                                     presets=", ".join(preset_names())))
     for section, unused, what in (("ray", config.backend == "local", "--backend ray only; this run is local"),
                                   ("external", config.env != "external", f"--env external only; this run trains "
                                                                            f"{config.env}")):
