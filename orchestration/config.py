@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.losses import PPOConfig
 from core.policies import PolicyConfig
+from orchestration.config_kinds import check_fields
 from orchestration.external_config import ExternalConfig
 from orchestration.team_critic_config import TeamCriticConfig
 
@@ -47,6 +47,7 @@ class RolloutConfig:
     then its own fragment stream ``[num_envs / env_processes, T]`` with its own worker id."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("num_envs", "fragment_length", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -122,6 +123,7 @@ class RayConfig:
     """Async mode: fail when no learner could train for this long."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("max_worker_restarts", "max_learner_restarts", "learner_checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -149,6 +151,7 @@ class PretrainConfig:
     """Transitions per behaviour-cloning step."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.steps < 0 or self.minibatch_size < 1 or not self.lr > 0:
             raise ValueError(f"PretrainConfig: steps must be >= 0, minibatch_size >= 1 and lr > 0, got "
                              f"{self.steps}, {self.minibatch_size} and {self.lr}")
@@ -176,6 +179,7 @@ class CuriosityConfig:
     """Width of the random features the predictor learns to match."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.coef < 0 or not self.lr > 0 or self.epochs < 1 or not 0 < self.proportion <= 1 \
                 or not 0 <= self.gamma < 1 or self.hidden_size < 1 or self.features < 1:
             raise ValueError(f"CuriosityConfig: coef must be >= 0, lr > 0, epochs >= 1, proportion in (0, 1], gamma "
@@ -201,6 +205,7 @@ class PastSelvesConfig:
     """Snapshots kept: the oldest (but the initial one) leaves when a new one comes."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not 0.0 <= self.fraction <= 1.0 or self.snapshot_every < 1 or self.pool_size < 1:
             raise ValueError(f"PastSelvesConfig: fraction must be in [0, 1], snapshot_every and pool_size >= 1; "
                              f"got {self.fraction}, {self.snapshot_every}, {self.pool_size}")
@@ -337,14 +342,9 @@ class TrainConfig:
                                ("reuse_limit", self.reuse_limit >= 1, ">= 1")):
             if not ok:
                 raise ValueError(f"TrainConfig.{name} must be {rule}, got {getattr(self, name)!r}")
-        if isinstance(self.loggers, (str, list)):  # a config file's ``loggers: wandb`` or ``[csv, wandb]``
-            names = (self.loggers,) if isinstance(self.loggers, str) else tuple(self.loggers)
-            object.__setattr__(self, "loggers", names)
         from orchestration.loggers import check_logger_names
 
         check_logger_names(self.loggers)
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"TrainConfig.mode must be 'sync' or 'async', got {self.mode!r}")
         if self.curiosity.enabled and self.ray.learners_per_policy > 1:
             raise ValueError("curiosity.coef > 0 with ray.learners_per_policy > 1: the RND predictor is not trained "
                              "data-parallel yet; use one learner per policy")
@@ -362,7 +362,8 @@ class TrainConfig:
 
     def _check_kinds(self) -> None:
         """What Python callers get wrong before any value is read: a dict for a nested config (named with its
-        class), a misspelled backend; ``env_kwargs`` may be a dict (kept as its ``(name, repr)`` pairs)."""
+        class), a value of another kind than its field's (:func:`check_fields`), a misspelled backend;
+        ``env_kwargs`` may be a dict (kept as its ``(name, repr)`` pairs), ``loggers`` one name."""
         for f in dataclasses.fields(self):
             if f.default_factory is dataclasses.MISSING:
                 continue
@@ -370,10 +371,6 @@ class TrainConfig:
             if dataclasses.is_dataclass(kind) and not isinstance(value, kind):
                 raise TypeError(f"TrainConfig.{f.name} must be a {kind.__name__}, got a {type(value).__name__}"
                                 f"{f' (write {kind.__name__}(**{value!r}))' if isinstance(value, dict) else ''}")
-        if self.backend not in ("local", "ray"):
-            near = difflib.get_close_matches(str(self.backend).lower(), ("local", "ray"), n=1, cutoff=0.5)
-            raise ValueError(f"TrainConfig.backend must be 'local' or 'ray', got {self.backend!r}"
-                             f"{f' (did you mean {near[0]!r}?)' if near else ''}")
         pairs = self.env_kwargs.items() if isinstance(self.env_kwargs, Mapping) else self.env_kwargs
         if not isinstance(pairs, (tuple, list, type({}.items()))) or not all(
                 isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
@@ -382,6 +379,10 @@ class TrainConfig:
         if isinstance(self.env_kwargs, Mapping) or not all(isinstance(v, str) for _, v in pairs):
             # a dict, or values a config file wrote as numbers (``[[max_steps, 100]]``): kept as literal text
             object.__setattr__(self, "env_kwargs", tuple((k, _literal(k, v)) for k, v in pairs))
+        if isinstance(self.loggers, str):  # a config file's ``loggers: wandb``
+            object.__setattr__(self, "loggers", (self.loggers,))
+        for config in (self, self.ppo, self.policy):  # the core's configs check values, not every kind
+            check_fields(config)
 
     @property
     def schedule_iterations(self) -> int:

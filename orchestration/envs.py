@@ -74,7 +74,7 @@ def _check_values(name: str, kwargs: dict[str, Any]) -> None:
     is not of its parameter's annotated type (``--env-kwargs max_steps abc`` for an ``int``): the env would
     fail later, deep inside, or silently take it. Other values (numpy scalars, devices from Python) and
     annotations that do not resolve are left to the env."""
-    from orchestration.sweeps import PYTHON_WORDS, allows, describe
+    from orchestration.config_kinds import PYTHON_WORDS, allows, describe
 
     params = _parameters(name) if kwargs else {}
     for key, value in kwargs.items():

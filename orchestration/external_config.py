@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestration.config_kinds import check_fields
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExternalConfig:
@@ -60,6 +62,7 @@ class ExternalConfig:
     """Longest a nearly empty inference batch waits for more requests."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("instances", "max_message_bytes", "max_episodes", "max_simulators", "inference_batch_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ExternalConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from core.layout import ACTION, ACTION_MASK, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE
 from core.policies import GroupPolicy
+from orchestration.config_kinds import check_fields
 
 _KEYS = frozenset({OBSERVATION, ACTION_MASK, MASK})
 
@@ -50,6 +51,7 @@ class InferenceConfig:
     """Seed of the service's sampling generator, the only source of randomness of its actions."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not (isinstance(self.max_batch_rows, int) and self.max_batch_rows >= 1):
             raise ValueError(f"InferenceConfig.max_batch_rows must be an int >= 1, got {self.max_batch_rows!r}")
         if not self.max_wait_s >= 0:

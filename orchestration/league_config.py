@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestration.config_kinds import check_fields
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LeagueConfig:
@@ -36,6 +38,7 @@ class LeagueConfig:
     the local backend always trains them one after the other in this process)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.main_agents < 1:
             raise ValueError(f"--league.main-agents must be >= 1 (got {self.main_agents}): exploiters exploit "
                              f"main agents")

@@ -30,12 +30,11 @@ import math
 import numbers
 import sys
 import time
-import types
-import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from orchestration.config import TrainConfig
+from orchestration.config_kinds import allows, describe, field_hints
 from orchestration.result_line import print_result, result_json
 
 
@@ -78,7 +77,7 @@ def _field(base: Any, key: str, where: str) -> Any:
 def _apply(base: Any, params: Mapping[str, Any], where: str) -> Any:
     nested: dict[str, dict[str, Any]] = {}
     changes: dict[str, Any] = {}
-    hints = _hints(base)
+    hints = field_hints(type(base))
     for key, value in params.items():
         current = _field(base, key, where)
         head, _, rest = key.partition(".")
@@ -109,51 +108,6 @@ def _coerce(current: Any, value: Any, key: str, hint: Any = Any) -> Any:
         return value
     kind = "a section (a mapping of its keys)" if dataclasses.is_dataclass(current) else describe(hint)
     raise ValueError(f"key '{key}' takes {kind}, got {value!r}")
-
-
-def allows(hint: Any, value: Any) -> bool:
-    """Whether ``value`` is of the annotated type (containers by kind only; anything not understood passes)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(allows(a, value) for a in args)
-    if origin is typing.Literal:
-        return value in args
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if hint in (bool, str):
-        return isinstance(value, hint)
-    if origin is tuple or hint is tuple:
-        return isinstance(value, tuple)
-    if dataclasses.is_dataclass(hint):
-        return isinstance(value, hint)
-    return True
-
-
-_YAML_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", type(None): "null"}
-PYTHON_WORDS = {bool: "a bool", int: "an int", float: "a float", str: "a str", type(None): "None"}
-"""How :func:`describe` names the plain types for a Python literal (``--env-kwargs``)."""
-
-
-def describe(hint: Any, words: Mapping[Any, str] = _YAML_WORDS) -> str:
-    """An annotation in words (``words``: the plain types' names; a config file's by default)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(describe(a, words) for a in args)
-    if origin is typing.Literal:
-        return "one of " + ", ".join(map(repr, args))
-    return words.get(hint, "a list" if origin is tuple or hint is tuple else str(hint))
-
-
-def _hints(config: Any) -> dict[str, Any]:
-    """The field annotations of a config dataclass, resolved (empty where they cannot be: nothing is checked)."""
-    try:
-        return typing.get_type_hints(type(config))
-    except Exception:  # noqa: BLE001 - an annotation naming something not importable here: check nothing
-        return {}
 
 
 def run_trial(config: TrainConfig, trial_dir: str, restored: str | None,
@@ -369,8 +323,7 @@ def _write(rows: list[dict[str, Any]], directory: Path) -> None:
             writer.writerows(rows)
 
 
-__all__ = ["HELP", "PYTHON_WORDS", "SEARCH_KINDS", "allows", "check_search", "config_from_params", "describe",
-           "field_value", "load_sweep", "main", "results_table", "run_trial"]
+__all__ = ["HELP", "SEARCH_KINDS", "check_search", "config_from_params", "field_value", "load_sweep", "main", "results_table", "run_trial"]
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestration.config_kinds import check_fields
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TeamCriticConfig:
@@ -29,6 +31,7 @@ class TeamCriticConfig:
     """Adam learning rate of the critic; None: the run's ``--lr`` (annealed with it when ``--anneal-lr``)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not isinstance(self.hidden_sizes, tuple) or not all(isinstance(h, int) and h >= 1 for h in self.hidden_sizes):
             raise ValueError(f"TeamCriticConfig.hidden_sizes (--team-critic.hidden-sizes) must be a tuple of ints "
                              f">= 1, got {self.hidden_sizes!r}")
