@@ -13,7 +13,8 @@ the win-rate table); the league's own checkpoint (pool, payoff table, ratings) g
     shoal league --resume --run-dir runs/RUN [--iterations 100]   # continues from the newest league checkpoint
 
 A resumed league rebuilds its players from the saved configs and loads each player's checkpoint of the same
-iteration as the league's, so the league and its players go on from one consistent point.
+iteration as the league's, so the league and its players go on from one consistent point (a player that
+finished an iteration an interrupt cut short for the others keeps it, and sits the next one out).
 """
 
 from __future__ import annotations

@@ -168,7 +168,9 @@ class RoleLeague:
     def train(self) -> dict[str, float]:
         """Matchmaking, one iteration of every active player against its opponent, then the bookkeeping."""
         start = time.perf_counter()
-        active = range(len(self.trainers))
+        # a player already past the league's iteration (it finished this one before an interrupt stopped the
+        # others, and was saved so) sits this one out: after it, every player is at the league's iteration again
+        active = [i for i, t in enumerate(self.trainers) if t.iteration <= self.iteration]
         roster = self.roster
         picks = [choose_opponent(i, roster, self.wins, self.games, self.generator, self.league.self_play)
                  for i in active]
@@ -176,9 +178,9 @@ class RoleLeague:
             self.trainers[i].set_weights(OPPONENT, self.weights_of(opponent).detach().clone())
         if self.parallel:  # each trainer waits on its own Ray actors: the threads only wait
             with ThreadPoolExecutor(max_workers=len(self.trainers)) as pool:
-                results = list(pool.map(lambda t: t.train(), self.trainers))
+                results = list(pool.map(lambda i: self.trainers[i].train(), active))
         else:
-            results = [t.train() for t in self.trainers]
+            results = [self.trainers[i].train() for i in active]
         self.iteration += 1
         metrics: dict[str, float] = {"iteration": float(self.iteration)}
         before = self.ratings.clone()
@@ -201,7 +203,7 @@ class RoleLeague:
             # (per-game updates summed over a period of ~100 games against one opponent overshoot and oscillate)
             self.ratings = elo_update(before, torch.tensor(a), torch.tensor(b),
                                       torch.tensor(scores, dtype=torch.float64), k=MATCH_K)
-        for i in active:
+        for i in range(len(self.trainers)):
             self._checkpoint_rules(i)
         metrics.update({f"rating/{p.name}": float(r) for p, r in zip(self.players, self.ratings)})
         metrics.update({"league/size": float(len(self.players)), "league/resets": float(self.resets),

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from core.specs import agent_index, from_json
-from orchestration.builder import assignment_for, build_evaluator, build_policies
+from orchestration.builder import assignment_for, build_evaluator, build_policies, is_fixed
 from orchestration.checkpoint import load_checkpoint
 from orchestration.run_state import load_config
 
@@ -81,10 +81,10 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
         group, _ = agent_index(tree)[seat]
         mine = assignment[group].main_policy if assignment[group].single else _policy_of(assignment, group, seat,
                                                                                          agents, foe)
-        _load(policies[mine], weights, _checkpoint_policy(load_config(state), tree, seat))
+        _load(policies[mine], weights, checkpoint_policy(load_config(state), tree, seat))
         if other is not None:
             foe_seat = next(a for a in agents if a != seat)
-            _load(policies[OPPONENT], other[0], _checkpoint_policy(load_config(other_state), tree, foe_seat))
+            _load(policies[OPPONENT], other[0], checkpoint_policy(load_config(other_state), tree, foe_seat))
         deterministic = [] if sample else [mine]
         actor = build_evaluator(seat_config, policies, assignment, set(policies) - set(deterministic),
                                 num_envs=num_envs)
@@ -101,11 +101,25 @@ def _policy_of(assignment, group: str, seat: str, agents: list[str], foe: str) -
     return next(p for p in assignment[group].policies if p != foe)
 
 
-def _checkpoint_policy(config, tree, seat: str) -> str:
-    """The policy id that played ``seat`` in the run that wrote a checkpoint."""
+def checkpoint_policy(config, tree, seat: str) -> str:
+    """The learning policy of a checkpoint that plays ``seat``: the one that played it in the run that wrote the
+    checkpoint, or, where a fixed or random policy played it there (a league player's ``opponent`` slot, a run
+    against ``random``), the one learning policy of its group.
+
+    Raises:
+        ValueError: no learning policy, or several, in the seat's group and none of them played the seat.
+    """
     group, slot = agent_index(tree)[seat]
     assigned = assignment_for(config, tree)[group]
-    return next(pid for pid, slots in assigned.slots.items() if bool(slots[slot]))
+    played = next(pid for pid, slots in assigned.slots.items() if bool(slots[slot]))
+    learning = [pid for pid in assigned.policies if not is_fixed(config, pid)]
+    if played in learning:
+        return played
+    if len(learning) == 1:
+        return learning[0]
+    raise ValueError(f"seat {seat!r} was played by the fixed policy {played!r} in the checkpoint's run, and its "
+                     f"group has {'no learning policy' if not learning else f'several: {learning}'} to play it "
+                     f"instead: name the seats its learning policies played with --seats")
 
 
 def _load(policy, weights, pid: str) -> None:
@@ -116,4 +130,4 @@ def _load(policy, weights, pid: str) -> None:
     policy.load_state_dict(own)
 
 
-__all__ = ["play_seats", "wilson_interval"]
+__all__ = ["checkpoint_policy", "play_seats", "wilson_interval"]

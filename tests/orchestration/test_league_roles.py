@@ -240,3 +240,30 @@ def test_a_league_exploiter_that_is_done_without_a_restart_needs_new_games_to_be
         assert done_at and all(b - a >= 2 for a, b in zip(done_at, done_at[1:]))  # ~12 games per iteration
     finally:
         league.close()
+
+
+def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_out(tmp_path, capsys):
+    """Ctrl-C after the first player's iteration but before the second's: the checkpoint keeps the first
+    player's extra iteration, and the resumed league trains only the second, so all are level again."""
+    from orchestration.checkpoint import load_checkpoint
+    from orchestration.league_cli import restore_league_, train_league
+
+    config = _config(iterations=3, run_dir=str(tmp_path))
+    rules = LeagueConfig(league_exploiters=0, snapshot_every=100, parallel=False)
+    league = RoleLeague(config, rules)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    league.trainers[1].train = interrupted  # the second player is stopped before its iteration
+    with pytest.raises(KeyboardInterrupt):
+        train_league(league, config, progress=False)
+    again = RoleLeague(config, rules)
+    restore_league_(again, tmp_path, load_checkpoint(tmp_path / "league" / "checkpoints"))
+    assert (again.iteration, again.trainers[0].iteration, again.trainers[1].iteration) == (0, 1, 0)
+    steps = [t.env_steps for t in again.trainers]
+    metrics = again.train()
+    assert [t.iteration for t in again.trainers] == [1, 1] and again.iteration == 1
+    assert again.trainers[0].env_steps == steps[0] and again.trainers[1].env_steps > steps[1]
+    assert "games/main_0" not in metrics and metrics["games/main_exploiter_0"] > 0
+    again.close()

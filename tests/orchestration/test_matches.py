@@ -51,3 +51,26 @@ def test_bad_seats_and_opponents_are_named(connect_four, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["evaluate", connect_four, "--opponent", str(tmp_path / "nowhere")])
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_the_learning_policy_plays_the_seats_a_fixed_one_played_in_training(connect_four):
+    """A run against ``random`` (or a league player, whose other seat is its fixed ``opponent`` slot) is
+    evaluated with its learner on every seat, never with the policy that held the other seat in training."""
+    from core.specs import from_json
+    from orchestration.checkpoint import load_checkpoint
+    from orchestration.config import TrainConfig
+    from orchestration.matches import checkpoint_policy
+
+    tree = from_json(load_checkpoint(connect_four)[2]["tree"])
+    env = "pettingzoo:classic.connect_four_v3"
+    versus_random = TrainConfig(env=env, policy_mapping=(("player_1", "random"),))
+    league_player = TrainConfig(env=env, policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",))
+    two_learners = TrainConfig(env=env, policy_mapping=(("player_0", "a"), ("player_1", "b")))
+    for config in (versus_random, league_player):
+        learner = checkpoint_policy(config, tree, "player_0")
+        assert learner not in ("random", "opponent")
+        assert checkpoint_policy(config, tree, "player_1") == learner
+    assert [checkpoint_policy(two_learners, tree, s) for s in ("player_0", "player_1")] == ["a", "b"]
+    nobody_learns = TrainConfig(env=env, policy_mapping=two_learners.policy_mapping, fixed_policies=("a", "b"))
+    with pytest.raises(ValueError, match="seat 'player_1' was played by the fixed policy 'b'.*no learning policy"):
+        checkpoint_policy(nobody_learns, tree, "player_1")
