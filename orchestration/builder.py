@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import copy
+import difflib
 from functools import partial
 from typing import Any, Collection, Mapping
 
@@ -44,8 +45,28 @@ def is_fixed(config: TrainConfig, policy_id: str) -> bool:
 
 def assignment_for(config: TrainConfig, tree: Tree) -> dict[str, GroupAssignment]:
     """Group -> policies acting in it: the tree's default mapping with ``config.policy_mapping`` applied; a
-    fixed policy acting in groups with different spaces gets one module per group (``"<id>@<group>"``)."""
-    return assign(tree, dict(config.policy_mapping), per_group=fixed_policy_ids(config))
+    fixed policy acting in groups with different spaces gets one module per group (``"<id>@<group>"``).
+
+    Raises:
+        ValueError: a mapped policy id that reads as a scripted player or a path (they play in evaluation only)
+            or as a misspelt ``random``, or a ``fixed_policies`` id that no agent is mapped to.
+    """
+    for agent, pid in config.policy_mapping:
+        if ":" in pid or "/" in pid or "\\" in pid:
+            raise ValueError(f"--policy-mapping {agent} {pid}: a policy id names a policy of this run (a new learning "
+                             f"one, or a frozen one with --fixed-policies) or 'random'; a scripted player or a "
+                             f"checkpoint plays only in evaluation: shoal evaluate CKPT --opponent {pid}")
+        if pid != "random" and difflib.get_close_matches(pid.lower(), ["random"], n=1, cutoff=0.8):
+            raise ValueError(f"--policy-mapping {agent} {pid}: did you mean 'random' (the uniform policy)? A policy "
+                             f"id this close to it is refused as a likely typo; name a new policy otherwise")
+    assignment = assign(tree, dict(config.policy_mapping), per_group=fixed_policy_ids(config))
+    acting = sorted({pid.split("@", 1)[0] for a in assignment.values() for pid in a.policies})
+    for pid in config.fixed_policies:
+        if pid not in acting:
+            near = difflib.get_close_matches(pid, acting, n=1)
+            raise ValueError(f"--fixed-policies {pid}: no agent plays policy {pid!r}; the run's policies are "
+                             f"{acting}{f' (did you mean {near[0]!r}?)' if near else ''}")
+    return assignment
 
 
 def policy_module(config: TrainConfig, tree: Tree, assignment: Mapping[str, GroupAssignment],

@@ -71,7 +71,7 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
         foe = "random" if other is None and scripted is None else OPPONENT
         seat_config = dataclasses.replace(
             config, policy_mapping=tuple((a, foe) for a in agents if a != seat),
-            fixed_policies=tuple({*config.fixed_policies, OPPONENT}))
+            fixed_policies=(OPPONENT,) if foe == OPPONENT else ())
         assignment = assignment_for(seat_config, tree)
         policies, fixed = build_policies(seat_config, tree, assignment)
         if scripted is not None:
