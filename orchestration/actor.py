@@ -320,6 +320,9 @@ class Actor:
         can save their state; otherwise this actor keeps its freshly reset envs (a new episode everywhere).
         """
         tensors, meta = state["tensors"], state["json"]
+        if (saved := tensors["episode_count"].shape[0]) != self.builder.tracker.num_envs:  # caught before a fragment
+            raise ValueError(f"size mismatch for the actor's envs: the checkpoint holds {saved}, this actor "
+                             f"{self.builder.tracker.num_envs}")
         self.versions.update({k: int(v) for k, v in meta["versions"].items()})
         self.generator.set_state(tensors["rng"])
         self.env_steps = int(meta["env_steps"])

@@ -336,6 +336,16 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and named in err and "does not fit this run" in err, err
     assert [p.name for p in (tmp_path / "r" / "checkpoints").glob("ckpt-*")] == ["ckpt-000001"]
+    # a gymnasium env saves no env state: the actor's episode counters are what no longer fit
+    main(["train", "CartPole-v1", "--rollout.num-envs", "2", "--rollout.fragment-length", "8", "--iterations", "1",
+          "--run-dir", "g", "--no-progress"])
+    capsys.readouterr()
+    saved = (tmp_path / "g" / "config.json").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--resume", "--run-dir", "g", "--iterations", "2", "--no-progress", "--rollout.num-envs", "4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--rollout.num-envs 2 -> 4" in err and "Traceback" not in err, err
+    assert (tmp_path / "g" / "config.json").read_text() == saved
 
 
 def test_a_run_directory_names_its_checkpoints(cartpole_run, capsys):
