@@ -132,11 +132,14 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
               points: int = 200) -> dict:
     """Mean curve of ``y`` over several runs (seeds) against env steps, with a 95% t-interval, into a PNG.
 
-    Each run's curve is interpolated onto a common grid of env steps (up to the shortest run's last step).
-    Returns the summary: runs, final values, their mean with its 95% interval, and their IQM.
+    Each run's curve is interpolated onto a common grid of env steps where every run has values: from the
+    latest first value to the earliest last one (a run never stands in with a value it did not reach yet, or
+    any more). Returns the summary: runs, each run's value at the grid's last step (``final``, at
+    ``final_env_steps``: where the drawn curve ends), their mean with its 95% interval, and their IQM.
 
     Raises:
-        ValueError: a run without ``metrics.csv`` or without column ``y`` (named).
+        ValueError: a run without ``metrics.csv``, without column ``y`` or without any value in it (named), or
+            runs whose values share no env steps.
     """
     import matplotlib
     import numpy as np
@@ -156,11 +159,15 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
             raise ValueError(f"{path} has no column {y!r}; it has {sorted(data)}")
         xs, ys = np.asarray(data["env_steps"]), np.asarray(data[y])
         keep = np.isfinite(ys)
+        if not keep.any():
+            raise ValueError(f"{run} has no value of {y!r} yet (every row of its column is empty: no episode ended?); "
+                             f"leave it out, or draw another --metric")
         curves.append((xs[keep], ys[keep]))
-    if not any(len(xs) for xs, _ in curves):
-        raise ValueError(f"no run has a value of {y!r} yet (every row of its column is empty)")
-    end = min(float(xs[-1]) for xs, _ in curves if len(xs))
-    grid = np.linspace(min(float(xs[0]) for xs, _ in curves), end, points)
+    start, end = max(float(xs[0]) for xs, _ in curves), min(float(xs[-1]) for xs, _ in curves)
+    if start > end:
+        raise ValueError(f"the runs' values of {y!r} share no env steps (one ends at {end:g}, another starts at "
+                         f"{start:g}): draw runs of one length")
+    grid = np.linspace(start, end, points)
     stacked = np.stack([np.interp(grid, xs, ys) for xs, ys in curves])  # [runs, points]
     n = len(curves)
     mean = stacked.mean(0)
@@ -175,9 +182,10 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)
-    finals = [float(ys[-1]) for _, ys in curves]
+    finals = [float(v) for v in stacked[:, -1]]  # at ``end``, where the drawn curve ends
     final_half = _t95(n - 1) * float(np.std(finals, ddof=1)) / math.sqrt(n) if n > 1 else 0.0
-    return {"runs": [str(r) for r in runs], "metric": y, "final": finals, "final_mean": float(np.mean(finals)),
+    return {"runs": [str(r) for r in runs], "metric": y, "final": finals, "final_env_steps": end,
+            "final_mean": float(np.mean(finals)),
             "final_ci95": [float(np.mean(finals)) - final_half, float(np.mean(finals)) + final_half],
             "final_iqm": interquartile_mean(finals), "plot": str(png_path)}
 

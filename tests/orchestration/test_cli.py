@@ -353,3 +353,26 @@ def test_a_run_directory_names_its_checkpoints(cartpole_run, capsys):
 
     main(["evaluate", str(cartpole_run), "--episodes", "2"])  # the run, not its checkpoints directory
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["episodes"] == 2
+
+
+def test_plot_draws_only_where_every_run_has_values_and_its_finals_are_where_the_curve_ends(tmp_path):
+    """Runs of unequal length: the curve and the finals stop at the shortest run's last value, and start at
+    the latest first value (a run's early iterations without an ended episode are not filled in)."""
+    from orchestration.metrics_log import plot_runs
+
+    def run(name: str, steps: range, value) -> str:
+        (tmp_path / name).mkdir()
+        rows = [f"{s},{value(s)}" for s in steps]
+        (tmp_path / name / "metrics.csv").write_text("env_steps,episode_return_mean\n" + "\n".join(rows) + "\n")
+        return str(tmp_path / name)
+
+    long = run("long", range(100, 1001, 100), lambda s: s / 100)  # 1 .. 10
+    short = run("short", range(100, 501, 100), lambda s: "" if s < 300 else s / 100)  # no episode before 300
+    summary = plot_runs([long, short], tmp_path / "c.png")
+    assert summary["final_env_steps"] == 500 and summary["final"] == [5.0, 5.0] and summary["final_mean"] == 5.0
+    empty = run("empty", range(100, 301, 100), lambda s: "")
+    with pytest.raises(ValueError, match="empty has no value of 'episode_return_mean' yet"):
+        plot_runs([long, empty], tmp_path / "c.png")
+    later = run("later", range(2000, 3001, 500), lambda s: 1.0)
+    with pytest.raises(ValueError, match="share no env steps"):
+        plot_runs([short, later], tmp_path / "c.png")
