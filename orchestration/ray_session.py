@@ -256,17 +256,18 @@ def trainable(params: dict[str, Any], base: TrainConfig) -> None:
 
 
 def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: int = 1,
-             metric: str = "episode_return_mean", mode: str = "max", max_concurrent_trials: int | None = None,
+             max_concurrent_trials: int | None = None,
              cpus_per_trial: float = 1.0, storage_path: str | None = None, name: str | None = None,
              max_failures: int = 0, restore: bool = False, verbose: int = 0):
     """Runs one trial per point of ``param_space`` (times ``num_samples``) in parallel; returns Tune's ResultGrid.
+    Tune is told no metric, so a metric that some reports lack (``eval_return_mean`` between evaluations) ends no
+    trial: name one to ``ResultGrid.get_best_result(metric, mode)``, or read the table of ``shoal tune``.
     Runs in the Ray instance this process has (:func:`init_ray`), or in one it starts and shuts down after.
 
     Args:
         base: the config every trial starts from.
         param_space: dotted config keys -> values or Tune search spaces (``tune.grid_search``, ``tune.choice``).
         num_samples: repetitions of the space (random searches sample this many points).
-        metric, mode: what "best" means for ``ResultGrid.get_best_result``.
         max_concurrent_trials: cap on trials running at once (None: as resources allow).
         cpus_per_trial: Ray CPUs reserved by each trial.
         storage_path: where Tune writes results and checkpoints (None: Tune's default, ``~/ray_results``).
@@ -287,7 +288,7 @@ def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: 
                                       resume_errored=True).fit()
         failures, kept = tune.FailureConfig(max_failures=max_failures), tune.CheckpointConfig(num_to_keep=2)
         return tune.Tuner(fn, param_space=dict(param_space),
-                          tune_config=tune.TuneConfig(num_samples=num_samples, metric=metric, mode=mode,
+                          tune_config=tune.TuneConfig(num_samples=num_samples,
                                                       max_concurrent_trials=max_concurrent_trials),
                           run_config=tune.RunConfig(storage_path=storage_path, name=name, verbose=verbose,
                                                     failure_config=failures, checkpoint_config=kept)).fit()

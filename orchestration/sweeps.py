@@ -230,10 +230,14 @@ def load_sweep(path: str) -> tuple[TrainConfig, dict[str, Any]]:
 
 
 def results_table(results, space_keys: list[str], metric: str) -> list[dict[str, Any]]:
-    """One row per trial of a Tune ResultGrid: its id, searched values, progress, final ``metric``, status."""
+    """One row per trial of a Tune ResultGrid: its id, searched values, progress, the last value of ``metric`` it
+    reported (an evaluation's metric is not in every report), status."""
     rows = []
     for result in results:
-        m = result.metrics or {}
+        m = dict(result.metrics or {})
+        if m.get(metric) is None and result.metrics_dataframe is not None and metric in result.metrics_dataframe:
+            values = result.metrics_dataframe[metric].dropna()
+            m[metric] = float(values.iloc[-1]) if len(values) else None
         rows.append({"trial": m.get("trial_id") or Path(result.path).name,
                      **{k: result.config.get(k) for k in space_keys},
                      **{k: int(m[key]) if m.get(key) is not None else None
@@ -290,6 +294,9 @@ def main(argv: list[str]) -> int:
         if args.resume and not args.name:
             raise ValueError("--resume continues an experiment: name it with --name (a directory under --storage)")
         space = check_search(base, search)
+        if args.metric.startswith("eval_") and not base.eval_every:
+            raise ValueError(f"--metric {args.metric} is reported by evaluations, and the config has eval_every 0: set "
+                             f"eval_every (e.g. to iterations) in {args.config_file}")
     except (ValueError, KeyError, FileNotFoundError, ImportError) as err:
         print(f"shoal tune: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
         return 2
@@ -297,7 +304,7 @@ def main(argv: list[str]) -> int:
     name = args.name or f"{Path(args.config_file).stem}__{time.strftime('%Y%m%d-%H%M%S')}"
     from orchestration.ray_session import run_tune, search_space
 
-    results = run_tune(base, search_space(space), num_samples=args.num_samples, metric=args.metric, mode=args.mode,
+    results = run_tune(base, search_space(space), num_samples=args.num_samples,
                        max_concurrent_trials=args.max_concurrent, cpus_per_trial=args.cpus_per_trial,
                        storage_path=str(storage), name=name, max_failures=args.max_failures,
                        restore=args.resume, verbose=args.verbose)
@@ -305,6 +312,13 @@ def main(argv: list[str]) -> int:
     out = storage / name
     _write(rows, out)
     print(_format(rows))
+    reported = sorted({k for r in results for k in (r.metrics or {}) if isinstance(r.metrics[k], (int, float))})
+    if reported and all(r[args.metric] is None for r in rows):  # a misspelt metric: the trials are kept
+        near = difflib.get_close_matches(args.metric, reported, n=1)
+        print(f"shoal tune: no trial reported --metric {args.metric!r}"
+              f"{f' (did you mean {near[0]!r}?)' if near else f'; the trials reported {reported}'}; the results are "
+              f"in {out}", file=sys.stderr)
+        return 2
     finite = [r for r in rows if isinstance(r[args.metric], (int, float)) and math.isfinite(r[args.metric])]
     best = (max if args.mode == "max" else min)(finite, key=lambda r: r[args.metric]) if finite else None
     print_result({"experiment": str(out), "results": str(out / "results.csv"), "trials": len(rows),

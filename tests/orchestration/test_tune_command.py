@@ -76,3 +76,34 @@ def test_shoal_tune_is_a_command_of_the_cli(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["tune", "--config-file", str(tmp_path / "sweep.yaml")])
     assert exit_.value.code == 2 and "did you mean 'seed'" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_a_metric_of_some_iterations_is_read_from_its_last_report_and_a_misspelt_one_is_named(ray_session, tmp_path,
+                                                                                                 capsys):
+    """Tune was told the metric and failed every trial whose last report lacked it: an evaluation's metric
+    between evaluations, or a misspelt one (a Ray traceback)."""
+    pytest.importorskip("ray.tune", exc_type=ImportError)
+    from orchestration.sweeps import main
+
+    (tmp_path / "sweep.yaml").write_text(SWEEP.replace("iterations: 2", "iterations: 3\neval_every: 2\neval_episodes: 2")
+                                         .replace("[0, 1]", "[0]"))
+    flags = ["--config-file", str(tmp_path / "sweep.yaml"), "--storage", str(tmp_path / "tune"), "--cpus-per-trial",
+             "0.5", "--verbose", "0"]
+    assert main([*flags, "--name", "eval", "--metric", "eval_return_mean"]) == 0
+    rows = json.loads((tmp_path / "tune" / "eval" / "results.json").read_text())
+    assert rows[0]["status"] == "ok" and rows[0]["iterations"] == 3 and rows[0]["eval_return_mean"] > 0
+    capsys.readouterr()
+    assert main([*flags, "--name", "typo", "--metric", "episode_retrun_mean"]) == 2
+    err = capsys.readouterr().err
+    assert "no trial reported --metric 'episode_retrun_mean' (did you mean 'episode_return_mean'?)" in err, err
+    assert "Traceback" not in err
+
+
+def test_an_evaluation_metric_without_evaluations_is_refused_before_any_trial(tmp_path, capsys):
+    from orchestration.sweeps import main
+
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    assert main(["--config-file", str(tmp_path / "sweep.yaml"), "--metric", "eval_return_mean"]) == 2
+    assert "--metric eval_return_mean is reported by evaluations, and the config has eval_every 0" in \
+        capsys.readouterr().err
