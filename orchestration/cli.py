@@ -201,11 +201,7 @@ def _setup_training(argv: list[str], command: str = "train"):
               f"{config.env!r}", file=sys.stderr)
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir)
-    if config.anneal_lr and config.iterations > config.schedule_iterations:  # legal, but rarely what is meant
-        print(f"shoal {command}: the learning rate anneals to 0 at iteration {config.schedule_iterations} "
-              f"(--anneal-iterations{', kept from the run resumed' if resume else ''}), so iterations "
-              f"{config.schedule_iterations + 1}..{config.iterations} will not learn: pass --anneal-iterations "
-              f"{config.iterations} to stretch the schedule, or --no-anneal-lr", file=sys.stderr)
+    note_schedule(command, config, resume)
     if config.backend == "local":
         _import_torchrl_without_ray()
     import torch  # the first heavy import of a training run: after parsing, so --help stays fast
@@ -233,6 +229,15 @@ def _setup_training(argv: list[str], command: str = "train"):
         trainer.close()
         raise
     return trainer, config, resume, progress
+
+
+def note_schedule(command: str, config: TrainConfig, resume: bool) -> None:
+    """Says on stderr when iterations run past the learning rate's annealing horizon (legal, rarely meant)."""
+    if config.anneal_lr and config.iterations > config.schedule_iterations:
+        print(f"shoal {command}: the learning rate anneals to 0 at iteration {config.schedule_iterations} "
+              f"(--anneal-iterations{', kept from the run resumed' if resume else ''}), so iterations "
+              f"{config.schedule_iterations + 1}..{config.iterations} will not learn: pass --anneal-iterations "
+              f"{config.iterations} to stretch the schedule, or --no-anneal-lr", file=sys.stderr)
 
 
 def _defaults(preset: str | None, config_file: str | None) -> TrainConfig:

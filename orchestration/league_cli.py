@@ -59,7 +59,7 @@ def split_league_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple | None]:
     """The run's TrainConfig, the LeagueConfig, whether to show progress and, with ``--resume``, the league's
     checkpoint ``(weights, tensors, state)``; ``--help`` prints both flag sets."""
-    from orchestration.cli import _defaults, _refuse_a_used_run_dir, _run_dir_from, _split_train_args
+    from orchestration.cli import _defaults, _refuse_a_used_run_dir, _run_dir_from, _split_train_args, note_schedule
 
     rest, league_args = split_league_args(argv)
     if "-h" in rest or "--help" in rest:
@@ -86,7 +86,8 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
         state = checkpoint[2]
         if "league" not in state:
             raise ValueError(f"{named} holds no league checkpoint (shoal train --resume continues a training run)")
-        default = load_config(state)
+        saved = load_config(state)
+        default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
         league_default = LeagueConfig(**state["league"]["config"])
         if "--env" not in train_args and (why := imports_code(default.env)):
             raise ValueError(f"the checkpoint names env {default.env!r}; {why}, and an env read from a checkpoint "
@@ -96,6 +97,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
     league = tyro.cli(_LeagueFlags, args=league_args, default=_LeagueFlags(league_default), prog="shoal league").league
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir, "league/checkpoints")
+    note_schedule("league", config, bool(resume))
     return config, league, progress, checkpoint
 
 

@@ -188,7 +188,13 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
              "--checkpoint-every", "1", "--league.league-exploiters", "0", "--league.snapshot-every", "1"]
     main(["league", GAME, "--iterations", "2", "--resume=auto", *flags])  # nothing to resume: it starts
     before = json.loads((tmp_path / "league" / "league.json").read_text())
+    capsys.readouterr()
     main(["league", "--resume=auto", "--iterations", "3", "--run-dir", str(tmp_path)])  # a checkpoint: resumed
+    # the learning rate's schedule goes on as it started (it was stretched to 3 in silence), and that is said
+    assert "anneals to 0 at iteration 2 (--anneal-iterations, kept from the run resumed)" in capsys.readouterr().err
+    from orchestration.run_state import load_config
+
+    assert load_config(load_checkpoint(tmp_path / "players" / "main_0" / "checkpoints")[2]).anneal_iterations == 2
     after = json.loads((tmp_path / "league" / "league.json").read_text())
     assert before["iteration"] == 2 and after["iteration"] == 3
     names = [p["name"] for p in after["players"]]
