@@ -55,7 +55,7 @@ def config_from_mapping(raw: dict[str, Any], base: TrainConfig, where: str) -> T
         raw = {**raw, "collection": json.dumps(raw["collection"])}
     try:
         return config_from_params(base, raw)  # YAML's ``1e-3`` (a string to YAML 1.1) becomes a float
-    except ValueError as error:  # a value of the wrong kind, or one the config's own checks refuse
+    except (ValueError, TypeError) as error:  # a value of the wrong kind, or one the config's own checks refuse
         raise ValueError(f"{where}: {error}") from None
 
 

@@ -71,6 +71,7 @@ def test_help_lists_the_presets(capsys):
     ("backend: rai", "key 'backend' takes one of 'local', 'ray', got 'rai'"),
     ("ppo: {normalize_advantage: 1}", "key 'ppo.normalize_advantage' takes true or false, got 1"),
     ("run_dir: null", "key 'run_dir' takes a string, got None"),
+    ("env_kwargs: [max_steps, 10]", "TrainConfig.env_kwargs must be (name, python literal) pairs"),  # a traceback
 ])
 def test_a_config_file_value_of_the_wrong_kind_is_refused_naming_the_file_and_key(tmp_path, text, named):
     from orchestration.presets import config_from_file
@@ -89,3 +90,7 @@ def test_a_config_file_takes_what_its_fields_allow(tmp_path):
     config = config_from_file(str(tmp_path / "run.yaml"))
     assert (config.lr, config.ppo.clip_eps, config.ray.learner_num_gpus, config.policy.hidden_sizes) == \
         (1.0, 0.1, 0.5, (32, 32)) and isinstance(config.lr, float)
+    # env keywords as a mapping, as TrainConfig takes them from Python (was refused: "takes a list")
+    (tmp_path / "kw.yaml").write_text("env_kwargs: {max_steps: 50, sutton_barto_reward: true}\n")
+    assert config_from_file(str(tmp_path / "kw.yaml")).env_kwargs == (("max_steps", "50"),
+                                                                        ("sutton_barto_reward", "True"))
