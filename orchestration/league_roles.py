@@ -26,7 +26,8 @@ Usage (what ``shoal league`` does)::
     league.close()
 
 Metrics per active player ``P``: ``rating/P`` (Elo), ``win_rate/P`` (this iteration, draws count a half),
-``games/P``, ``opponent/P`` (the opponent's player index) and ``episode_return_mean/P``; ``league/size``,
+``games/P``, ``opponent/P`` (the opponent's player index), ``episode_return_mean/P`` and the player's fragment
+accounting (``fragments_produced/P`` = accepted + stale + lost + in flight, ``env_steps_trained/P``); ``league/size``,
 ``league/resets``, ``time_iteration`` (wall seconds); ``rating/<historical>`` for every snapshot.
 """
 
@@ -199,6 +200,8 @@ class RoleLeague:
                             f"episode_return_mean/{name}": result.get("episode_return_mean", float("nan")),
                             f"env_steps/{name}": float(self.trainers[i].env_steps)})
             metrics[f"matched/{name}/{why}"] = 1.0
+            metrics.update({f"{key.rsplit('/', 1)[-1]}/{name}": value for key, value in result.items()
+                            if key.startswith(("fragments_", f"{self.group}/fragments_", f"{self.group}/env_steps_t"))})
         if a:  # one rating period: each player's games of the iteration count as one match scored by their mean
             # (per-game updates summed over a period of ~100 games against one opponent overshoot and oscillate)
             self.ratings = elo_update(before, torch.tensor(a), torch.tensor(b),

@@ -41,6 +41,9 @@ def test_each_role_plays_the_opponent_it_picked_and_the_league_grows_on_schedule
                 actor = TensorDict.from_module(trainer.fleet.actors[0].policies[OPPONENT])
                 assert (actor == league.weights_of(opponent)).all() or not league.players[opponent].historical
                 assert metrics[f"games/{name}"] > 0
+                accounted = sum(metrics[f"fragments_{k}/{name}"] for k in ("accepted", "stale", "lost", "in_flight"))
+                assert metrics[f"fragments_produced/{name}"] == accounted > 0  # each player's own ledger
+                assert metrics[f"env_steps_trained/{name}"] > 0
                 role = league.players[i].role
                 if role == "league_exploiter":
                     assert league.players[opponent].historical  # only historical players
