@@ -222,7 +222,7 @@ def pretrain_policies_(config: TrainConfig, tree: Tree, assignment: Mapping[str,
     from orchestration.datasets import check_tree, load_dataset
 
     dataset = load_dataset(pc.dataset)
-    check_tree(dataset, tree)
+    check_tree(dataset, tree, path=pc.dataset, env=config.env)
     bc = BCConfig(lr=pc.lr, minibatch_size=pc.minibatch_size)
     return {pid: pretrain_(policies[pid], dataset, bc, steps=pc.steps, groups=groups_of(assignment, pid),
                            seed=config.seed, device=resolve_device(config.device))

@@ -256,11 +256,15 @@ def load_dataset(path: str | Path) -> Dataset:
     return dataset
 
 
-def check_tree(dataset: Dataset, tree: Tree) -> None:
-    """Raises :class:`DatasetError` unless ``dataset`` was recorded in an env of ``tree``."""
-    if to_json(dataset.tree) != to_json(tree):
-        raise DatasetError(dataset.env or "dataset", f"recorded in another tree (groups {sorted(groups(dataset.tree))})"
-                           f" than the env's (groups {sorted(groups(tree))})", key="tree")
+def check_tree(dataset: Dataset, tree: Tree, *, path: str | Path = "", env: str = "") -> None:
+    """Raises :class:`DatasetError` (naming the dataset's ``path``, the env it was recorded in, the run's ``env``
+    and the first difference of the two trees) unless ``dataset`` was recorded in an env of ``tree``."""
+    if (recorded := to_json(dataset.tree)) != (run := to_json(tree)):
+        from adapters.external.messages import tree_difference
+
+        where = tree_difference(json.loads(recorded), json.loads(run), here="in the dataset", there="in the run's env")
+        raise DatasetError(path or dataset.env or "dataset", f"recorded in {dataset.env or 'another env'}, whose tree "
+                           f"differs from {env or 'the run'}'s: {where}", key="tree")
 
 
 def policy_act(policies: Mapping[str, Any], *, deterministic: bool = False, seed: int = 0) -> Act:

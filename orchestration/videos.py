@@ -159,6 +159,11 @@ def record_episodes(config, policies: Mapping[str, Any], assignment: Mapping[str
     if name == "external" or name.startswith(("builtin:", "vmas:")):
         raise _unfilmable(name, "Shoal's built-in envs, VMAS scenarios and external simulators do not render "
                                 "frames here")
+    out = Path(out_dir)
+    try:  # before the env is made: a file in the way, or no permission, is said first
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--video {out_dir}: cannot make that directory ({error.strerror or error})") from None
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame-drawn envs render without a display
     kwargs = {**parse_kwargs(config.env_kwargs), "render_mode": "rgb_array"}
     try:
@@ -166,8 +171,6 @@ def record_episodes(config, policies: Mapping[str, Any], assignment: Mapping[str
                        shared_state=None if config.policy.critic != "local" else False)
     except TypeError as err:
         raise _unfilmable(name, f"its constructor takes no render_mode ({err})") from None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     writer: list[_Writer] = []  # the episode being filmed
 

@@ -137,22 +137,23 @@ def spec_hash(tree_document: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def tree_difference(mine: Any, run: Any, path: str = "") -> str:
+def tree_difference(mine: Any, run: Any, path: str = "", *, here: str = "here", there: str = "in the run's") -> str:
     """The first place where two tree documents (:func:`spec_hash`'s input) differ, e.g. ``at
-    tree/array/template/action/n: 4 here, 3 in the run's``: what a simulator's developer has to change."""
+    tree/array/template/action/n: 4 here, 3 in the run's``: what a simulator's developer has to change
+    (``here`` and ``there`` name the two sides)."""
     if isinstance(mine, dict) and isinstance(run, dict):
         for key in sorted(set(mine) | set(run)):
             if key not in run:
-                return f"{path}{key} is not in the run's tree"
+                return f"{path}{key} is not {there} tree"
             if key not in mine:
-                return f"{path}{key} is missing here"
+                return f"{path}{key} is missing {here}"
             if mine[key] != run[key]:
-                return tree_difference(mine[key], run[key], f"{path}{key}/")
+                return tree_difference(mine[key], run[key], f"{path}{key}/", here=here, there=there)
     if isinstance(mine, list) and isinstance(run, list) and len(mine) == len(run):
         for i, (a, b) in enumerate(zip(mine, run)):
             if a != b:
-                return tree_difference(a, b, f"{path}{i}/")
-    return f"at {path.rstrip('/') or 'the root'}: {json.dumps(mine)[:80]} here, {json.dumps(run)[:80]} in the run's"
+                return tree_difference(a, b, f"{path}{i}/", here=here, there=there)
+    return f"at {path.rstrip('/') or 'the root'}: {json.dumps(mine)[:80]} {here}, {json.dumps(run)[:80]} {there}"
 
 
 # -- field checks (each names the message and field at fault) ---------------------------------------------

@@ -240,7 +240,8 @@ def test_shoal_train_pretrains_on_a_dataset_before_ppo(scripted, tmp_path, monke
         main(["train", "builtin:spread", "--pretrain.dataset", path, "--run-dir", "wrong", *short[:6],
               "--no-progress"])
     assert exit_info.value.code == 2
-    assert "recorded in another tree" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the dataset, both envs and where their trees part
+    assert f"{path} [tree]: recorded in builtin:cartpole, whose tree differs from builtin:spread's: " in err, err
 
 
 @pytest.mark.ray

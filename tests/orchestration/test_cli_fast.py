@@ -117,6 +117,16 @@ def test_an_env_that_does_not_render_is_named_in_one_paragraph(cartpole_checkpoi
     assert not any((tmp_path / "videos").glob("*.*"))
 
 
+def test_a_video_path_that_is_a_file_is_named(cartpole_checkpoint, tmp_path, capsys):
+    from orchestration.cli import main
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as exit_:  # was FileExistsError's traceback
+        main(["evaluate", str(cartpole_checkpoint), "--episodes", "1", "--video", str(tmp_path / "afile")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and "afile: cannot make that directory" in err, err
+
+
 def test_evaluate_films_every_evaluation_env_of_a_collection(tmp_path, capsys, monkeypatch):
     """A collection checkpoint: each evaluation env is filmed into DIR/<env id>/ (not the config's default env),
     with per-env returns; the training-only env is not filmed."""
