@@ -28,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import copy
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,16 @@ class LeagueTrainer:
         if opponent not in trainer.learners or trainer.learners[opponent].learns:
             raise ValueError(f"policy {opponent!r} must be a fixed policy (TrainConfig.fixed_policies); the "
                              f"policies are {sorted(trainer.learners)}")
+        learning = sorted(pid for pid, lrn in trainer.learners.items() if lrn.learns)
+        if learner not in learning:
+            near = difflib.get_close_matches(learner, learning, n=1)
+            raise ValueError(f"learner {learner!r} is no learning policy of the trainer; they are {learning}"
+                             f"{f' (did you mean {near[0]!r}?)' if near else ''}")
         if sampling not in SAMPLINGS:
             raise ValueError(f"unknown opponent sampling {sampling!r}; choose one of {SAMPLINGS}")
+        if not (isinstance(snapshot_every, int) and snapshot_every >= 1):
+            raise ValueError(f"snapshot_every must be an int >= 1 (iterations between two snapshots), got "
+                             f"{snapshot_every!r}")
         self.sampling = sampling
         self.trainer, self.learner, self.opponent = trainer, learner, opponent
         self.snapshot_every, self.pfsp_power = snapshot_every, pfsp_power

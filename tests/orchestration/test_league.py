@@ -66,6 +66,23 @@ def test_league_refuses_a_learning_opponent():
     trainer = build_trainer(config)
     with pytest.raises(ValueError, match="fixed policy"):
         LeagueTrainer(trainer, learner="player", opponent="player")
+    trainer.close()
+
+
+def test_league_refuses_an_unknown_learner_and_no_snapshots_before_any_game():
+    """Both were taken: a misspelt learner counted no games, then failed with a KeyError; snapshot_every=0
+    failed after the first iteration (a modulo by zero)."""
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3", iterations=1, fixed_policies=("opponent",),
+                         policy_mapping=(("player_1", "opponent"),), rollout=RolloutConfig(num_envs=2, fragment_length=8))
+    trainer = build_trainer(config)
+    try:
+        with pytest.raises(ValueError, match=r"learner 'playr' is no learning policy of the trainer; they are "
+                                             r"\['player'\] \(did you mean 'player'\?\)"):
+            LeagueTrainer(trainer, learner="playr", opponent="opponent")
+        with pytest.raises(ValueError, match="snapshot_every must be an int >= 1"):
+            LeagueTrainer(trainer, learner="player", opponent="opponent", snapshot_every=0)
+    finally:
+        trainer.close()
 
 
 def test_snapshots_saved_by_a_league_play_the_same_actions_in_a_new_process(tmp_path):
