@@ -38,6 +38,7 @@ import tyro
 
 from orchestration.config import TrainConfig
 from orchestration.result_line import print_result
+from orchestration.run_notes import note_schedule, note_unused
 from orchestration.signals import Terminated, stop_on_sigterm
 from orchestration.user_errors import is_users_mistake, user_errors
 
@@ -104,7 +105,12 @@ def _seeds(argv: list[str]) -> tuple[list[str], list[int]]:
         raise ValueError(f"--seeds takes whole numbers, got {argv[at + 1:end]}") from None
     if not seeds:
         raise ValueError("--seeds needs at least one seed, e.g. --seeds 0 1 2")
-    return argv[:at] + argv[end:], seeds
+    if len(set(seeds)) < len(seeds):  # the second run of a seed would only repeat the first
+        raise ValueError(f"--seeds {' '.join(map(str, seeds))} names a seed twice: name each once")
+    rest = argv[:at] + argv[end:]
+    if any(a == "--seed" or a.startswith("--seed=") for a in rest):
+        print("shoal train: --seed is not used with --seeds, which gives each run its seed", file=sys.stderr)
+    return rest, seeds
 
 
 def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
@@ -186,16 +192,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]),
                                                      presets=", ".join(preset_names())))
-    for section, unused, what in (("ray", config.backend == "local", "--backend ray only; this run is local"),
-                                  ("external", config.env != "external", f"--env external only; this run trains "
-                                                                           f"{config.env}")):
-        settings = getattr(config, section)
-        changed = [f"--{section}.{f.replace('_', '-')}" for f in settings.__dataclass_fields__
-                   if getattr(settings, f) != getattr(type(settings)(), f)]
-        if unused and changed:  # named, not ignored silently
-            one = len(changed) == 1
-            print(f"shoal {command}: {', '.join(changed)} {'applies' if one else 'apply'} to {what} and does not use "
-                  f"{'it' if one else 'them'}", file=sys.stderr)
+    note_unused(command, config)
     if resume and config.env != default.env:
         print(f"shoal {command} --resume: the run was trained on env {default.env!r} and goes on with --env "
               f"{config.env!r}", file=sys.stderr)
@@ -229,15 +226,6 @@ def _setup_training(argv: list[str], command: str = "train"):
         trainer.close()
         raise
     return trainer, config, resume, progress
-
-
-def note_schedule(command: str, config: TrainConfig, resume: bool) -> None:
-    """Says on stderr when iterations run past the learning rate's annealing horizon (legal, rarely meant)."""
-    if config.anneal_lr and config.iterations > config.schedule_iterations:
-        print(f"shoal {command}: the learning rate anneals to 0 at iteration {config.schedule_iterations} "
-              f"(--anneal-iterations{', kept from the run resumed' if resume else ''}), so iterations "
-              f"{config.schedule_iterations + 1}..{config.iterations} will not learn: pass --anneal-iterations "
-              f"{config.iterations} to stretch the schedule, or --no-anneal-lr", file=sys.stderr)
 
 
 def _defaults(preset: str | None, config_file: str | None) -> TrainConfig:

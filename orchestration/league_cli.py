@@ -59,7 +59,8 @@ def split_league_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple | None]:
     """The run's TrainConfig, the LeagueConfig, whether to show progress and, with ``--resume``, the league's
     checkpoint ``(weights, tensors, state)``; ``--help`` prints both flag sets."""
-    from orchestration.cli import _defaults, _refuse_a_used_run_dir, _run_dir_from, _split_train_args, note_schedule
+    from orchestration.cli import _defaults, _refuse_a_used_run_dir, _run_dir_from, _split_train_args
+    from orchestration.run_notes import note_schedule, note_unused
 
     rest, league_args = split_league_args(argv)
     if "-h" in rest or "--help" in rest:
@@ -97,6 +98,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
     league = tyro.cli(_LeagueFlags, args=league_args, default=_LeagueFlags(league_default), prog="shoal league").league
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir, "league/checkpoints")
+    note_unused("league", config)
     note_schedule("league", config, bool(resume))
     return config, league, progress, checkpoint
 

@@ -376,3 +376,31 @@ def test_plot_draws_only_where_every_run_has_values_and_its_finals_are_where_the
     later = run("later", range(2000, 3001, 500), lambda s: 1.0)
     with pytest.raises(ValueError, match="share no env steps"):
         plot_runs([short, later], tmp_path / "c.png")
+
+
+def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
+    from core.losses import PPOConfig
+    from core.policies import PolicyConfig
+    from orchestration.config import CuriosityConfig, PretrainConfig, TrainConfig
+    from orchestration.run_notes import note_unused
+
+    note_unused("train", TrainConfig(pretrain=PretrainConfig(steps=50), curiosity=CuriosityConfig(lr=0.1),
+                                     ppo=PPOConfig(sequence_length=8, burn_in=4)))
+    err = capsys.readouterr().err
+    assert "--pretrain.steps applies to runs with --pretrain.dataset only; this run has none and does not use it" in err
+    assert "--curiosity.lr applies to --curiosity.coef > 0 only; this run's is 0" in err
+    assert "--ppo.sequence-length, --ppo.burn-in apply to recurrent policies only (--policy.recurrent)" in err
+    note_unused("train", TrainConfig(policy=PolicyConfig(recurrent=True), ppo=PPOConfig(sequence_length=8),
+                                     curiosity=CuriosityConfig(coef=0.1, lr=0.1)))
+    assert capsys.readouterr().err == ""  # used: nothing to say
+
+
+def test_a_seed_named_twice_is_refused_before_any_run_and_a_dropped_seed_is_said(tmp_path, capsys):
+    from orchestration.cli import _seeds, main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "builtin:cartpole", "--iterations", "1", "--run-dir", str(tmp_path / "r"), "--seeds", "0", "0"])
+    assert exit_.value.code == 2 and "--seeds 0 0 names a seed twice" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()  # was: seed 0 trained, then its second run found the directory used
+    assert _seeds(["--seeds", "3", "--seed", "5"]) == (["--seed", "5"], [3])
+    assert "--seed is not used with --seeds" in capsys.readouterr().err

@@ -1,0 +1,39 @@
+"""What a run says on stderr about its own settings before it trains: settings given that it does not use, and
+iterations past the learning rate's annealing horizon (``shoal train``, ``shoal serve``, ``shoal league``)."""
+
+from __future__ import annotations
+
+import sys
+
+from orchestration.config import TrainConfig
+
+
+def note_unused(command: str, config: TrainConfig) -> None:
+    """Names on stderr the settings given (unlike their defaults) that this run does not use: never silently."""
+    every = None
+    for section, unused, what, fields in (
+            ("ray", config.backend == "local", "--backend ray only; this run is local", every),
+            ("external", config.env != "external", f"--env external only; this run trains {config.env}", every),
+            ("pretrain", not config.pretrain.dataset, "runs with --pretrain.dataset only; this run has none", every),
+            ("curiosity", not config.curiosity.enabled, "--curiosity.coef > 0 only; this run's is 0", every),
+            ("ppo", not config.policy.recurrent, "recurrent policies only (--policy.recurrent); this run's is "
+                                                 "feed-forward", ("sequence_length", "burn_in"))):
+        settings = getattr(config, section)
+        changed = [f"--{section}.{f.replace('_', '-')}" for f in fields or settings.__dataclass_fields__
+                   if getattr(settings, f) != getattr(type(settings)(), f)]
+        if unused and changed:
+            one = len(changed) == 1
+            print(f"shoal {command}: {', '.join(changed)} {'applies' if one else 'apply'} to {what} and does not use "
+                  f"{'it' if one else 'them'}", file=sys.stderr)
+
+
+def note_schedule(command: str, config: TrainConfig, resume: bool) -> None:
+    """Says on stderr when iterations run past the learning rate's annealing horizon (legal, rarely meant)."""
+    if config.anneal_lr and config.iterations > config.schedule_iterations:
+        print(f"shoal {command}: the learning rate anneals to 0 at iteration {config.schedule_iterations} "
+              f"(--anneal-iterations{', kept from the run resumed' if resume else ''}), so iterations "
+              f"{config.schedule_iterations + 1}..{config.iterations} will not learn: pass --anneal-iterations "
+              f"{config.iterations} to stretch the schedule, or --no-anneal-lr", file=sys.stderr)
+
+
+__all__ = ["note_schedule", "note_unused"]
