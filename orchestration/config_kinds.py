@@ -86,6 +86,10 @@ def check_fields(config: Any) -> None:
             if isinstance(value, list):
                 value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
             object.__setattr__(config, name, value)
+        pairs = _is_pairs(hint) and isinstance(value, tuple)
+        if pairs and not all(isinstance(p, tuple) and len(p) == 2 for p in value):
+            raise TypeError(f"{where}.{name} takes (name, value) pairs, e.g. (('a', 'b'),), or a dict "
+                            f"{{'a': 'b'}}; got {value!r}")
         if allows(hint, value):
             continue
         if typing.get_origin(hint) is typing.Literal and isinstance(value, str):

@@ -42,6 +42,8 @@ def test_every_field_annotation_resolves(kind):
     (lambda: ExternalConfig(port="8080"), r"ExternalConfig\.port takes an int"),
     (lambda: InferenceConfig(device=0), r"InferenceConfig\.device takes a str, got 0 \(an int\)"),
     (lambda: CuriosityConfig(coef="0.1"), r"CuriosityConfig\.coef takes a float"),
+    (lambda: TrainConfig(policy_mapping=("player_1", "random")),  # a flat pair: was dict()'s "element #0" error
+     r"TrainConfig\.policy_mapping takes \(name, value\) pairs"),
 ])
 def test_a_value_of_another_kind_names_its_field(build, message):
     with pytest.raises(TypeError, match=message):
