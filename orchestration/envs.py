@@ -110,13 +110,16 @@ def _parameters(name: str) -> dict[str, Any]:
 
             creator = gymnasium.spec(name).entry_point
             creator = load_env_creator(creator) if isinstance(creator, str) else creator
+        made: dict[str, Any] = {}
+        if ":" not in name:  # gymnasium.make's own keywords (max_episode_steps, ...) come with every id
+            made = {p: None for p in inspect.signature(gymnasium.make).parameters if p not in ("id", "kwargs")}
         if creator is None:
-            return {}
+            return made
         try:
             hints = typing.get_type_hints(creator.__init__ if inspect.isclass(creator) else creator)
         except Exception:  # noqa: BLE001 - annotations that do not resolve: names only
             hints = {}
-        return {p: hints.get(p) for p in inspect.signature(creator).parameters if p != "self"}
+        return {**made, **{p: hints.get(p) for p in inspect.signature(creator).parameters if p != "self"}}
     except Exception:  # noqa: BLE001 - a hint only: no signature, no hint
         return {}
 

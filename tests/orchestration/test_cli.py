@@ -166,6 +166,8 @@ def cartpole_run(tmp_path_factory):
     (["train", "builtin:spread", "--env-kwargs", "capcity", "3"],
      "env 'builtin:spread': --env-kwargs capcity is not a keyword it takes (did you mean 'capacity'?)"),
     (["train", "CartPole-v1", "--env-kwargs", "render_mod", "human"], "(did you mean 'render_mode'?)"),
+    (["train", "CartPole-v1", "--env-kwargs", "max_episode_step", "10"],  # gymnasium.make's, not the env's
+     "(did you mean 'max_episode_steps'?)"),
     (["train", "builtin:cartpole", "--env-kwargs", "max_steps", "abc"],
      "--env-kwargs max_steps 'abc' is a str, but max_steps takes an int"),
     (["train", "CartPole-v1", "--env-kwargs", "sutton_barto_reward", "yes"],
