@@ -172,8 +172,11 @@ def resolve(path: str | Path) -> Path:
         return complete[-1]
     if (path / "checkpoints").is_dir():  # a run's directory, named instead of its checkpoints
         return resolve(path / "checkpoints")
+    base = path.parent if path.name == "checkpoints" else path  # the directory of a --seeds run holds runs
+    seeds = sorted(p.name for p in base.glob("seed_*") if (p / "checkpoints").is_dir()) if base.is_dir() else []
+    runs = f"; {base} holds the runs of --seeds ({', '.join(seeds)}): name one, e.g. {base / seeds[0]}" if seeds else ""
     raise FileNotFoundError(f"no checkpoint at {path}: neither a checkpoint directory (state.json) nor a "
-                            f"checkpoint root with complete '{_PREFIX}*' directories")
+                            f"checkpoint root with complete '{_PREFIX}*' directories{runs}")
 
 
 MAX_JSON_BYTES = 64 << 20

@@ -213,6 +213,10 @@ def test_seeds_into_a_run_dir_check_every_seed_before_training_any(tmp_path, mon
         main(["train", *ARGS, "--iterations", "1", "--seeds", "0", "1", "--config-file", str(tmp_path / "run.yaml")])
     assert exit_.value.code == 2 and "seed_1 holds a run already" in capsys.readouterr().err
     assert not (tmp_path / "base" / "seed_0").exists()
+    with pytest.raises(SystemExit) as exit_:  # --resume on the directory of the seeds' runs: name one of them
+        main(["train", "--resume", "--run-dir", str(tmp_path / "base")])
+    assert f"base holds the runs of --seeds (seed_1): name one, e.g. {tmp_path / 'base' / 'seed_1'}" in \
+        capsys.readouterr().err
 
 
 def test_zero_iterations_is_a_valid_run(tmp_path, monkeypatch):
