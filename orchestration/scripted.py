@@ -78,7 +78,14 @@ class ScriptedPolicy(torch.nn.Module):
         """The uniform policy's outputs with the function's actions (``[E, A]``, checked)."""
         out = dict(self.policy.act_step(obs, shared, generator, deterministic, None, None, with_value, with_log_prob))
         expected = out[ACTION]
-        actions = torch.as_tensor(self.act(obs[OBSERVATION], obs.get(ACTION_MASK, None)))
+        observation = obs[OBSERVATION]
+        try:
+            actions = torch.as_tensor(self.act(observation, obs.get(ACTION_MASK, None)))
+        except Exception as err:  # a player written for another env, most often: said with what it was given
+            name = f"{getattr(self.act, '__module__', '?')}:{getattr(self.act, '__qualname__', self.act)}"
+            raise ValueError(f"scripted player {name} of group {self.group_name!r} failed on observations of shape "
+                             f"{tuple(observation.shape)} ([envs, agents, ...]): {type(err).__name__}: {err}. Is it "
+                             f"written for this env?") from err
         if actions.shape != expected.shape:
             raise ValueError(f"scripted player of group {self.group_name!r} returned actions of shape "
                              f"{tuple(actions.shape)}; the group needs {tuple(expected.shape)} ([envs, agents])")

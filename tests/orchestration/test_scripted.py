@@ -49,6 +49,13 @@ def test_a_scripted_policy_acts_with_the_function_and_checks_its_shape():
     with pytest.raises(ValueError, match="group 'player'.*shape \\(3,\\)"):
         ScriptedPolicy(policy, lambda o, m: torch.zeros(3)).act_step(inputs, None, torch.Generator(), with_value=False)
 
+    def tictactoe(observation, mask):  # a player of another game: its reshape fails on connect four's board
+        return observation.reshape(-1, 5, 5).sum((1, 2))
+
+    with pytest.raises(ValueError, match=r"scripted player .*tictactoe of group 'player' failed on observations of "
+                                         r"shape \(3, 2, 6, 7, 2\).*RuntimeError: shape .*this env\?"):
+        ScriptedPolicy(policy, tictactoe).act_step(inputs, None, torch.Generator(), with_value=False)
+
 
 def test_a_scripted_player_is_named_module_colon_function_or_refused_by_name():
     with pytest.raises(ValueError, match="MODULE:FUNCTION"):
