@@ -67,8 +67,9 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     if env is None and (why := imports_code(config.env)):
         raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "
                          f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
-    if env is not None:  # an env named here replaces the checkpoint's env and its collection
-        config = dataclasses.replace(config, env=env, collection=None)
+    if env is not None and env != config.env:  # it replaces the checkpoint's env and its collection: same tree?
+        trained_on, config = config.env, dataclasses.replace(config, env=env, collection=None)
+        _check_same_tree(config, state["tree"], trained_on)
     if opponent is not None:
         from orchestration.matches import play_seats
 
@@ -116,3 +117,24 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     print_result({"checkpoint": str(checkpoint), "episodes": episodes, **results,
                   **({"videos": [str(v) for v in videos]} if videos is not None else {})})
     return results["eval_return_mean"]
+
+
+def _check_same_tree(config, saved_tree: str, trained_on: str) -> None:
+    """Raises ValueError naming ``--env`` and the first difference unless its tree is the checkpoint's."""
+    import json
+
+    from adapters.external.messages import tree_difference
+    from core.specs import to_json
+    from orchestration.envs import make_run_env
+
+    probe = make_run_env(config, 1)
+    try:
+        tree = to_json(probe.tree)
+    finally:
+        probe.close()
+    if tree != saved_tree:
+        where = tree_difference(json.loads(tree), json.loads(saved_tree), here=f"in {config.env}",
+                                there=f"in {trained_on}")
+        raise ValueError(f"--env {config.env}: the checkpoint's policies were trained on {trained_on}, whose "
+                         f"observations and actions differ: {where}")
+

@@ -354,6 +354,16 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
     assert (tmp_path / "g" / "config.json").read_text() == saved
 
 
+def test_evaluate_on_an_env_of_another_tree_names_it_and_the_difference(cartpole_run, capsys):
+    from orchestration.cli import main
+
+    with pytest.raises(SystemExit) as exit_:  # was: "group agent: observation: shape (4, 1, 3) does not end with"
+        main(["evaluate", str(cartpole_run), "--env", "Pendulum-v1", "--episodes", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--env Pendulum-v1: the checkpoint's policies were trained on builtin:cartpole, " \
+        "whose observations and actions differ: at " in err and "Traceback" not in err, err
+
+
 def test_a_run_directory_names_its_checkpoints(cartpole_run, capsys):
     from orchestration.cli import main
 
