@@ -206,7 +206,8 @@ def build_evaluator(config: TrainConfig, policies: Mapping[str, GroupPolicy], as
 
 
 def pretrain_policies_(config: TrainConfig, tree: Tree, assignment: Mapping[str, GroupAssignment],
-                       policies: Mapping[str, GroupPolicy], fixed: Collection[str]) -> dict[str, list[dict[str, float]]]:
+                       policies: Mapping[str, GroupPolicy],
+                       fixed: Collection[str]) -> dict[str, list[dict[str, float]]]:
     """Behaviour-clones ``config.pretrain.dataset`` into every learning policy in place (each on the recorded
     agents of its groups), before learners and actors copy the modules; returns each policy's reports (none
     without a dataset).
@@ -225,7 +226,7 @@ def pretrain_policies_(config: TrainConfig, tree: Tree, assignment: Mapping[str,
     check_tree(dataset, tree, path=pc.dataset, env=config.env)
     bc = BCConfig(lr=pc.lr, minibatch_size=pc.minibatch_size)
     return {pid: pretrain_(policies[pid], dataset, bc, steps=pc.steps, groups=groups_of(assignment, pid),
-                           seed=config.seed, device=resolve_device(config.device))
+                           seed=config.seed, device=resolve_device(config.device), policy_id=pid)
             for pid in sorted(set(policies) - set(fixed))}
 
 

@@ -155,7 +155,8 @@ class BCLearner:
                  groups: Mapping[str, torch.Tensor | None] | None = None, policy_id: str = "policy", seed: int = 0,
                  device: str | torch.device = "cpu") -> None:
         if policy.recurrent:
-            raise ValueError(f"policy {policy_id!r} is recurrent: behaviour cloning here trains feed-forward policies")
+            raise ValueError(f"policy {policy_id!r} is recurrent (--policy.recurrent): behaviour cloning here "
+                             f"(--pretrain.dataset) trains feed-forward policies")
         self.config = config if config is not None else BCConfig()
         self.groups = dict(groups) if groups is not None else {policy.group_name: None}
         unknown = set(self.groups) - set(tree_groups(dataset.tree))
@@ -343,7 +344,8 @@ def start_from_(learner, weights: TensorDictBase) -> int:
 
 def pretrain_(policy: GroupPolicy, dataset: Dataset, config: BCConfig | None = None, *, steps: int,
               groups: Mapping[str, torch.Tensor | None] | None = None, until: Until | None = None, seed: int = 0,
-              device: str | torch.device = "cpu", report_every: int = 100) -> list[dict[str, float]]:
+              device: str | torch.device = "cpu", report_every: int = 100,
+              policy_id: str = "policy") -> list[dict[str, float]]:
     """Behaviour-clones ``dataset`` into ``policy`` in place (:class:`BCLearner` for ``steps`` steps or until
     ``until``), leaving the module on the device it came from; returns the reports.
 
@@ -351,7 +353,7 @@ def pretrain_(policy: GroupPolicy, dataset: Dataset, config: BCConfig | None = N
     :func:`orchestration.builder.build_policies`, before the learners and actors copy it (module docstring).
     """
     home = next(policy.parameters()).device
-    learner = BCLearner(policy, dataset, config=config, groups=groups, seed=seed, device=device)
+    learner = BCLearner(policy, dataset, config=config, groups=groups, seed=seed, device=device, policy_id=policy_id)
     reports = list(learner.run(steps, until, report_every=report_every))
     policy.to(home)
     return reports

@@ -242,6 +242,10 @@ def test_shoal_train_pretrains_on_a_dataset_before_ppo(scripted, tmp_path, monke
     assert exit_info.value.code == 2
     err = capsys.readouterr().err  # the dataset, both envs and where their trees part
     assert f"{path} [tree]: recorded in builtin:cartpole, whose tree differs from builtin:spread's: " in err, err
+    with pytest.raises(SystemExit):  # the policy by its id and both flags (it said "policy 'policy'")
+        main(["train", ENV, "--pretrain.dataset", path, "--policy.recurrent", "--run-dir", "memory", *short])
+    err = capsys.readouterr().err
+    assert "policy 'agent' is recurrent (--policy.recurrent): behaviour cloning here (--pretrain.dataset)" in err
 
 
 @pytest.mark.ray
