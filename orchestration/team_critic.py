@@ -95,7 +95,7 @@ def teams_for(config, tree: Tree, assignment: Mapping[str, Any], learning: Colle
                       "use --ray.learners-per-policy 1")):
         if bad:
             raise ValueError(f"{flag} {why}.")
-    specs, teams, seen = groups(tree), [], []
+    specs, teams, seen, mates = groups(tree), [], [], []
     for path in dict.fromkeys(s.population_path for s in specs.values()):
         names = tuple(g for g, s in specs.items() if s.population_path == path)
         pids = tuple(dict.fromkeys(p for g in names for p in assignment[g].policies if p in learning))
@@ -104,11 +104,15 @@ def teams_for(config, tree: Tree, assignment: Mapping[str, Any], learning: Colle
                     f"{list(pids)})")
         if payoff != "zero_sum" and len(pids) >= 2:
             teams.append(Team(path, names, pids))
+        elif payoff != "zero_sum":
+            mates += [a for g in names for a in specs[g].agent_names]
     if not teams:
+        how = (f"Map the team's agents to different policies (e.g. --policy-mapping {mates[0]} a {mates[1]} b) or, "
+               f"for one shared policy, use --policy.critic central (or joint) instead" if len(mates) >= 2 else
+               "A team is two or more agents of a population that is not zero-sum, and this env has none")
         raise ValueError(f"{flag}: the env has no team to share a critic: a team is a population that is not "
                          f"zero-sum with at least two learning policies acting in it, and here there are "
-                         f"{'; '.join(seen)}. Map the team's agents to different policies (e.g. --policy-mapping "
-                         f"agents_0 a agents_1 b) or, for one shared policy, use --policy.critic central (or joint) instead.")
+                         f"{'; '.join(seen)}. {how}.")
     return teams
 
 

@@ -179,7 +179,9 @@ def test_state_round_trips_into_a_fresh_critic():
     ({"policy_mapping": ()}, r"--team-critic.enabled: the env has no team .*population '\(root\)' \(cooperative, "
                              r"groups \['agents'\], learning policies \['agents'\]\).*--policy.critic central"),
     ({"policy_mapping": (("agents_0", "a"), ("agents_1", "random"), ("agents_2", "random"))},
-     r"learning policies \['a'\]\)"),
+     r"learning policies \['a'\]\).*--policy-mapping agents_0 a agents_1 b"),
+    ({"env": "pettingzoo:classic.connect_four_v3", "env_kwargs": (), "policy_mapping": ()},  # named agents_0 too
+     r"\(zero_sum, .*this env has none\.$"),
     ({"curiosity": CuriosityConfig(coef=0.5)}, r"--team-critic.enabled cannot be combined with --curiosity.coef"),
     ({"policy": PolicyConfig(recurrent=True, recurrent_critic=True)}, r"drop --policy.recurrent-critic"),
     ({"policy": PolicyConfig(scale_rewards=True)}, r"--policy.scale-rewards"),
