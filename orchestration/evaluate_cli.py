@@ -39,8 +39,9 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         env: the env to play in, instead of the checkpoint's env or collection (default: the checkpoint's,
             unless naming it would import a module: an env read from a checkpoint never imports code).
         threads: torch CPU threads (1 is fastest for small networks on a shared machine).
-        opponent: ``random``, a scripted player ``scripted:MODULE:FUNCTION`` (:mod:`orchestration.scripted`) or
-            another checkpoint (same tree) playing every seat but the evaluated one.
+        opponent: ``random``, a scripted player ``scripted:MODULE:FUNCTION`` (:mod:`orchestration.scripted`),
+            another checkpoint (same tree) or a league snapshot (``league/pool/NAME``) playing every seat but the
+            evaluated one.
         seats: the agents the checkpoint plays, one at a time (default: every agent).
         sample: the checkpoint's policy samples instead of acting with its mode (the opponent always samples).
         video: a directory to write a video of every episode into (one env, whatever ``num_envs`` says).

@@ -2,13 +2,15 @@
 
 For each seat (an agent of the tree), the checkpoint's policy plays that seat and the opponent plays every
 other agent: ``random`` (uniform over legal actions), a scripted player ``scripted:MODULE:FUNCTION``
-(:mod:`orchestration.scripted`) or another checkpoint of the same tree (its policies on their own seats). Results per seat: win, draw and loss rates with Wilson 95% intervals (zero-sum returns:
+(:mod:`orchestration.scripted`), another checkpoint of the same tree (its learning policy), or a league's
+snapshot (a historical player of ``league/pool/``). Results per seat: win, draw and loss rates with Wilson 95% intervals (zero-sum returns:
 win > 0, draw 0, loss < 0), plus the mean return. The checkpoint's policy acts with its mode unless
 ``sample``; the opponent always samples (two deterministic players would replay one game).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from pathlib import Path
@@ -51,24 +53,31 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
     unknown = [s for s in seats if s not in agents]
     if unknown:
         raise ValueError(f"unknown seats {unknown}: the tree's agents are {agents}")
-    other, scripted = None, None
+    other, scripted, snapshot = None, None, None
     if opponent.startswith("scripted:"):
         from orchestration.scripted import load_function
 
         scripted = load_function(opponent)
+    elif (Path(opponent) / "snapshot.json").is_file():  # a league's historical player (league/pool/NAME)
+        from core.specs import to_json
+        from orchestration.snapshots import load_snapshot
+
+        snapshot = load_snapshot(opponent)
+        if to_json(snapshot.tree) != to_json(from_json(state["tree"])):
+            raise ValueError(f"opponent snapshot {opponent!r} was saved from another tree than {checkpoint!r}")
     elif opponent != "random":
         if not Path(opponent).exists():
             from core.envsets.ids import hint
 
             raise ValueError(f"--opponent {opponent!r} is no checkpoint{hint(opponent, ['random'])}: it takes random, "
-                             f"scripted:MODULE:FUNCTION or a checkpoint directory")
+                             f"scripted:MODULE:FUNCTION, a checkpoint directory or a league snapshot (league/pool/*)")
         other_weights, _, other_state = load_checkpoint(opponent)
         if other_state["tree"] != state["tree"]:
             raise ValueError(f"opponent checkpoint {opponent!r} was trained on another tree than {checkpoint!r}")
         other = (other_weights, assignment_for(load_config(other_state), tree))
     out = {}
     for seat in seats or agents:
-        foe = "random" if other is None and scripted is None else OPPONENT
+        foe = "random" if other is None and scripted is None and snapshot is None else OPPONENT
         seat_config = dataclasses.replace(
             config, policy_mapping=tuple((a, foe) for a in agents if a != seat),
             fixed_policies=(OPPONENT,) if foe == OPPONENT else ())
@@ -78,6 +87,8 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
             from orchestration.scripted import ScriptedPolicy
 
             policies[OPPONENT] = ScriptedPolicy(policies[OPPONENT], scripted)
+        if snapshot is not None:  # its own architecture, whatever the checkpoint's config says
+            policies[OPPONENT] = copy.deepcopy(snapshot.policy)
         group, _ = agent_index(tree)[seat]
         mine = assignment[group].main_policy if assignment[group].single else _policy_of(assignment, group, seat,
                                                                                          agents, foe)

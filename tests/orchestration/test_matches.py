@@ -74,3 +74,19 @@ def test_the_learning_policy_plays_the_seats_a_fixed_one_played_in_training(conn
     nobody_learns = TrainConfig(env=env, policy_mapping=two_learners.policy_mapping, fixed_policies=("a", "b"))
     with pytest.raises(ValueError, match="seat 'player_1' was played by the fixed policy 'b'.*no learning policy"):
         checkpoint_policy(nobody_learns, tree, "player_1")
+
+
+def test_a_league_snapshot_is_an_opponent(connect_four, tmp_path):
+    """A historical player of a league's pool (a snapshot, not a checkpoint) plays the other seats."""
+    from core.policies import PolicyConfig, make_policies
+    from core.specs import from_json
+    from orchestration.checkpoint import load_checkpoint
+    from orchestration.snapshots import save_snapshot
+
+    tree = from_json(load_checkpoint(connect_four)[2]["tree"])
+    small = PolicyConfig(hidden_sizes=(8,))  # its own architecture, not the checkpoint's
+    snap = save_snapshot(tmp_path / "main_0-at-0", make_policies(tree, small)["player"], tree, group="player",
+                         policy_id="main_0@0", version=0, config=small)
+    seats = play_seats(connect_four, str(snap), episodes=4, seats=("player_0",),
+                       env="pettingzoo:classic.connect_four_v3")
+    assert seats["player_0"]["games"] == 4
