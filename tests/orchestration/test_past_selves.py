@@ -194,3 +194,20 @@ def test_connect_four_self_play_beats_a_random_player_from_both_seats():
     seats = play_seats(str(path), "random", episodes=100, env=config.env)
     wins = {seat: result["win"] for seat, result in seats.items()}
     assert min(wins.values()) >= 0.9, wins
+
+
+def test_past_selves_set_where_none_can_play_is_warned_not_dropped():
+    import warnings
+
+    from orchestration.builder import build_trainer
+    from orchestration.config import RolloutConfig, TrainConfig
+
+    asked = PastSelvesConfig(fraction=0.9)
+    small = RolloutConfig(num_envs=2, fragment_length=4)
+    for config in (TrainConfig(env="builtin:spread", past_selves=asked, rollout=small),  # cooperative: no seats
+                   _connect_four(past_selves=asked, policy_mapping=(("player_1", "random"),))):  # a split group
+        with pytest.warns(UserWarning, match="--past-selves.* is set, and no policy of this run plays every seat"):
+            build_trainer(config).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_trainer(_connect_four(past_selves=asked)).close()  # self-play: they play
