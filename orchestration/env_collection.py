@@ -164,12 +164,16 @@ def probe_members(config, collection: EnvCollection):
     """Builds every member once (one env each) and returns their common tree.
 
     Raises:
-        ValueError: two members with different trees (both ids and the first differing key named), or a
-            prior over an env that cannot draw per-episode parameters.
+        ValueError: two members with different trees (both ids and the first differing key named), a member that
+            cannot be built (its id named: a keyword its env does not take, ...), or a prior over an env that
+            cannot draw per-episode parameters.
     """
     first, tree = None, None
     for env_id in collection.ids:
-        env = make_run_env(member_config(config, collection, env_id), 1)
+        try:
+            env = make_run_env(member_config(config, collection, env_id), 1)
+        except ValueError as err:  # a member's kwargs are the collection's, not --env-kwargs
+            raise ValueError(f"collection env {env_id!r}: {str(err).replace('--env-kwargs ', 'kwargs ')}") from None
         try:
             if tree is None:
                 first, tree = env_id, env.tree

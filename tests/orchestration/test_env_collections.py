@@ -205,6 +205,10 @@ def test_members_with_different_trees_are_refused_naming_both_ids_and_the_first_
     doc["members"]["large"] = "builtin:cartpole"
     with pytest.raises(ValueError, match=r"'small' \(builtin:spread\) and 'large' \(builtin:cartpole\)"):
         build_trainer(config(json.dumps(doc)))
+    doc["members"]["large"] = {"env": "builtin:spread", "kwargs": {"capcity": 2}}  # a key of the file, not a flag
+    with pytest.raises(ValueError, match=r"^collection env 'large': env 'builtin:spread': kwargs capcity is not a "
+                                         r"keyword it takes \(did you mean 'capacity'\?\)"):
+        build_trainer(config(json.dumps(doc)))
 
 
 @pytest.mark.parametrize("which", ["curriculum", "prior"])
