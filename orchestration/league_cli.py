@@ -99,6 +99,9 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir, "league/checkpoints")
     note_unused("league", config)
+    if config.past_selves != default.past_selves:  # flags gave them (a preset's for self-play are not news)
+        print("shoal league: --past-selves.* does not apply to a league, whose players play its players",
+              file=sys.stderr)
     note_schedule("league", config, bool(resume))
     return config, league, progress, checkpoint
 

@@ -46,7 +46,7 @@ from tensordict import TensorDictBase
 from core.matchmaking import ROLES, Roster, choose_opponent, exploiter_done, grow, record_games
 from core.ratings import INITIAL, elo_update, score_from_return
 from core.specs import groups, to_json
-from orchestration.config import TrainConfig
+from orchestration.config import PastSelvesConfig, TrainConfig
 from orchestration.league_config import LeagueConfig
 
 OPPONENT = "opponent"
@@ -119,9 +119,9 @@ class RoleLeague:
             self._shutdown = init_ray_for(config, len(league.roles))
         try:
             for i, role in enumerate(league.roles):
-                self.trainers.append(build(dataclasses.replace(
+                self.trainers.append(build(dataclasses.replace(  # its opponents are the league's players: no
                     config, seed=config.seed + 1000 * i, policy_mapping=mapping, fixed_policies=(OPPONENT,),
-                    eval_every=0, run_dir="")))
+                    eval_every=0, run_dir="", past_selves=PastSelvesConfig())))  # past selves (never used here)
         except BaseException:
             self.close()
             raise

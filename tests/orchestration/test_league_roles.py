@@ -189,7 +189,8 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
 
     flags = ["--rollout.num-envs", "4", "--rollout.fragment-length", "16", "--run-dir", str(tmp_path),
              "--checkpoint-every", "1", "--league.league-exploiters", "0", "--league.snapshot-every", "1"]
-    main(["league", GAME, "--iterations", "2", "--resume=auto", *flags])  # nothing to resume: it starts
+    main(["league", GAME, "--iterations", "2", "--resume=auto", *flags, "--past-selves.fraction", "0.9"])  # starts
+    assert "--past-selves.* does not apply to a league" in capsys.readouterr().err  # said, not dropped
     before = json.loads((tmp_path / "league" / "league.json").read_text())
     capsys.readouterr()
     main(["league", "--resume=auto", "--iterations", "3", "--run-dir", str(tmp_path)])  # a checkpoint: resumed
