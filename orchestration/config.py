@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from core.losses import PPOConfig
 from core.policies import PolicyConfig
-from orchestration.config_kinds import check_fields
+from orchestration.config_kinds import check_fields, field_hints
 from orchestration.external_config import ExternalConfig
 from orchestration.team_critic_config import TeamCriticConfig
 
@@ -364,12 +364,10 @@ class TrainConfig:
         """What Python callers get wrong before any value is read: a dict for a nested config (named with its
         class), a value of another kind than its field's (:func:`check_fields`), a misspelled backend;
         ``env_kwargs`` may be a dict (kept as its ``(name, repr)`` pairs), ``loggers`` one name."""
-        for f in dataclasses.fields(self):
-            if f.default_factory is dataclasses.MISSING:
-                continue
-            kind, value = type(f.default_factory()), getattr(self, f.name)
+        for name, kind in field_hints(TrainConfig).items():
+            value = getattr(self, name)
             if dataclasses.is_dataclass(kind) and not isinstance(value, kind):
-                raise TypeError(f"TrainConfig.{f.name} must be a {kind.__name__}, got a {type(value).__name__}"
+                raise TypeError(f"TrainConfig.{name} must be a {kind.__name__}, got a {type(value).__name__}"
                                 f"{f' (write {kind.__name__}(**{value!r}))' if isinstance(value, dict) else ''}")
         pairs = self.env_kwargs.items() if isinstance(self.env_kwargs, Mapping) else self.env_kwargs
         if not isinstance(pairs, (tuple, list, type({}.items()))) or not all(

@@ -79,15 +79,16 @@ def check_fields(config: Any) -> None:
         ValueError: a ``Literal`` field given another value, with the nearest choice.
     """
     where = type(config).__name__
-    for name, hint in field_hints(type(config)).items():
+    for name, hint, plain, tuples, pairs in _plan(type(config)):
         value = getattr(config, name)
-        if _is_tuple(hint) and isinstance(value, (list, Mapping)):
-            value = tuple(value.items()) if isinstance(value, Mapping) and _is_pairs(hint) else value
+        if plain is not None and type(value) in plain:  # the common case, at the cost of one lookup
+            continue
+        if tuples and isinstance(value, (list, Mapping)):
+            value = tuple(value.items()) if isinstance(value, Mapping) and pairs else value
             if isinstance(value, list):
                 value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
             object.__setattr__(config, name, value)
-        pairs = _is_pairs(hint) and isinstance(value, tuple)
-        if pairs and not all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        if pairs and isinstance(value, tuple) and not all(isinstance(p, tuple) and len(p) == 2 for p in value):
             raise TypeError(f"{where}.{name} takes (name, value) pairs, e.g. (('a', 'b'),), or a dict "
                             f"{{'a': 'b'}}; got {value!r}")
         if allows(hint, value):
@@ -99,6 +100,17 @@ def check_fields(config: Any) -> None:
             raise ValueError(f"{where}.{name} must be {' or '.join(map(repr, choices))}, got {value!r}{hint_text}")
         got = "" if value is None else f" ({PYTHON_WORDS.get(type(value), f'a {type(value).__name__}')})"
         raise TypeError(f"{where}.{name} takes {describe(hint, PYTHON_WORDS)}, got {value!r}{got}")
+
+
+_PLAIN = {int: (int,), float: (float, int), str: (str,), bool: (bool,)}
+
+
+@functools.cache
+def _plan(kind: type) -> tuple[tuple[str, Any, tuple[type, ...] | None, bool, bool], ...]:
+    """Per field of ``kind``: its name, annotation, the exact types it takes without a further check (plain
+    annotations only), and whether it is a tuple, a tuple of pairs."""
+    return tuple((name, hint, _PLAIN.get(hint), _is_tuple(hint), _is_pairs(hint))
+                 for name, hint in field_hints(kind).items())
 
 
 def _is_tuple(hint: Any) -> bool:
