@@ -69,11 +69,16 @@ class PastSelves:
 
     def load_weights_(self, version: int, weights: TensorDictBase, force: bool = False) -> None:
         """Loads the newest weights (at a fragment boundary), adds a snapshot when one is due, and draws the past
-        self of the next fragment. A forced load of the version it holds (a Ray sampler's first load) only loads:
-        no draw, so a run takes the same past selves on every backend."""
+        self of the next fragment. A forced load of the version it holds (a Ray sampler's first load) draws
+        nothing, and makes these weights the pool's initial ones, so a run takes the same past selves on every
+        backend."""
         with torch.no_grad():
             TensorDict.from_module(self.policy).update_(weights)
         if force and int(version) == self.version:
+            if len(self.pool) == 1 and self.pool[0][0] == self.version:  # the initial weights are the learner's
+                self.pool[0] = (self.version, self.weights())  # (a Ray worker built its module unseeded)
+                with torch.no_grad():
+                    TensorDict.from_module(self.opponent).update_(self.pool[0][1])
             return
         self.version = int(version)
         if self.version - self.pool[-1][0] >= self.config.snapshot_every:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from core.layout import ACTION, MASK, OBSERVATION
 from core.policies import make_policies
@@ -71,6 +72,19 @@ def test_the_pool_grows_every_snapshot_every_versions_and_keeps_the_initial_weig
     assert [v for v, _ in stand_in.pool] == [0, 15, 20]
     assert all(torch.equal(initial[k], stand_in.pool[0][1][k]) for k in initial.keys(True, True))
     assert stand_in.opponent_version in (0, 15, 20)
+
+
+def test_a_forced_load_of_the_initial_version_makes_those_weights_the_initial_past_self():
+    """A Ray worker builds its module from its own (unseeded) generator, then is sent the learner's version 0:
+    the pool's first past self and the acting opponent must be those weights, and no draw is made."""
+    stand_in = _stand_in(0.5)
+    learners = stand_in.weights().apply(lambda t: t + 1.0)  # version 0 as the learner holds it
+    draws = stand_in.generator.get_state()
+    stand_in.load_weights_(0, learners, force=True)
+    opponent = TensorDict.from_module(stand_in.opponent)
+    for key in learners.keys(True, True):
+        assert torch.equal(stand_in.pool[0][1][key], learners[key]) and torch.equal(opponent[key], learners[key])
+    assert len(stand_in.pool) == 1 and torch.equal(stand_in.generator.get_state(), draws)
 
 
 def test_state_round_trip_continues_with_the_same_seats_pool_and_draws():
