@@ -68,9 +68,11 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     if env is None and (why := imports_code(config.env)):
         raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "
                          f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
-    if env is not None and env != config.env:  # it replaces the checkpoint's env and its collection: same tree?
-        trained_on, config = config.env, dataclasses.replace(config, env=env, collection=None)
-        _check_same_tree(config, state["tree"], trained_on)
+    if env is not None:  # it replaces the checkpoint's env and its collection: is its tree the checkpoint's?
+        trained_on = "its collection's envs" if config.collection else config.env
+        changed, config = env != config.env or config.collection, dataclasses.replace(config, env=env, collection=None)
+        if changed:
+            _check_same_tree(config, state["tree"], trained_on)
     if opponent is not None:
         from orchestration.matches import play_seats
 

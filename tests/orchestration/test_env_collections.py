@@ -292,6 +292,10 @@ def test_shoal_evaluate_plays_every_evaluation_env_of_a_collection_checkpoint(tm
         assert 0 < out[f"eval_return_mean/env:{env_id}"] <= cap and f"eval_return_std/env:{env_id}" in out
     assert "eval_return_mean/env:a" not in out
     assert out["eval_return_mean"] == pytest.approx((out["eval_return_mean/env:t1"] + out["eval_return_mean/env:t2"]) / 2)
+    # --env names the env to play, even the one the run's config kept beside its collection (CartPole-v1)
+    main(["evaluate", "run/checkpoints", "--episodes", "2", "--num-envs", "2", "--env", "CartPole-v1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["episodes"] == 2 and not any("/env:" in key for key in out)
 
     import dataclasses
 
