@@ -277,13 +277,17 @@ class PollingActor:
 
         Raises:
             RuntimeError: this actor has stepped already.
-            ValueError: the state is of other streams (other worker ids or process count).
+            ValueError: the state is of other streams (other worker ids or process count, or envs per stream).
         """
         if self.env_steps or self.env.in_flight or any(len(s.builder) for s in self.streams):
             raise RuntimeError("load_state_() restores a freshly built PollingActor, before it steps")
         tensors, meta = state["tensors"], state["json"]
         if [int(w) for w in meta["worker_ids"]] != self.worker_ids:
             raise ValueError(f"state of streams {meta['worker_ids']}, this actor has {self.worker_ids}")
+        for s in self.streams:  # another --rollout.num-envs: said before a fragment, as a size mismatch
+            if (saved := tensors[f"episode_count/{s.index}"].shape[0]) != s.builder.tracker.num_envs:
+                raise ValueError(f"size mismatch for the actor's envs: the checkpoint holds {saved} per env process, "
+                                 f"this actor {s.builder.tracker.num_envs}")
         self.core.versions.update({k: int(v) for k, v in meta["versions"].items()})
         self.core.generator.set_state(tensors["rng"])
         self.env_steps = int(meta["env_steps"])

@@ -352,6 +352,13 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--rollout.num-envs 2 -> 4" in err and "Traceback" not in err, err
     assert (tmp_path / "g" / "config.json").read_text() == saved
+    main(["train", "CartPole-v1", "--rollout.num-envs", "2", "--rollout.env-processes", "2", "--rollout.env-polling",
+          "--rollout.fragment-length", "8", "--iterations", "1", "--run-dir", "p", "--no-progress"])  # polled streams
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--resume", "--run-dir", "p", "--iterations", "2", "--no-progress", "--rollout.num-envs", "4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--rollout.num-envs 2 -> 4" in err and "Traceback" not in err, err
 
 
 def test_evaluate_on_an_env_of_another_tree_names_it_and_the_difference(cartpole_run, capsys):
