@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import warnings
 from functools import partial
 from typing import Any, Collection, Mapping
 
@@ -184,32 +183,26 @@ def with_past_selves(config: TrainConfig, tree: Tree, policies: Mapping[str, Any
     from orchestration.past_selves import PastSelves
 
     out = dict(policies)
-    for pid in past_self_players(config, tree, policies, assignment):
+    for pid in past_self_players(config, tree, assignment, policies):
         out[pid] = PastSelves(policies[pid], config.past_selves, seed=seed + 7)
     return out
 
 
-def past_self_players(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
-                      assignment: Mapping[str, GroupAssignment]) -> list[str]:
-    """The policies past selves can stand in for (:func:`with_past_selves`), whatever ``config.past_selves``."""
+def past_self_players(config: TrainConfig, tree: Tree, assignment: Mapping[str, GroupAssignment],
+                      policies: Mapping[str, Any] | None = None) -> list[str]:
+    """The policies past selves can stand in for (:func:`with_past_selves`), whatever ``config.past_selves``:
+    learning, feed-forward (``policies``' modules, else ``config.policy``) and alone on every seat of a zero-sum
+    group."""
     specs, out = groups(tree), []
     for group, assigned in assignment.items():
         pid = assigned.single
-        if not (pid is None or is_fixed(config, pid) or specs[group].payoff != "zero_sum" or specs[group].capacity < 2
-                or not isinstance(policies[pid], GroupPolicy) or policies[pid].recurrent
-                or sum(pid in a.policies for a in assignment.values()) != 1):
+        if pid is None or is_fixed(config, pid) or specs[group].payoff != "zero_sum" or specs[group].capacity < 2:
+            continue
+        feed_forward = not config.policy.recurrent if policies is None else (
+            isinstance(policies[pid], GroupPolicy) and not policies[pid].recurrent)
+        if feed_forward and sum(pid in a.policies for a in assignment.values()) == 1:
             out.append(pid)
     return out
-
-
-def _note_unused_past_selves(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
-                             assignment: Mapping[str, GroupAssignment]) -> None:
-    """Warns when ``--past-selves.*`` was set (unlike its defaults) and no policy of this run can take it."""
-    from orchestration.config import PastSelvesConfig
-
-    if config.past_selves != PastSelvesConfig() and not past_self_players(config, tree, policies, assignment):
-        warnings.warn("--past-selves.* is set, and no policy of this run plays every seat of a zero-sum group alone "
-                      "(feed-forward, learning): no past self plays", UserWarning, stacklevel=3)
 
 
 def build_evaluator(config: TrainConfig, policies: Mapping[str, GroupPolicy], assignment: Mapping[str, GroupAssignment],
@@ -286,7 +279,6 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
             probe.close()
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
-        _note_unused_past_selves(config, tree, policies, assignment)
         teams = teams_for(config, tree, assignment, set(policies) - fixed)  # refuses what it cannot do, first
         if pretrain:
             pretrain_policies_(config, tree, assignment, policies, fixed)
@@ -299,7 +291,6 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
         tree = envs[0].tree
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
-        _note_unused_past_selves(config, tree, policies, assignment)
         try:
             teams = teams_for(config, tree, assignment, set(policies) - fixed)
             if pretrain:

@@ -1,5 +1,6 @@
-"""What a run says on stderr about its own settings before it trains: settings given that it does not use, and
-iterations past the learning rate's annealing horizon (``shoal train``, ``shoal serve``, ``shoal league``)."""
+"""What a run says on stderr about its own settings before it trains: settings given that it does not use (past
+selves no policy can take among them), and iterations past the learning rate's annealing horizon (``shoal train``,
+``shoal serve``, ``shoal league``)."""
 
 from __future__ import annotations
 
@@ -36,4 +37,13 @@ def note_schedule(command: str, config: TrainConfig, resume: bool) -> None:
               f"{config.iterations} to stretch the schedule, or --no-anneal-lr", file=sys.stderr)
 
 
-__all__ = ["note_schedule", "note_unused"]
+def note_past_selves(command: str, config: TrainConfig, tree) -> None:
+    """Says on stderr when no policy of the run can take the past selves ``config`` asks for."""
+    from orchestration.builder import assignment_for, past_self_players
+
+    if config.past_selves.fraction and not past_self_players(config, tree, assignment_for(config, tree)):
+        print(f"shoal {command}: --past-selves.* applies to a policy that plays every seat of a zero-sum group "
+              f"alone (feed-forward, learning), and this run has none: no past self plays", file=sys.stderr)
+
+
+__all__ = ["note_past_selves", "note_schedule", "note_unused"]

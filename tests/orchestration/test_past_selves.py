@@ -210,18 +210,17 @@ def test_connect_four_self_play_beats_a_random_player_from_both_seats():
     assert min(wins.values()) >= 0.9, wins
 
 
-def test_past_selves_set_where_none_can_play_is_warned_not_dropped():
-    import warnings
+def test_past_selves_set_by_flags_where_none_can_play_are_said_not_dropped(tmp_path, capsys):
+    from orchestration.cli import main
 
-    from orchestration.builder import build_trainer
-    from orchestration.config import RolloutConfig, TrainConfig
-
-    asked = PastSelvesConfig(fraction=0.9)
-    small = RolloutConfig(num_envs=2, fragment_length=4)
-    for config in (TrainConfig(env="builtin:spread", past_selves=asked, rollout=small),  # cooperative: no seats
-                   _connect_four(past_selves=asked, policy_mapping=(("player_1", "random"),))):  # a split group
-        with pytest.warns(UserWarning, match="--past-selves.* is set, and no policy of this run plays every seat"):
-            build_trainer(config).close()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        build_trainer(_connect_four(past_selves=asked)).close()  # self-play: they play
+    small = ["--iterations", "0", "--rollout.num-envs", "2", "--rollout.fragment-length", "4", "--no-progress"]
+    said = "--past-selves.* applies to a policy that plays every seat of a zero-sum group alone"
+    for i, args in enumerate((["builtin:spread", "--past-selves.fraction", "0.9"],  # cooperative: no seats
+                              ["pettingzoo:classic.connect_four_v3", "--past-selves.fraction", "0.9",
+                               "--policy-mapping", "player_1", "random"])):  # a split group
+        main(["train", *args, *small, "--run-dir", str(tmp_path / f"no{i}")])
+        assert said in capsys.readouterr().err
+    for i, args in enumerate((["pettingzoo:classic.connect_four_v3", "--past-selves.fraction", "0.9"],  # they play
+                              ["--preset", "connect_four", "--policy-mapping", "player_1", "random"])):  # the preset's
+        main(["train", *args, *small, "--run-dir", str(tmp_path / f"yes{i}")])
+        assert said not in capsys.readouterr().err
