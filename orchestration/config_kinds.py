@@ -71,8 +71,9 @@ def field_hints(kind: type) -> dict[str, Any]:
 
 def check_fields(config: Any) -> None:
     """Check every field of the dataclass ``config`` against its annotation, as a Python caller gave it. A list
-    given for a tuple field becomes a tuple (inner lists too), and a dict for a field of ``(name, value)`` pairs
-    becomes its items, so that the frozen config stays hashable and compares equal to one read from a file.
+    given for a tuple field becomes a tuple (inner lists too), a dict for a field of ``(name, value)`` pairs its
+    items, and a numpy scalar the Python number or bool it holds, so that the frozen config stays hashable, writes
+    as JSON and compares equal to one read from a file.
 
     Raises:
         TypeError: naming ``Class.field``, what it takes and what it got.
@@ -83,6 +84,9 @@ def check_fields(config: Any) -> None:
         value = getattr(config, name)
         if plain is not None and type(value) in plain:  # the common case, at the cost of one lookup
             continue
+        if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar: Python's own (JSON)
+            value = value.item()
+            object.__setattr__(config, name, value)
         if tuples and isinstance(value, (list, Mapping)):
             value = tuple(value.items()) if isinstance(value, Mapping) and pairs else value
             if isinstance(value, list):

@@ -112,7 +112,8 @@ def _parameters(name: str) -> dict[str, Any]:
             creator = load_env_creator(creator) if isinstance(creator, str) else creator
         made: dict[str, Any] = {}
         if ":" not in name:  # gymnasium.make's own keywords (max_episode_steps, ...) come with every id
-            made = {p: None for p in inspect.signature(gymnasium.make).parameters if p not in ("id", "kwargs")}
+            types = typing.get_type_hints(gymnasium.make)
+            made = {p: types.get(p) for p in inspect.signature(gymnasium.make).parameters if p not in ("id", "kwargs")}
         if creator is None:
             return made
         try:

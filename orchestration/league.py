@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +88,7 @@ class LeagueTrainer:
                              f"{f' (did you mean {near[0]!r}?)' if near else ''}")
         if sampling not in SAMPLINGS:
             raise ValueError(f"unknown opponent sampling {sampling!r}; choose one of {SAMPLINGS}")
-        if not (isinstance(snapshot_every, int) and snapshot_every >= 1):
+        if not (isinstance(snapshot_every, numbers.Integral) and snapshot_every >= 1):
             raise ValueError(f"snapshot_every must be an int >= 1 (iterations between two snapshots), got "
                              f"{snapshot_every!r}")
         self.sampling = sampling

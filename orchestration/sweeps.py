@@ -296,7 +296,7 @@ def main(argv: list[str]) -> int:
         if args.resume and not args.name:
             raise ValueError("--resume continues an experiment: name it with --name (a directory under --storage)")
         space = check_search(base, search)
-        if args.metric.startswith("eval_") and not base.eval_every:
+        if args.metric.startswith("eval_") and not base.eval_every and "eval_every" not in space:
             raise ValueError(f"--metric {args.metric} is reported by evaluations, and the config has eval_every 0: set "
                              f"eval_every (e.g. to iterations) in {args.config_file}")
     except (ValueError, KeyError, FileNotFoundError, ImportError) as err:
@@ -339,7 +339,8 @@ def _write(rows: list[dict[str, Any]], directory: Path) -> None:
             writer.writerows(rows)
 
 
-__all__ = ["HELP", "SEARCH_KINDS", "check_search", "config_from_params", "field_value", "load_sweep", "main", "results_table", "run_trial"]
+__all__ = ["HELP", "SEARCH_KINDS", "check_search", "config_from_params", "field_value", "load_sweep", "main",
+           "results_table", "run_trial"]
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -199,26 +199,6 @@ def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys)
     assert len(_rows(tmp_path / "r" / "metrics.csv")) == 2  # one row per iteration: none again, none lost
 
 
-def test_seeds_into_a_run_dir_check_every_seed_before_training_any(tmp_path, monkeypatch, capsys):
-    from orchestration.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "base" / "seed_1" / "checkpoints" / "ckpt-000001").mkdir(parents=True)  # seed 1 ran before
-    with pytest.raises(SystemExit) as exit_:
-        main(["train", *ARGS, "--iterations", "1", "--seeds", "0", "1", "--run-dir", str(tmp_path / "base")])
-    assert exit_.value.code == 2 and "seed_1 holds a run already" in capsys.readouterr().err
-    assert not (tmp_path / "base" / "seed_0").exists()  # refused before seed 0 trained
-    (tmp_path / "run.yaml").write_text(f"run_dir: {tmp_path / 'base'}\n")  # the base named by a config file
-    with pytest.raises(SystemExit) as exit_:
-        main(["train", *ARGS, "--iterations", "1", "--seeds", "0", "1", "--config-file", str(tmp_path / "run.yaml")])
-    assert exit_.value.code == 2 and "seed_1 holds a run already" in capsys.readouterr().err
-    assert not (tmp_path / "base" / "seed_0").exists()
-    with pytest.raises(SystemExit) as exit_:  # --resume on the directory of the seeds' runs: name one of them
-        main(["train", "--resume", "--run-dir", str(tmp_path / "base")])
-    assert f"base holds the runs of --seeds (seed_1): name one, e.g. {tmp_path / 'base' / 'seed_1'}" in \
-        capsys.readouterr().err
-
-
 def test_zero_iterations_is_a_valid_run(tmp_path, monkeypatch):
     from orchestration.cli import main
 
@@ -279,20 +259,6 @@ def test_a_factory_returning_something_else_is_named(tmp_path, monkeypatch, caps
     assert "module my_envs has no factory 'make_nothng' (did you mean 'make_nothing'?)" in capsys.readouterr().err
 
 
-def test_runs_get_their_own_directories_with_provenance_and_plot_draws_them(tmp_path, monkeypatch):
-    from orchestration.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    main(["train", "builtin:cartpole", "--iterations", "2", "--rollout.num-envs", "4",
-          "--rollout.fragment-length", "16", "--seeds", "0", "1", "--no-progress"])
-    runs = sorted((tmp_path / "runs").iterdir())
-    assert [r.name.split("__")[:2] for r in runs] == [["builtin_cartpole", "0"], ["builtin_cartpole", "1"]]
-    provenance = json.loads((runs[0] / "run.json").read_text())
-    assert provenance["shoal_version"] and "torch" in provenance
-    main(["plot", *map(str, runs), "--out", str(tmp_path / "curve.png"), "--metric", "loss_value"])
-    assert (tmp_path / "curve.png").stat().st_size > 1000
-
-
 def test_a_yaml_config_is_strict_and_reproduces_a_run(tmp_path, monkeypatch, capsys):
     from orchestration.cli import main
 
@@ -318,13 +284,6 @@ def test_a_yaml_config_takes_yaml_1_1_floats_and_an_inline_collection(tmp_path):
     config = _config_from_file(str(tmp_path / "run.yaml"))
     assert config.lr == 1e-3 and config.policy.hidden_sizes == (32, 32)  # PyYAML reads 1e-3 as a string
     assert json.loads(config.collection)["structure"]["test"] == ["hard"]
-
-
-def test_interquartile_mean_trims_a_quarter_each_side():
-    from orchestration.metrics_log import interquartile_mean
-
-    assert interquartile_mean([1, 2, 3, 4]) == 2.5 and interquartile_mean([0, 10, 10, 1000]) == 10.0
-    assert interquartile_mean([1, 2, 3, 4, 5, 6, 7, 8]) == 4.5
 
 
 def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path, monkeypatch, capsys):
@@ -376,54 +335,3 @@ def test_a_run_directory_names_its_checkpoints(cartpole_run, capsys):
 
     main(["evaluate", str(cartpole_run), "--episodes", "2"])  # the run, not its checkpoints directory
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["episodes"] == 2
-
-
-def test_plot_draws_only_where_every_run_has_values_and_its_finals_are_where_the_curve_ends(tmp_path):
-    """Runs of unequal length: the curve and the finals stop at the shortest run's last value, and start at
-    the latest first value (a run's early iterations without an ended episode are not filled in)."""
-    from orchestration.metrics_log import plot_runs
-
-    def run(name: str, steps: range, value) -> str:
-        (tmp_path / name).mkdir()
-        rows = [f"{s},{value(s)}" for s in steps]
-        (tmp_path / name / "metrics.csv").write_text("env_steps,episode_return_mean\n" + "\n".join(rows) + "\n")
-        return str(tmp_path / name)
-
-    long = run("long", range(100, 1001, 100), lambda s: s / 100)  # 1 .. 10
-    short = run("short", range(100, 501, 100), lambda s: "" if s < 300 else s / 100)  # no episode before 300
-    summary = plot_runs([long, short], tmp_path / "c.png")
-    assert summary["final_env_steps"] == 500 and summary["final"] == [5.0, 5.0] and summary["final_mean"] == 5.0
-    empty = run("empty", range(100, 301, 100), lambda s: "")
-    with pytest.raises(ValueError, match="empty has no value of 'episode_return_mean' yet"):
-        plot_runs([long, empty], tmp_path / "c.png")
-    later = run("later", range(2000, 3001, 500), lambda s: 1.0)
-    with pytest.raises(ValueError, match="share no env steps"):
-        plot_runs([short, later], tmp_path / "c.png")
-
-
-def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
-    from core.losses import PPOConfig
-    from core.policies import PolicyConfig
-    from orchestration.config import CuriosityConfig, PretrainConfig, TrainConfig
-    from orchestration.run_notes import note_unused
-
-    note_unused("train", TrainConfig(pretrain=PretrainConfig(steps=50), curiosity=CuriosityConfig(lr=0.1),
-                                     ppo=PPOConfig(sequence_length=8, burn_in=4)))
-    err = capsys.readouterr().err
-    assert "--pretrain.steps applies to runs with --pretrain.dataset only; this run has none and does not use it" in err
-    assert "--curiosity.lr applies to --curiosity.coef > 0 only; this run's is 0" in err
-    assert "--ppo.sequence-length, --ppo.burn-in apply to recurrent policies only (--policy.recurrent)" in err
-    note_unused("train", TrainConfig(policy=PolicyConfig(recurrent=True), ppo=PPOConfig(sequence_length=8),
-                                     curiosity=CuriosityConfig(coef=0.1, lr=0.1)))
-    assert capsys.readouterr().err == ""  # used: nothing to say
-
-
-def test_a_seed_named_twice_is_refused_before_any_run_and_a_dropped_seed_is_said(tmp_path, capsys):
-    from orchestration.cli import _seeds, main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(["train", "builtin:cartpole", "--iterations", "1", "--run-dir", str(tmp_path / "r"), "--seeds", "0", "0"])
-    assert exit_.value.code == 2 and "--seeds 0 0 names a seed twice" in capsys.readouterr().err
-    assert not (tmp_path / "r").exists()  # was: seed 0 trained, then its second run found the directory used
-    assert _seeds(["--seeds", "3", "--seed", "5"]) == (["--seed", "5"], [3])
-    assert "--seed is not used with --seeds" in capsys.readouterr().err

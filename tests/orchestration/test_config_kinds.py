@@ -74,6 +74,7 @@ def test_lists_and_dicts_become_the_tuples_a_config_file_gives():
 
 def test_numbers_of_numpy_and_of_other_kinds_pass():
     """A Tune search space gives numpy numbers; an int is a float."""
-    config = TrainConfig(lr=np.float32(1e-3), seed=np.int64(3), iterations=2,
+    config = TrainConfig(lr=np.float32(1e-3), seed=np.int64(3), iterations=2, anneal_lr=np.bool_(False),
                          ray=RayConfig(num_cpus=2, learner_num_gpus="auto"))
-    assert config.seed == 3 and config.ray.num_cpus == 2
+    assert config.seed == 3 and config.ray.num_cpus == 2 and config.anneal_lr is False
+    assert (type(config.seed), type(config.lr)) == (int, float)  # Python's own: a checkpoint's JSON keeps them

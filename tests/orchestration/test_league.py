@@ -73,7 +73,8 @@ def test_league_refuses_an_unknown_learner_and_no_snapshots_before_any_game():
     """Both were taken: a misspelt learner counted no games, then failed with a KeyError; snapshot_every=0
     failed after the first iteration (a modulo by zero)."""
     config = TrainConfig(env="pettingzoo:classic.connect_four_v3", iterations=1, fixed_policies=("opponent",),
-                         policy_mapping=(("player_1", "opponent"),), rollout=RolloutConfig(num_envs=2, fragment_length=8))
+                         policy_mapping=(("player_1", "opponent"),),
+                         rollout=RolloutConfig(num_envs=2, fragment_length=8))
     trainer = build_trainer(config)
     try:
         with pytest.raises(ValueError, match=r"learner 'playr' is no learning policy of the trainer; they are "

@@ -86,8 +86,8 @@ def test_a_metric_of_some_iterations_is_read_from_its_last_report_and_a_misspelt
     pytest.importorskip("ray.tune", exc_type=ImportError)
     from orchestration.sweeps import main
 
-    (tmp_path / "sweep.yaml").write_text(SWEEP.replace("iterations: 2", "iterations: 3\neval_every: 2\neval_episodes: 2")
-                                         .replace("[0, 1]", "[0]"))
+    evaluated = SWEEP.replace("iterations: 2", "iterations: 3\neval_every: 2\neval_episodes: 2")
+    (tmp_path / "sweep.yaml").write_text(evaluated.replace("[0, 1]", "[0]"))
     flags = ["--config-file", str(tmp_path / "sweep.yaml"), "--storage", str(tmp_path / "tune"), "--cpus-per-trial",
              "0.5", "--verbose", "0"]
     assert main([*flags, "--name", "eval", "--metric", "eval_return_mean"]) == 0
