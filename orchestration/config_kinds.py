@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import numbers
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -72,8 +73,8 @@ def field_hints(kind: type) -> dict[str, Any]:
 def check_fields(config: Any) -> None:
     """Check every field of the dataclass ``config`` against its annotation, as a Python caller gave it. A list
     given for a tuple field becomes a tuple (inner lists too), a dict for a field of ``(name, value)`` pairs its
-    items, and a numpy scalar the Python number or bool it holds, so that the frozen config stays hashable, writes
-    as JSON and compares equal to one read from a file.
+    items, a numpy scalar the Python number or bool it holds, and a path or a ``torch.device`` given for a name
+    its text, so that the frozen config stays hashable, writes as JSON and compares equal to one read from a file.
 
     Raises:
         TypeError: naming ``Class.field``, what it takes and what it got.
@@ -87,6 +88,10 @@ def check_fields(config: Any) -> None:
         if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar: Python's own (JSON)
             value = value.item()
             object.__setattr__(config, name, value)
+        elif isinstance(value, os.PathLike) or type(value).__module__ == "torch" and type(value).__name__ == "device":
+            if allows(hint, "text"):  # a path or a torch.device where a name is asked for: its text
+                value = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+                object.__setattr__(config, name, value)
         if tuples and isinstance(value, (list, Mapping)):
             value = tuple(value.items()) if isinstance(value, Mapping) and pairs else value
             if isinstance(value, list):

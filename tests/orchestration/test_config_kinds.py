@@ -78,3 +78,10 @@ def test_numbers_of_numpy_and_of_other_kinds_pass():
                          ray=RayConfig(num_cpus=2, learner_num_gpus="auto"))
     assert config.seed == 3 and config.ray.num_cpus == 2 and config.anneal_lr is False
     assert (type(config.seed), type(config.lr)) == (int, float)  # Python's own: a checkpoint's JSON keeps them
+
+
+def test_a_path_or_a_torch_device_given_for_a_name_is_its_text(tmp_path):
+    import torch
+
+    config = TrainConfig(run_dir=tmp_path / "run", device=torch.device("cpu"))
+    assert (config.run_dir, config.device) == (str(tmp_path / "run"), "cpu")
