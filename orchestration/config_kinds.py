@@ -71,31 +71,21 @@ def field_hints(kind: type) -> dict[str, Any]:
 
 
 def check_fields(config: Any) -> None:
-    """Check every field of the dataclass ``config`` against its annotation, as a Python caller gave it. A list
-    given for a tuple field becomes a tuple (inner lists too), a dict for a field of ``(name, value)`` pairs its
-    items, a numpy scalar the Python number or bool it holds, and a path or a ``torch.device`` given for a name
-    its text, so that the frozen config stays hashable, writes as JSON and compares equal to one read from a file.
+    """Check every field of the dataclass ``config`` against its annotation, as a Python caller gave it, each
+    value first kept as :func:`as_field_value` says (lists as tuples, numpy scalars as Python's, ...), so that the
+    frozen config stays hashable, writes as JSON and compares equal to one read from a file.
 
     Raises:
         TypeError: naming ``Class.field``, what it takes and what it got.
         ValueError: a ``Literal`` field given another value, with the nearest choice.
     """
     where = type(config).__name__
-    for name, hint, plain, tuples, pairs in _plan(type(config)):
+    for name, hint, plain, pairs in _plan(type(config)):
         value = getattr(config, name)
         if plain is not None and type(value) in plain:  # the common case, at the cost of one lookup
             continue
-        if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar: Python's own (JSON)
-            value = value.item()
-            object.__setattr__(config, name, value)
-        elif isinstance(value, os.PathLike) or type(value).__module__ == "torch" and type(value).__name__ == "device":
-            if allows(hint, "text"):  # a path or a torch.device where a name is asked for: its text
-                value = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
-                object.__setattr__(config, name, value)
-        if tuples and isinstance(value, (list, Mapping)):
-            value = tuple(value.items()) if isinstance(value, Mapping) and pairs else value
-            if isinstance(value, list):
-                value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        if (kept := as_field_value(hint, value)) is not value:
+            value = kept
             object.__setattr__(config, name, value)
         if pairs and isinstance(value, tuple) and not all(isinstance(p, tuple) and len(p) == 2 for p in value):
             raise TypeError(f"{where}.{name} takes (name, value) pairs, e.g. (('a', 'b'),), or a dict "
@@ -111,15 +101,29 @@ def check_fields(config: Any) -> None:
         raise TypeError(f"{where}.{name} takes {describe(hint, PYTHON_WORDS)}, got {value!r}{got}")
 
 
+def as_field_value(hint: Any, value: Any) -> Any:
+    """``value`` as a field annotated ``hint`` keeps it (``value`` itself where nothing changes): a numpy scalar
+    as the Python number or bool it holds (JSON writes it), a path or a ``torch.device`` given for a name as its
+    text, a list for a tuple as a tuple (inner lists too), a mapping for ``(name, value)`` pairs as its items."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, os.PathLike) or type(value).__module__ == "torch" and type(value).__name__ == "device":
+        return (os.fspath(value) if isinstance(value, os.PathLike) else str(value)) if allows(hint, "text") else value
+    if _is_tuple(hint) and isinstance(value, Mapping) and _is_pairs(hint):
+        return tuple(value.items())
+    if _is_tuple(hint) and isinstance(value, list):
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
 _PLAIN = {int: (int,), float: (float, int), str: (str,), bool: (bool,)}
 
 
 @functools.cache
-def _plan(kind: type) -> tuple[tuple[str, Any, tuple[type, ...] | None, bool, bool], ...]:
+def _plan(kind: type) -> tuple[tuple[str, Any, tuple[type, ...] | None, bool], ...]:
     """Per field of ``kind``: its name, annotation, the exact types it takes without a further check (plain
-    annotations only), and whether it is a tuple, a tuple of pairs."""
-    return tuple((name, hint, _PLAIN.get(hint), _is_tuple(hint), _is_pairs(hint))
-                 for name, hint in field_hints(kind).items())
+    annotations only), and whether it is a tuple of pairs."""
+    return tuple((name, hint, _PLAIN.get(hint), _is_pairs(hint)) for name, hint in field_hints(kind).items())
 
 
 def _is_tuple(hint: Any) -> bool:
@@ -132,4 +136,4 @@ def _is_pairs(hint: Any) -> bool:
     return bool(args) and _is_tuple(args[0]) and len(typing.get_args(args[0])) == 2
 
 
-__all__ = ["PYTHON_WORDS", "YAML_WORDS", "allows", "check_fields", "describe", "field_hints"]
+__all__ = ["PYTHON_WORDS", "YAML_WORDS", "allows", "as_field_value", "check_fields", "describe", "field_hints"]

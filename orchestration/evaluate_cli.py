@@ -70,9 +70,9 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
                          f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
     if env is not None:  # it replaces the checkpoint's env and its collection: is its tree the checkpoint's?
         trained_on = "its collection's envs" if config.collection else config.env
-        changed, config = env != config.env or config.collection, dataclasses.replace(config, env=env, collection=None)
-        if changed:
-            _check_same_tree(config, state["tree"], trained_on)
+        if trained_on != env:
+            _check_same_tree(dataclasses.replace(config, env=env, collection=None), state["tree"], trained_on)
+        config = dataclasses.replace(config, env=env, collection=None)
     if opponent is not None:
         from orchestration.matches import play_seats
 

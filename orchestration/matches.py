@@ -4,8 +4,8 @@ For each seat (an agent of the tree), the checkpoint's policy plays that seat an
 other agent: ``random`` (uniform over legal actions), a scripted player ``scripted:MODULE:FUNCTION``
 (:mod:`orchestration.scripted`), another checkpoint of the same tree (its learning policy), or a league's
 snapshot (a historical player of ``league/pool/``). Results per seat: win, draw and loss rates with Wilson
-95% intervals (zero-sum returns: win > 0, draw 0, loss < 0), plus the mean return. The checkpoint's policy acts with its mode unless
-``sample``; the opponent always samples (two deterministic players would replay one game).
+95% intervals (zero-sum returns: win > 0, draw 0, loss < 0), plus the mean return. The checkpoint's policy acts
+with its mode unless ``sample``; the opponent always samples (two deterministic players would replay one game).
 """
 
 from __future__ import annotations

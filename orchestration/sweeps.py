@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from orchestration.config import TrainConfig
-from orchestration.config_kinds import allows, describe, field_hints
+from orchestration.config_kinds import allows, as_field_value, describe, field_hints
 from orchestration.result_line import print_result, result_json
 
 
@@ -95,11 +95,8 @@ def _coerce(current: Any, value: Any, key: str, hint: Any = Any) -> Any:
     """``value`` for the field ``key`` (annotated ``hint``, its value now ``current``) in the field's type: lists as
     tuples, numbers and number strings as floats where the field is a float (YAML 1.1 reads ``1e-3`` as a string).
     ValueError naming ``key`` for a value the annotation does not allow."""
-    if isinstance(current, tuple) and isinstance(value, Mapping):  # ``env_kwargs: {max_steps: 50}``: its pairs
-        value = tuple(value.items())
-    if isinstance(current, tuple) and isinstance(value, list):
-        value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
-    elif isinstance(current, float) and isinstance(value, str):
+    value = as_field_value(hint, value)  # lists as tuples, ``env_kwargs: {max_steps: 50}`` as its pairs, ...
+    if isinstance(current, float) and isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
