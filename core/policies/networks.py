@@ -18,12 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from core.layout import OBSERVATION
+from core.policies.fast_tanh import Tanh
 from core.policies.reward_scaling import merge_moments, merge_sums, sums_of
 from core.specs import Leaf, Node, iter_leaves
 
 Path = tuple[str, ...]
 
-_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "silu": nn.SiLU, "gelu": nn.GELU}
+_ACTIVATIONS = {"tanh": Tanh, "relu": nn.ReLU, "elu": nn.ELU, "silu": nn.SiLU, "gelu": nn.GELU}
 
 
 def init_linear_(layer: nn.Linear, gain: float) -> nn.Linear:
