@@ -23,6 +23,7 @@ import torch
 
 from core.policies import GroupPolicy, make_policies
 from core.specs import Tree, groups
+from orchestration.allocator import keep_freed_memory
 from orchestration.actor import Actor
 from orchestration.assignment import GroupAssignment, assign, groups_of
 from orchestration.config import TrainConfig
@@ -124,10 +125,18 @@ def build_learner(config: TrainConfig, assignment: Mapping[str, GroupAssignment]
     return PPOLearner(policy, groups_of(assignment, policy_id), policy_id=policy_id, ppo=config.ppo, lr=config.lr,
                       batch_steps=batch_steps or config.steps_per_iteration, seed=config.seed,
                       device=device if device is not None else resolve_device(config.device),
-                      # synchronous mode trains on each fragment once, with the weights that made it
-                      max_staleness=config.max_staleness if config.mode == "async" else None,
+                      max_staleness=_max_staleness(config),
                       reuse_limit=config.reuse_limit if config.mode == "async" else 1,
                       max_skipped_updates=config.max_skipped_updates, curiosity=config.curiosity)
+
+
+def _max_staleness(config: TrainConfig) -> int | None:
+    """Synchronous mode trains on each fragment once, with the weights that made it: its actors wait while the
+    learners train, so nothing lags (None: no rule needed). External simulators cannot be made to wait: what
+    they did with older weights while the learners trained is stale (0), dropped and counted."""
+    if config.mode == "async":
+        return config.max_staleness
+    return 0 if config.env == "external" else None
 
 
 def build_learners(config: TrainConfig, assignment: Mapping[str, GroupAssignment],
@@ -253,6 +262,7 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
     from orchestration.fleet import LocalFleet
     from orchestration.trainer import Trainer
 
+    keep_freed_memory()  # this process trains: its activations' pages stay mapped (orchestration.allocator)
     torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point
     collection = load_collection(config)  # a file is read once: the run (and its checkpoints) keep the document
     config = with_collection(config, collection)

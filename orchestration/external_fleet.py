@@ -77,14 +77,18 @@ class ExternalFleet:
         self._queue.put((fragment, meta, episodes))
 
     # -- delivery ----------------------------------------------------------------------------------------------
-    def _deliver(self, block_s: float, check: bool = True) -> int:
-        """Delivers every queued fragment (waiting up to ``block_s`` for the first); returns env steps delivered.
+    def _deliver(self, block_s: float, check: bool = True, fresh: Mapping[str, int] | None = None,
+                 limit: int | None = None) -> int:
+        """Delivers queued fragments (waiting up to ``block_s`` for the first); returns env steps delivered.
+        ``fresh`` (sync): policy id -> the version now acting; only fragments acted by those versions alone count
+        as delivered steps (older ones still go to the learners, whose staleness rule drops and counts them), and
+        delivery stops once ``limit`` such steps arrived, leaving the rest queued.
         ``check``: then raises :class:`NoSimulatorData` after ``wait_s`` without data and lets the launcher restart
         simulators that exited; after :meth:`interrupt`, raises :class:`CollectionInterrupted` once no simulator
         acted for ``_INTERRUPT_GRACE_S``."""
-        steps = 0
+        steps = arrived = 0
         timeout: float | None = block_s
-        while True:
+        while limit is None or steps < limit:
             try:
                 fragment, meta, episodes = self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
             except queue.Empty:
@@ -94,9 +98,12 @@ class ExternalFleet:
                 learner.receive(fragment, meta)
             self.stats.add(meta["worker_id"], meta["sequence"], episodes)
             self.reported[meta["worker_id"]] = meta["sequence"] + 1
-            steps += meta["env_steps"]
+            arrived += 1
+            acted = meta["policy_versions"]
+            if fresh is None or all(acted.get(pid, v) >= v for pid, v in fresh.items()):
+                steps += meta["env_steps"]
         now = self._clock()
-        if steps:
+        if arrived:
             self._last_data = now
         if not check:
             return steps
@@ -122,12 +129,16 @@ class ExternalFleet:
         return max(self._last_activity, self._last_data)
 
     def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int] | None = None) -> list[dict]:
-        """Loads ``weights`` into the service, then delivers fragments until ``target_steps`` arrived."""
+        """Loads ``weights`` into the service, then delivers fragments until ``target_steps`` env steps acted by
+        those weights alone arrived, and no more. Simulators do not wait while the learners train: what they did
+        meanwhile was acted by older weights, is delivered first, and the learners' staleness rule (0 in
+        synchronous mode, :func:`orchestration.builder.build_learner`) drops and counts it as stale."""
         self.broadcast(weights)
         self._last_data = self._clock()
+        fresh = {pid: version for pid, (version, _) in weights.items() if pid in self.learners}
         got = 0
         while got < target_steps:
-            got += self._deliver(0.1)
+            got += self._deliver(0.1, fresh=fresh, limit=target_steps - got)
         return self.monitors()
 
     def start(self, weights: Weights) -> None:
