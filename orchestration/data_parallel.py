@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from orchestration.allocator import keep_freed_memory
 from orchestration.learner import PPOLearner, resolve_device
 from orchestration.wire import from_wire, to_wire
 
@@ -129,6 +130,7 @@ class DataParallelRank:
 
     def __init__(self, policy, groups, *, ppo, lr: float, batch_steps: int, seed: int, device: str = "auto") -> None:
         torch.set_num_threads(1)
+        keep_freed_memory()
         self.learner = PPOLearner(policy, groups, ppo=ppo, lr=lr, batch_steps=batch_steps, seed=seed,
                                   device=resolve_device(device))
 

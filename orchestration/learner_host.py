@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from core.specs import from_json
+from orchestration.allocator import keep_freed_memory
 from orchestration.builder import assignment_for, build_learner, policy_module
 from orchestration.config import TrainConfig
 from orchestration.learner_probes import LearnerProbes
@@ -46,6 +47,7 @@ class LearnerHost(LearnerProbes):
     def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping, *,
                  num_threads: int = 1, put: Callable[[Mapping], Any] = lambda message: message) -> None:
         torch.set_num_threads(num_threads)
+        keep_freed_memory()
         tree = from_json(tree_json)
         assignment = assignment_for(config, tree)
         policy = policy_module(config, tree, assignment, policy_id)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from orchestration.allocator import keep_freed_memory
 from orchestration.builder import assignment_for, build_actor, policy_module, worker_id_of
 from orchestration.collection_env import make_actor_env, switch_member_, tag_fragment
 from orchestration.config import TrainConfig
@@ -43,6 +44,7 @@ class Sampler:
                  fetch: Callable[[Any], Any], queue_size: int, threads: int, fetch_errors: tuple = (),
                  service=None) -> None:
         torch.set_num_threads(threads)
+        keep_freed_memory()
         self.slot, self.incarnation = slot, incarnation
         self.worker_id = worker_id_of(slot, incarnation)
         self.monitor = PipelineMonitor()
