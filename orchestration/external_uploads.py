@@ -28,6 +28,21 @@ class LocalPolicyHandlers:
             out[g] = {"policy": pid, "version": version, "config": self._policy_config, "tensors": tensors}
         ws.send(encode({"type": "policy", "id": request_id, "groups": out}))
 
+    def _uploaded_versions(self, message: Mapping[str, Any], what: str, request_id: int) -> dict[str, int]:
+        """The ``versions`` of a trajectory: group -> a version the server published (0 up to the newest)."""
+        versions = field(message, "versions", dict, fatal=False, request=request_id)
+        if set(versions) != set(self._codec.groups) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in versions.values()):
+            raise ProtocolError("bad_message", f"{what}: 'versions' maps every group {sorted(self._codec.groups)} "
+                                               f"to the policy version (int) that acted, got {versions!r}", fatal=False)
+        for g, v in versions.items():
+            newest = self._service.latest(self._lanes.policy_of[g])[0]
+            if not 0 <= v <= newest:
+                raise ProtocolError("spec_violation", f"{what}: group {g!r} acted with version {v}, which the server "
+                                                      f"never published (versions 0 to {newest} so far; 'policy' "
+                                                      f"answers to get_policy carry theirs)", fatal=False)
+        return versions
+
     def _trajectory(self, ws, message: Mapping[str, Any], episodes: dict[str, Episode]) -> None:
         """Steps a simulator acted itself: recorded like answered ``act`` requests, with the uploaded actions,
         behaviour log-probabilities and policy versions (the learners' staleness rule and importance ratios
@@ -36,11 +51,7 @@ class LocalPolicyHandlers:
         name = name_field(message, "episode", request=request_id)
         what = f"trajectory {request_id} of episode {name!r}"
         try:
-            versions = field(message, "versions", dict, fatal=False, request=request_id)
-            if set(versions) != set(self._codec.groups) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions.values()):
-                raise ProtocolError("bad_message", f"{what}: 'versions' maps every group {sorted(self._codec.groups)} "
-                                                   f"to the policy version (int) that acted", fatal=False)
+            versions = self._uploaded_versions(message, what, request_id)
             steps = field(message, "steps", list, fatal=False, request=request_id)
             episode = episodes.get(name)
             if episode is None:

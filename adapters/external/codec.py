@@ -16,7 +16,7 @@ import torch
 
 from adapters.external.messages import ProtocolError, from_array, to_array
 from core.layout import ACTION, LOG_PROB, all_true
-from core.specs import DictNode, Leaf, Node, Tree, agent_index, groups, shared_observations, zeros
+from core.specs import DictNode, Leaf, Node, Tree, agent_index, groups, iter_leaves, shared_observations, zeros
 
 _NP = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
        torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16, torch.float32: np.float32,
@@ -302,6 +302,8 @@ class TreeCodec:
         for g, spec in self.groups.items():
             action = _zeros(spec.agent.action, (1, spec.capacity))
             log_prob = np.zeros((1, spec.capacity, 1), dtype=np.float32)
+            # a probability, not a density, when no action leaf is a box: its log is at most 0 (float32 slack)
+            most = 1e-5 if all(leaf.kind != "box" for _, leaf in iter_leaves(spec.agent.action)) else np.inf
             for name, group, slot in request.agents:
                 if group != g:
                     continue
@@ -316,6 +318,10 @@ class TreeCodec:
                 if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not np.isfinite(lp):
                     raise ProtocolError("spec_violation", f"{what}: agent {name!r}: log_prob must be a finite number, "
                                                           f"got {lp!r}", fatal=False)
+                if lp > most:
+                    raise ProtocolError("spec_violation", f"{what}: agent {name!r}: log_prob {lp!r} is above 0, the log "
+                                                          f"of a probability above 1 (the action space is discrete)",
+                                        fatal=False)
                 log_prob[0, slot, 0] = lp
             out[g] = {ACTION: _tensors(action), LOG_PROB: torch.from_numpy(log_prob)}
         return out

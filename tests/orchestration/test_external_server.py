@@ -338,6 +338,15 @@ def test_a_simulator_acting_with_its_own_policy_uploads_what_a_server_would_have
         with pytest.raises(ExternalError, match="outside its discrete space"):
             client.upload("bad", {"agents": 0}, [{"agents": {"agents_0": {"observation": OBS, "action": 7,
                                                                           "log_prob": -1.0}}}])
+        step = [{"agents": {"agents_0": {"observation": OBS, "action": 1, "log_prob": -1.0}}}]
+        # a version the server never published would pass any staleness rule: refused, naming what was published
+        with pytest.raises(ExternalError, match=r"group 'agents' acted with version 999.*versions 0 to 0"):
+            client.upload("future", {"agents": 999}, step)
+        with pytest.raises(ExternalError, match=r"version -5.*never published"):
+            client.upload("past", {"agents": -5}, step)
+        with pytest.raises(ExternalError, match=r"log_prob 5.0 is above 0.*discrete"):
+            client.upload("certain", {"agents": 0}, [{"agents": {"agents_0": {"observation": OBS, "action": 1,
+                                                                              "log_prob": 5.0}}}])
     _wait(lambda: lanes.counters["episodes_completed"] == 3)
     assert server.counters["uploaded_steps"] == lanes.counters["steps_recorded"] >= 3
     assert out  # fragments of T=4 steps
