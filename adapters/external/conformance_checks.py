@@ -73,7 +73,14 @@ class Checked:
     left: set[str] = field(default_factory=set)
     """Agents that leave with this ``act``."""
     fatal: tuple[str, str] | None = None
-    """The code and text of the fatal error a server answers with (``hello``)."""
+    """The code and text of the fatal error a server answers with (a ``hello`` it refuses; a malformed array,
+    which the server's parser refuses as a fatal ``bad_message``)."""
+
+    def fail(self, key: str, error: str | ProtocolError) -> None:
+        """Records a failure; a fatal :class:`ProtocolError` (the server's own parser's) also sets :attr:`fatal`."""
+        self.failures.append((key, str(error)))
+        if isinstance(error, ProtocolError) and error.fatal and self.fatal is None:
+            self.fatal = (error.code, str(error))
 
 
 # -- the tree -------------------------------------------------------------------------------------------------
@@ -121,24 +128,30 @@ def non_finite_floats(value: Any, path: str = "tree") -> list[str]:
 # -- values ---------------------------------------------------------------------------------------------------
 def value_problem(value: Any, node: Node, what: str) -> str | None:
     """Why ``value`` does not fit ``node`` by the server's rule (:func:`~adapters.external.codec.parse_value`)."""
+    problem = value_error(value, node, what)
+    return None if problem is None else str(problem)
+
+
+def value_error(value: Any, node: Node, what: str) -> str | ProtocolError | None:
+    """:func:`value_problem` as the server's own error where it raises one (whose ``fatal`` it acts on)."""
     try:
         with np.errstate(over="ignore", invalid="ignore"):  # a plain number out of range is a finding, not a warning
             parse_value(value, node, what)
     except ProtocolError as error:
-        return str(error)
+        return error
     except OverflowError:  # a MessagePack integer beyond int64
         return f"{what}: {short(value)} does not fit any protocol dtype"
     return None
 
 
-def mask_problem(value: Any, action: Node, what: str) -> str | None:
-    """Why ``value`` is not a usable action mask of ``action``, or None."""
+def mask_problem(value: Any, action: Node, what: str) -> str | ProtocolError | None:
+    """Why ``value`` is not a usable action mask of ``action`` (as :func:`value_error`), or None."""
     if not (isinstance(action, Leaf) and action.kind == "discrete"):
         return f"{what}: an action_mask, but the agent's action is not a discrete leaf"
     try:
         mask = to_array(value, what)
     except ProtocolError as error:
-        return str(error)
+        return error
     if mask.dtype != np.bool_:
         return f"{what}: dtype {mask.dtype.name}; an action mask is a bool array"
     if mask.shape != (action.n,):
@@ -234,14 +247,14 @@ def check_act(message: dict[str, Any], tree: KitTree, episode: EpisodeState) -> 
                                               f"{short(entry)}"))
             continue
         spaces = tree.agents[agent]
-        problem = value_problem(entry["observation"], spaces.observation, f"observation of {agent}")
+        problem = value_error(entry["observation"], spaces.observation, f"observation of {agent}")
         if problem:
-            out.failures.append(("act.observation", problem))
+            out.fail("act.observation", problem)
         if "action_mask" in entry:
             out.covered.add("masks")
             problem = mask_problem(entry["action_mask"], spaces.action, f"action_mask of {agent}")
             if problem:
-                out.failures.append(("act.action_mask", problem))
+                out.fail("act.action_mask", problem)
         for key in sorted(set(entry) - {"observation", "action_mask"}):
             out.failures.append(("act.entry_extra", f"agents[{agent!r}] has a field {key!r}; an entry is "
                                                     f"{{observation, action_mask?}}"))
@@ -274,9 +287,9 @@ def check_end(message: dict[str, Any], tree: KitTree, episode: EpisodeState) -> 
                 out.failures.append(("end.observation_agent", f"a final observation for {agent!r}, not an agent of "
                                                               f"the tree"))
                 continue
-            problem = value_problem(value, tree.agents[agent].observation, f"final observation of {agent}")
+            problem = value_error(value, tree.agents[agent].observation, f"final observation of {agent}")
             if problem:
-                out.failures.append(("end.observation", problem))
+                out.fail("end.observation", problem)
     out.warnings += [(f"end.extra.{k}", f"unknown field {k!r} (ignored)") for k in sorted(set(message) - _END)]
     return out
 
@@ -310,10 +323,10 @@ def _check_shared(message: dict[str, Any], tree: KitTree, out: Checked) -> None:
     elif "shared" not in message:
         out.failures.append(("act.shared", "no 'shared', but the tree declares a shared observation"))
     else:
-        problem = value_problem(message["shared"], node, "shared")
+        problem = value_error(message["shared"], node, "shared")
         if problem:
-            out.failures.append(("act.shared", problem))
+            out.fail("act.shared", problem)
 
 
 __all__ = ["OUTCOMES", "Checked", "EpisodeState", "KitTree", "check_act", "check_end", "check_hello",
-           "mask_problem", "non_finite_floats", "parse_tree", "value_problem"]
+           "mask_problem", "non_finite_floats", "parse_tree", "value_error", "value_problem"]

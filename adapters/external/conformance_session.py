@@ -230,6 +230,9 @@ class Session:
         self.hold = self.hold or episode.acts == 2 or self.report.acts % HOLD_EVERY == 3
         checked = check_act(message, self.tree, episode)
         self._record(checked)
+        if checked.fatal is not None:  # a malformed array: the server closes the connection
+            self._fatal(*checked.fatal)
+            return
         if checked.failures:
             self._refuse("spec_violation", checked.failures[0][1], request=request, episode=name)
             self._end_episode(name, "refused by the kit")
@@ -281,6 +284,9 @@ class Session:
             return
         checked = check_end(message, self.tree, self.episodes[name])
         self._record(checked)
+        if checked.fatal is not None:
+            self._fatal(*checked.fatal)
+            return
         if checked.failures:
             self._refuse("spec_violation", checked.failures[0][1], episode=name)
         self._end_episode(name, "by its end message")

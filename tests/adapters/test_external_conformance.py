@@ -15,7 +15,7 @@ import torch
 
 from adapters.external.conformance import Report, main, run_conformance
 from adapters.external.conformance_actions import random_action
-from adapters.external.conformance_checks import parse_tree, value_problem
+from adapters.external.conformance_checks import EpisodeState, check_act, parse_tree, value_problem
 from adapters.external.messages import from_array
 from core.specs import AgentNode, DictNode, DictPopulation, Leaf, tree_to_dict
 
@@ -254,6 +254,28 @@ def test_values_are_judged_by_the_servers_rule():
     assert "does not fit" in value_problem(2**64 - 1, i64, "x")
     assert "expected a map with keys ['a']" in value_problem({"b": wire(np.zeros(2, np.float32))},
                                                              DictNode({"a": Leaf.box((2,))}), "x")
+
+
+TREE_DOC = {"format": "shoal.tree/1", "tree": {"array": {"template": {
+    "observation": {"dict": {"pos": {"leaf": "box", "shape": [2], "dtype": "float32", "low": "-inf", "high": "inf"},
+                             "id": {"leaf": "box", "shape": [], "dtype": "int16", "low": 0, "high": 9}}},
+    "action": {"leaf": "discrete", "shape": [], "dtype": "int64", "n": 3, "start": 0}},
+    "capacity": 3, "payoff": "cooperative", "shared_observation": None}}}
+"""The test simulator's tree (``SIM``)."""
+
+
+def test_a_malformed_array_is_fatal_as_on_the_server_and_a_nan_is_not():
+    """The kit answers what the server answers: its parser's fatal ``bad_message`` closes the connection; a
+    value that parses but breaks the tree (NaN) is a non-fatal ``spec_violation``."""
+    kit_tree, problems = parse_tree(TREE_DOC)
+    assert not problems
+    malformed = {"dtype": "float32", "shape": [2], "data": b"12345"}  # 5 bytes where float32 [2] needs 8
+    checked = check_act({"agents": {"agents_0": {"observation": {"pos": malformed, "id": 1}}}}, kit_tree,
+                        EpisodeState())
+    assert checked.fatal is not None and checked.fatal[0] == "bad_message" and "expected 8" in checked.fatal[1]
+    nan = from_array(np.array([np.nan, 0], np.float32))
+    checked = check_act({"agents": {"agents_0": {"observation": {"pos": nan, "id": 1}}}}, kit_tree, EpisodeState())
+    assert checked.fatal is None and "NaN or infinity" in checked.failures[0][1]
 
 
 def test_trees_the_server_does_not_serve_are_refused():
