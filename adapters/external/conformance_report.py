@@ -26,6 +26,8 @@ class Report:
     """Episodes ended (by an ``end``, or by an error the kit sent)."""
     acts: int = 0
     """``act`` messages received."""
+    uploaded: int = 0
+    """Steps of ``trajectory`` uploads accepted (local-policy mode)."""
     joined: int = 0
     """Agents that joined an episode after its first ``act``."""
     left: int = 0
@@ -42,7 +44,8 @@ class Report:
         lines = [f"shoal conformance: {verdict} ({len(self.failures)} failures, {len(self.warnings)} warnings)",
                  f"  command: {self.command}",
                  f"  {count(self.episodes, 'episode')} ended, {count(self.acts, 'act')}, "
-                 f"{count(self.joined, 'agent')} joined mid-episode, {self.left} left"]
+                 f"{count(self.joined, 'agent')} joined mid-episode, {self.left} left"
+                 + (f", {count(self.uploaded, 'uploaded step')}" if self.uploaded else "")]
         for title, items in (("Failures", self.failures), ("Warnings", self.warnings), ("Notes", self.notes)):
             if items:
                 lines.append(f"{title}:")
@@ -96,6 +99,9 @@ def short(value: Any, limit: int = 60) -> str:
 def coverage_warnings(covered: set[str], report: Report, *, discrete_actions: bool) -> list[tuple[str, str]]:
     """``(key, text)`` of what the launch never exercised; ``covered`` names what it did (``error``, ``masks``,
     ``rewards``, ``pings``, ``terminated``, ``truncated``, ``final_observations``, ``pipelined``)."""
+    if report.acts == 0 and report.uploaded:
+        return [("cover.local_policy", "the simulator only uploaded trajectories (local-policy mode): its uploads "
+                                       "were checked; act requests, the non-fatal error and pipelining untested")]
     if report.acts == 0:
         return [("cover.acts", "no act was sent: nothing was checked beyond the handshake")]
     c = covered

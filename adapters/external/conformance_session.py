@@ -23,6 +23,7 @@ from websockets.sync.server import ServerConnection
 from adapters.external.conformance_actions import random_action
 from adapters.external.conformance_checks import Checked, EpisodeState, KitTree, check_act, check_end, check_hello
 from adapters.external.conformance_report import Findings, Report, coverage_warnings, describe, short
+from adapters.external.conformance_uploads import check_trajectory, policy_message
 from adapters.external.messages import (CLIENT_TYPES, MAX_NAME, PROTOCOL_VERSION, ProtocolError, decode, encode,
                                         to_array)
 from core.specs import Leaf
@@ -169,8 +170,36 @@ class Session:
         elif kind == "hello":
             self.f.fail("hello.twice", f"{self.where}: a second hello (hello comes once, first)")
             self._fatal("bad_message", "'hello' comes once, first")
+        elif kind == "get_policy":
+            self.queue.append(policy_message(self.tree, message.get("id")))
+        elif kind == "trajectory":
+            self._trajectory(message)
         else:  # a message type the kit does not check yet
             self.f.warn(f"unchecked.{kind}", f"{self.where}: the kit does not check {kind!r} messages (not answered)")
+
+    def _trajectory(self, message: dict[str, Any]) -> None:
+        """An upload of steps the simulator acted itself (:mod:`adapters.external.conformance_uploads`)."""
+        request = message.get("id")
+        name = self._episode_name(message, request)
+        if name is None:
+            return
+        if name in self.ended:
+            self.f.fail("trajectory.ended", f"{self.where}: a trajectory for episode {name!r}, which already ended "
+                                            f"({self.ended[name]})")
+            self._refuse("spec_violation", f"episode {name!r} has ended", request=request, episode=name)
+            return
+        checked, steps = check_trajectory(message, self.tree, f"trajectory {request} of episode {name!r}")
+        self._record(checked)
+        self.report.uploaded += steps
+        if checked.fatal is not None:
+            self._fatal(*checked.fatal)
+        elif checked.failures:
+            self._refuse("spec_violation", checked.failures[0][1], request=request, episode=name)
+            self._end_episode(name, "refused by the kit")
+        else:
+            if message.get("end") is not None:
+                self._end_episode(name, "by its trajectory's end")
+            self.queue.append({"type": "accepted", "id": request, "episode": name, "steps": steps})
 
     def _record(self, checked: Checked) -> None:
         """A message's findings, each prefixed with the message."""

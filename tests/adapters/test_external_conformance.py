@@ -162,6 +162,30 @@ def test_the_example_simulator_conforms():
     assert any("wrong-token launch: 1 connection(s), exit code" in n for n in report.notes)
 
 
+def test_the_example_simulator_acting_with_its_own_policy_conforms():
+    """Local-policy mode: the kit answers get_policy with a fresh policy of the tree (version 0) and checks the
+    uploads by the server's parser; the example fetches it, acts and uploads whole episodes."""
+    report = run_conformance(EXAMPLE + " --local-policy 2", episodes=3, timeout_s=20.0, check_token=False)
+    assert report.ok, report.format()
+    assert report.episodes >= 3 and report.acts == 0 and report.uploaded > 3
+    assert [w for w in report.warnings if "local-policy mode" in w], report.format()
+
+
+def test_an_upload_with_a_version_never_published_fails():
+    from adapters.external.conformance_uploads import check_trajectory
+
+    kit_tree, _ = parse_tree(TREE_DOC)
+    step = {"agents": {"agents_0": {"observation": {"pos": from_array(np.zeros(2, np.float32)), "id": 1},
+                                    "action": 2, "log_prob": -1.1}}}
+    checked, steps = check_trajectory({"versions": {"agents": 0}, "steps": [step, step]}, kit_tree, "t")
+    assert not checked.failures and steps == 2
+    checked, _ = check_trajectory({"versions": {"agents": 3}, "steps": [step]}, kit_tree, "t")
+    assert "the kit published version 0 only" in checked.failures[0][1]
+    illegal = {"agents": {"agents_0": dict(step["agents"]["agents_0"], action=5)}}
+    checked, steps = check_trajectory({"versions": {"agents": 0}, "steps": [step, illegal]}, kit_tree, "t")
+    assert steps == 1 and "outside its discrete space" in checked.failures[0][1] and checked.fatal is None
+
+
 def test_the_test_simulator_conforms_and_covers_everything_but_pipelining(sim):
     report = check(sim, "none", check_token=True)
     assert report.ok, report.format()
