@@ -41,10 +41,15 @@ class LocalPolicy:
         tree: the tree document this simulator sent in its hello.
         seed: seeds the sampling generator.
         upload_every: steps of one episode kept before they are uploaded (an episode's end uploads the rest).
+        threads: torch threads of this process (``torch.set_num_threads``): a policy acting on one row at a time
+            is fastest on one, and several simulators on one machine each taking every core slow each other
+            down; None leaves torch's setting alone.
     """
 
     def __init__(self, client: SimulatorClient, tree: Mapping[str, Any], *, seed: int = 0,
-                 upload_every: int = 64) -> None:
+                 upload_every: int = 64, threads: int | None = 1) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.client, self.upload_every = client, upload_every
         self.codec = TreeCodec(from_json(json.dumps(dict(tree))))
         self.generator = torch.Generator().manual_seed(seed)
