@@ -40,13 +40,13 @@ from orchestration.addresses import is_loopback, server_url
 from orchestration.config import ExternalConfig
 from adapters.external.codec import TreeCodec, action_maps
 from orchestration.external_episodes import Episode, Lanes
+from orchestration.external_endings import ConnectionEndings
 from orchestration.external_uploads import LocalPolicyHandlers
 
 _DRAIN = 64  # frames a connection reads before it answers them (they share inference batches)
-_TOLD = 3  # refusals and fatal protocol errors of each code printed on the server's log; the rest are counted
 
 
-class ExternalServer(LocalPolicyHandlers):
+class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
     """Accepts simulators (module docstring).
 
     Args:
@@ -76,7 +76,8 @@ class ExternalServer(LocalPolicyHandlers):
         self._connections: dict[int, dict] = {}
         self.connected: set[str] = set()
         """sim ids of the simulators connected now."""
-        self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0, uploaded_steps=0)
+        self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0, uploaded_steps=0,
+                             idle_closed=0)
         self._told: dict[str, int] = {}  # refusals printed on the log, per error code
         self._server = None
         self._thread: threading.Thread | None = None
@@ -187,6 +188,7 @@ class ExternalServer(LocalPolicyHandlers):
         key = id(ws)
         episodes: dict[str, Episode] = {}
         state: dict[str, Any] = {"ws": ws, "sim": None}
+        closing = (1000, "")  # the close frame's code and reason
         try:
             with self._lock:
                 self.counters["connections"] += 1
@@ -202,7 +204,9 @@ class ExternalServer(LocalPolicyHandlers):
             if closed.sent is not None and closed.sent.code == 1009:
                 limit = f"max_message_bytes={self.config.max_message_bytes}"
                 self._refuse(ws, ProtocolError("too_large", f"a frame over {limit}"), state)
-        except (TimeoutError, OSError):
+        except TimeoutError:  # silent past the hello deadline or idle_timeout_s: told in the close frame and the log
+            closing = (1008, self._idle(state))
+        except OSError:
             pass
         except Exception as error:  # noqa: BLE001 - one connection's bug never takes the server down
             print(f"shoal: external connection of {state['sim'] or 'an unnamed simulator'} ended by an internal "
@@ -216,23 +220,7 @@ class ExternalServer(LocalPolicyHandlers):
                 if state["sim"] is not None:
                     self.connected.discard(state["sim"])
                 self.counters["disconnects"] += 1
-            ws.close()
-
-    def _refuse(self, ws: ServerConnection, error: ProtocolError, state: dict, tell: bool = True) -> None:
-        sim = state["sim"] or state.get("hello_sim")
-        refused = error.code in ("bad_token", "busy", "protocol_version", "spec_mismatch")
-        tell = tell and (refused or error.fatal)
-        with self._lock:
-            self.counters["refused" if refused else "protocol_errors"] += 1
-            told = self._told[error.code] = self._told.get(error.code, 0) + tell
-        if tell and told <= _TOLD:  # the simulator is told; whoever runs the server would not know
-            why, more = str(error)[:300], f" (further {error.code} refusals are only counted)" if told == _TOLD else ""
-            print(f"shoal: external connection{f' claiming sim id {sim!r}' if sim else ''} refused: {error.code}: "
-                  f"{why}{more}", file=self._log)  # a client's text: repr'd or JSON-escaped upstream, and bounded
-        try:
-            ws.send(encode(error.as_message()))
-        except (ConnectionClosed, OSError):
-            pass
+            ws.close(*closing)
 
     def _hello(self, ws: ServerConnection, state: dict) -> None:
         hello = decode(ws.recv(timeout=self.config.heartbeat_s), max_bytes=self.config.max_message_bytes)
