@@ -117,7 +117,7 @@ class ExternalFleet:
                                   f"pointed at this address, with the run's token and tree? --external.wait-s sets "
                                   f"this limit (0: wait for good)")
         if self.launcher is not None:
-            self.launcher.check(self.server.connected)
+            self.launcher.check(self.server.connected, self.server.welcomed)
         return steps
 
     def _acted(self, now: float) -> float:
@@ -248,7 +248,7 @@ def build_external(config: TrainConfig, *, log=None):
         deadline = time.monotonic() + patience
         while not server.tree_ready.wait(0.1):
             if launcher is not None:
-                launcher.check(server.connected)
+                launcher.check(server.connected, server.welcomed)
             if time.monotonic() > deadline:
                 todo = ("check external.command, or wait longer (external.start_timeout_s, doubled with a launcher: "
                         f"{launcher.summary()})" if launcher is not None else "start simulators (external.command "

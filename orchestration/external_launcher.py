@@ -16,7 +16,8 @@ Usage (what :class:`orchestration.external_fleet.ExternalFleet` does)::
 
     launcher = SimulatorLauncher(command, 4, host=server.config.host, port=server.port, token=server.token, seed=0)
     launcher.start()
-    launcher.check(server.connected)   # now and then: restarts exited simulators and ones that never connected
+    launcher.check(server.connected, server.welcomed)   # now and then: restarts exited simulators and ones
+                                                        # that never connected
     launcher.close()
 """
 
@@ -119,9 +120,11 @@ class SimulatorLauncher:
         self._seen[i], self._connected_at[i], self._relaunch_at[i] = False, None, None
         self.counters["simulators_started"] += 1
 
-    def check(self, connected: Collection[str]) -> None:
+    def check(self, connected: Collection[str], welcomed: Collection[str] = ()) -> None:
         """Restarts simulators that exited, and ones not connected ``start_timeout_s`` after their start (those
-        that had connected after a pause: module docstring)."""
+        that had connected after a pause: module docstring). ``connected``: sim ids connected now; ``welcomed``:
+        sim ids that ever completed a hello (each start has its own id), so a start that connected and exited
+        between two checks still counts as connected."""
         if self._closed:
             return
         now = self._clock()
@@ -130,7 +133,7 @@ class SimulatorLauncher:
                 if self._relaunch_at[i] is not None and now >= self._relaunch_at[i]:
                     self._launch(i)
                 continue
-            if self.sim_id(i) in connected and not self._seen[i]:
+            if not self._seen[i] and (self.sim_id(i) in connected or self.sim_id(i) in welcomed):
                 self._seen[i], self._connected_at[i] = True, now
             exited = proc.poll() is not None
             late = not self._seen[i] and now - self._started[i] > self.start_timeout_s

@@ -43,6 +43,7 @@ from orchestration.external_episodes import Episode, Lanes
 from orchestration.external_endings import ConnectionEndings
 from orchestration.external_uploads import LocalPolicyHandlers
 
+_WELCOMED_KEPT = 4096  # sim ids remembered in ExternalServer.welcomed
 _DRAIN = 64  # frames a connection reads before it answers them (they share inference batches)
 
 
@@ -76,6 +77,9 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         self._connections: dict[int, dict] = {}
         self.connected: set[str] = set()
         """sim ids of the simulators connected now."""
+        self.welcomed: dict[str, None] = {}
+        """sim ids that completed a hello, in order, the newest :data:`_WELCOMED_KEPT` (a launched simulator that
+        connected and crashed between two of the launcher's looks is told apart from one that never connected)."""
         self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0, uploaded_steps=0,
                              idle_closed=0)
         self._told: dict[str, int] = {}  # refusals printed on the log, per error code
@@ -245,6 +249,9 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         state["sim"] = sim
         with self._lock:
             self.connected.add(sim)
+            self.welcomed[sim] = None
+            if len(self.welcomed) > _WELCOMED_KEPT:
+                del self.welcomed[next(iter(self.welcomed))]
         ws.send(encode({"type": "welcome", "protocol": PROTOCOL_VERSION, "session": secrets.token_hex(8),
                         "spec_hash": self._hash, "heartbeat_s": self.config.heartbeat_s,
                         "idle_timeout_s": self.config.idle_timeout_s, "max_message_bytes": self.config.max_message_bytes,

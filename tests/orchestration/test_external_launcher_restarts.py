@@ -77,3 +77,24 @@ def test_a_simulator_that_had_connected_restarts_after_a_pause_that_doubles_then
         assert lines[2].startswith("shoal: external simulator sim-0.2 exited (code 0); restarting it (restart 3")
     finally:
         launcher.close()
+
+
+def test_a_simulator_that_connected_and_exited_between_two_checks_still_pauses(tmp_path):
+    """The launcher looks now and then: a start that connected, played and exited in between was never in
+    ``connected`` at a check; the server's ``welcomed`` ids tell it connected, so its restart pauses."""
+    now = [0.0]
+    launcher = SimulatorLauncher(f'{sys.executable} -c "{SIM}" {tmp_path}/{{sim_id}}', 1, host="127.0.0.1", port=1,
+                                 token="t", max_restarts=10, restart_backoff_s=1.0, clock=lambda: now[0])
+    try:
+        launcher.start()
+        (pid,) = launcher.pids
+        (tmp_path / "sim-0").touch()
+        _wait(lambda: _gone(pid))
+        now[0] = 5.0
+        launcher.check(connected=set(), welcomed={"sim-0"})
+        assert not launcher.pids and launcher.counters["simulator_restart_pauses"] == 1
+        now[0] = 6.0
+        launcher.check(connected=set(), welcomed={"sim-0"})  # sim-0.1 has an id of its own: not yet welcomed
+        assert launcher.pids and launcher.sim_id(0) == "sim-0.1"
+    finally:
+        launcher.close()
