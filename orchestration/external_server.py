@@ -230,11 +230,11 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         hello = decode(ws.recv(timeout=self.config.heartbeat_s), max_bytes=self.config.max_message_bytes)
         if hello["type"] != "hello":
             raise ProtocolError("bad_message", f"the first message must be 'hello', got {hello['type']!r}")
+        claimed = hello.get("sim_id")  # before the version and the token: a name for the log only, bounded
+        state["hello_sim"] = claimed if isinstance(claimed, str) and 1 <= len(claimed) <= MAX_NAME else None
         if field(hello, "protocol", int) != PROTOCOL_VERSION:
             raise ProtocolError("protocol_version", f"protocol {hello['protocol']} is not served; this server speaks "
                                                     f"version {PROTOCOL_VERSION}")
-        claimed = hello.get("sim_id")  # before the token: a name for the log only, bounded
-        state["hello_sim"] = claimed if isinstance(claimed, str) and 1 <= len(claimed) <= MAX_NAME else None
         token = field(hello, "token", str)
         if not hmac.compare_digest(token.encode(), self.token.encode()):
             raise ProtocolError("bad_token", "the token does not match this run's")

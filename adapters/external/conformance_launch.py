@@ -128,8 +128,9 @@ def main_launch(command: str, options: SessionOptions, report: Report, findings:
             pass
         if not connected.wait(1.0):
             if launch.exited():
+                where = "its stderr is in the notes" if launch.stderr_text().strip() else "it wrote nothing to stderr"
                 findings.fail("launch", f"the simulator exited (code {launch.process.returncode}) without connecting "
-                                        f"(its stderr is in the notes)")
+                                        f"({where})")
             else:
                 findings.fail("launch", f"the simulator did not connect to ws://{HOST}:{server.port}/ within "
                                         f"{options.timeout_s:g} s")
