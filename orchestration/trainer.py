@@ -46,6 +46,7 @@ from orchestration.config import TrainConfig
 from core.specs import groups
 from orchestration.fleet import CollectionInterrupted
 from orchestration.statistics import episode_metrics, fragment_accounting, merge_monitors, structure_metrics
+from orchestration.user_errors import StalledRun
 
 
 class Trainer:
@@ -175,7 +176,7 @@ class Trainer:
         start = last_progress = time.perf_counter()
         metrics: dict[str, float] = {}
         pending = {pid: lrn.submit(progress, lr) for pid, lrn in self.trainable.items()}
-        t_learn = 0.0
+        t_learn, arrived = 0.0, sum(self.fleet.reported.values())
         while pending:
             retry = []
             for pid in [p for p, request in pending.items() if request.done()]:
@@ -191,9 +192,10 @@ class Trainer:
                 last_progress = time.perf_counter()
             if not pending and not retry:
                 break
+            if sum(self.fleet.reported.values()) != arrived:  # fragments keep coming: a big batch fills, slowly
+                arrived, last_progress = sum(self.fleet.reported.values()), time.perf_counter()
             if time.perf_counter() - last_progress > self.config.ray.iteration_timeout_s:
-                raise TimeoutError(f"learners {sorted([*pending, *retry])} got no trainable batch for "
-                                   f"{self.config.ray.iteration_timeout_s} s")
+                self._stalled(sorted([*pending, *retry]))
             try:
                 self.fleet.pump(self.weights)  # local: one round of fragments; Ray: replace dead workers, wait a moment
             except CollectionInterrupted:
@@ -204,6 +206,13 @@ class Trainer:
                 pending[pid] = self.trainable[pid].submit(progress, lr)
         wall = time.perf_counter() - start
         return metrics, self.fleet.monitors(), max(wall - t_learn, 0.0), t_learn
+
+    def _stalled(self, waiting: list[str]) -> None:
+        timeout = self.config.ray.iteration_timeout_s
+        raise StalledRun(f"learners {waiting} could not train and no fragment arrived for {timeout:g} s "
+                         f"(--ray.iteration-timeout-s), with {self._fresh_steps()} of the "
+                         f"{self.config.steps_per_iteration} env steps of a batch in hand: are the envs or workers "
+                         f"stuck? A longer --ray.iteration-timeout-s waits for them")
 
     def _refresh_weights(self, broadcast: bool = False) -> bool:
         """Takes weights a learner published outside a training result (a restarted learner resumed from its

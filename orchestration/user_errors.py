@@ -24,14 +24,20 @@ def user_errors(command: str):
         raise SystemExit(2) from None
 
 
+class StalledRun(RuntimeError):
+    """An asynchronous run whose learners could not train while no fragment arrived for
+    ``--ray.iteration-timeout-s``: the envs or workers deliver nothing (or the batch is far larger than what
+    arrives in that time): the user's to look into, told in one paragraph by the ``shoal`` command."""
+
+
 def is_users_mistake(err: Exception, gymnasium: bool = False) -> bool:
     """Whether ``err`` is the user's whenever it happens: launched simulators that never connect (a wrong
-    command template), external simulators that deliver nothing for ``external.wait_s``, and with ``gymnasium``
-    gymnasium's id errors (they name the nearest id)."""
+    command template), external simulators that deliver nothing for ``external.wait_s``, a stalled asynchronous
+    run (:class:`StalledRun`), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
     from orchestration.external_launcher import NoSimulatorData, SimulatorsFailed  # light: no torch
 
-    return (isinstance(err, (SimulatorsFailed, NoSimulatorData))
+    return (isinstance(err, (SimulatorsFailed, NoSimulatorData, StalledRun))
             or gymnasium and type(err).__module__.split(".")[0] == "gymnasium")
 
 
-__all__ = ["is_users_mistake", "user_errors"]
+__all__ = ["StalledRun", "is_users_mistake", "user_errors"]

@@ -141,3 +141,23 @@ def test_values_of_a_large_batch_are_computed_in_chunks_with_the_same_result(mon
         weights.append(trainer.learners["agent"].weights()[1])
         trainer.close()
     assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0].keys(True, True))
+
+
+def test_async_iteration_timeout_counts_only_time_without_data(monkeypatch):
+    """A batch larger than what arrives within ``--ray.iteration-timeout-s`` fills while fragments keep coming (it
+    failed: the timer ran from the last training step); a run where nothing arrives stops with the user-facing
+    StalledRun naming the flag and the batch in hand, not a bare TimeoutError."""
+    from orchestration.config import RayConfig
+    from orchestration.user_errors import StalledRun, is_users_mistake
+
+    config = TrainConfig(env="builtin:cartpole", seed=0, mode="async", train_batch_size=2048,
+                         rollout=RolloutConfig(num_envs=8, fragment_length=16), ray=RayConfig(iteration_timeout_s=1e-4))
+    trainer = build_trainer(config)
+    assert trainer.train()["env_steps_trained"] == 2048  # 16 rounds of fragments, each well over the timeout
+    monkeypatch.setattr(trainer.fleet, "pump", lambda weights=None: None)  # nothing arrives any more
+    with pytest.raises(StalledRun) as stalled:
+        trainer.train()
+    assert is_users_mistake(stalled.value)
+    assert "no fragment arrived for 0.0001 s (--ray.iteration-timeout-s), with 0 of the 2048 env steps" in \
+        str(stalled.value)
+    trainer.close()
