@@ -11,16 +11,21 @@ from orchestration.config import TrainConfig
 
 def note_unused(command: str, config: TrainConfig) -> None:
     """Names on stderr the settings given (unlike their defaults) that this run does not use: never silently."""
-    every = None
+    every, feed_forward = None, "recurrent policies only (--policy.recurrent); this run's is feed-forward"
+    ray_fields = [f for f in config.ray.__dataclass_fields__  # the iteration timeout guards async runs anywhere
+                  if not (config.mode == "async" and f == "iteration_timeout_s")]
     for section, unused, what, fields in (
-            ("ray", config.backend == "local", "--backend ray only; this run is local", every),
+            ("ray", config.backend == "local", "--backend ray only; this run is local", ray_fields),
+            ("", config.backend == "local", "--backend ray only; this run is local", ("address",)),
+            ("", config.mode == "sync", "--mode async only; this run is synchronous", ("max_staleness", "reuse_limit")),
             ("external", config.env != "external", f"--env external only; this run trains {config.env}", every),
             ("pretrain", not config.pretrain.dataset, "runs with --pretrain.dataset only; this run has none", every),
             ("curiosity", not config.curiosity.enabled, "--curiosity.coef > 0 only; this run's is 0", every),
-            ("ppo", not config.policy.recurrent, "recurrent policies only (--policy.recurrent); this run's is "
-                                                 "feed-forward", ("sequence_length", "burn_in"))):
-        settings = getattr(config, section)
-        changed = [f"--{section}.{f.replace('_', '-')}" for f in fields or settings.__dataclass_fields__
+            ("ppo", not config.policy.recurrent, feed_forward, ("sequence_length", "burn_in")),
+            ("policy", not config.policy.recurrent, feed_forward, ("recurrent_cell", "recurrent_size"))):
+        settings = getattr(config, section) if section else config
+        prefix = f"--{section}." if section else "--"
+        changed = [f"{prefix}{f.replace('_', '-')}" for f in fields or settings.__dataclass_fields__
                    if getattr(settings, f) != getattr(type(settings)(), f)]
         if unused and changed:
             one = len(changed) == 1

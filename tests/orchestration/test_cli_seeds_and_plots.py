@@ -77,7 +77,7 @@ def test_plot_draws_only_where_every_run_has_values_and_its_finals_are_where_the
 def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
-    from orchestration.config import CuriosityConfig, PretrainConfig, TrainConfig
+    from orchestration.config import CuriosityConfig, PretrainConfig, RayConfig, TrainConfig
     from orchestration.run_notes import note_unused
 
     note_unused("train", TrainConfig(pretrain=PretrainConfig(steps=50), curiosity=CuriosityConfig(lr=0.1),
@@ -89,6 +89,16 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     note_unused("train", TrainConfig(policy=PolicyConfig(recurrent=True), ppo=PPOConfig(sequence_length=8),
                                      curiosity=CuriosityConfig(coef=0.1, lr=0.1)))
     assert capsys.readouterr().err == ""  # used: nothing to say
+    # an LSTM asked for without --policy.recurrent trained a feed-forward policy in silence; so did these
+    note_unused("train", TrainConfig(policy=PolicyConfig(recurrent_cell="lstm", recurrent_size=16), max_staleness=3,
+                                     reuse_limit=2, address="127.0.0.1:1234", ray=RayConfig(iteration_timeout_s=5)))
+    err = capsys.readouterr().err
+    assert "--policy.recurrent-cell, --policy.recurrent-size apply to recurrent policies only" in err
+    assert "--max-staleness, --reuse-limit apply to --mode async only; this run is synchronous" in err
+    assert "--address applies to --backend ray only" in err
+    assert "--ray.iteration-timeout-s applies to --backend ray only" in err
+    note_unused("train", TrainConfig(mode="async", max_staleness=3, ray=RayConfig(iteration_timeout_s=5)))
+    assert capsys.readouterr().err == ""  # the iteration timeout guards async runs on either backend
 
 
 def test_a_seed_named_twice_is_refused_before_any_run_and_a_dropped_seed_is_said(tmp_path, capsys):
