@@ -96,7 +96,8 @@ _EXPORT_LAYOUT = (
     "slot is computed; an agent's action is the row at its slot (agents[name]: file, slot). Inputs are listed "
     "per program with name, kind (positional/keyword), dtype and shape; observation leaves are positional in "
     "the listed order, action_mask [batch, capacity, n] bool is required when listed (all True allows every "
-    "action). Outputs are deterministic actions: argmax of legal logits, Gaussian mean, logit > 0."
+    "action); a keyword input's 'path' is its place inside the argument 'keyword' (a structured action's masks "
+    "are one nested dict: action_mask={key: tensor or dict, ...}). Outputs are deterministic actions: argmax of legal logits, Gaussian mean, logit > 0."
 )
 
 

@@ -125,11 +125,11 @@ def _map(fn, tree):
     return fn(tree) if isinstance(tree, Tensor) else {k: _map(fn, v) for k, v in tree.items()}
 
 
-def _named(name: str, tree) -> list[tuple[str, Tensor]]:
-    """``(name/key path, tensor)`` for every tensor of ``tree`` (``(name, tree)`` for a tensor)."""
+def _named(tree, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Tensor]]:
+    """``(key path, tensor)`` for every tensor of ``tree`` (``((), tree)`` for a tensor)."""
     if isinstance(tree, Tensor):
-        return [(name, tree)]
-    return [pair for k, v in tree.items() for pair in _named(f"{name}/{k}", v)]
+        return [(path, tree)]
+    return [pair for k, v in tree.items() for pair in _named(v, (*path, k))]
 
 
 def _entry(name: str, value: Tensor, **extra) -> dict:
@@ -150,7 +150,9 @@ def deployment_signature(policy: GroupPolicy, example_batch) -> dict:
     leaf's shape. Inputs carry ``kind``: ``"positional"`` (with ``position``) for observation leaves, named
     ``"observation"`` / ``"observation/<key path>"``, or ``"keyword"`` (``required``: the program is traced
     with it and rejects a call without it) for ``action_mask`` (when ``example_batch`` has one; all True
-    allows every action) and ``recurrent_state``. Outputs are named ``"action"`` / ``"action/<key path>"``, then
+    allows every action) and ``recurrent_state``, with ``keyword`` (the argument's name) and ``path`` (the key
+    path inside it: ``[]`` for a tensor; a structured action's masks are one nested dict,
+    ``action_mask={"node": ..., "@present": {...}}``, named ``action_mask/node``, ...). Outputs are named ``"action"`` / ``"action/<key path>"``, then
     ``"recurrent_state"`` (the next state) for a recurrent policy; ``returns`` says whether the program gives
     one tensor or a tuple in that order.
 
@@ -164,8 +166,8 @@ def deployment_signature(policy: GroupPolicy, example_batch) -> dict:
     outs = list(out) if isinstance(out, tuple) else [out]
     inputs = [_entry(leaf_name(OBSERVATION, path), a, kind="positional", position=i)
               for i, (path, a) in enumerate(zip(module.observation_keys, args))]
-    inputs += [_entry(leaf, v, kind="keyword", required=True) for name, tree in kwargs.items()
-               for leaf, v in _named(name, tree)]
+    inputs += [_entry("/".join((name, *path)), v, kind="keyword", keyword=name, path=list(path), required=True)
+               for name, tree in kwargs.items() for path, v in _named(tree)]
     names = [leaf_name(ACTION, path) for path in module.action_keys] + ([RECURRENT_STATE] if module.recurrent else [])
     return {"inputs": inputs, "outputs": [_entry(name, v) for name, v in zip(names, outs)],
             "returns": "tuple" if isinstance(out, tuple) else "tensor"}

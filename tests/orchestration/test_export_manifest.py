@@ -55,8 +55,13 @@ def _inputs(program_entry: dict, batch: int, generator: torch.Generator) -> tupl
         if spec["kind"] == "positional":
             assert spec["position"] == len(args)
             args.append(value)
-        else:
-            kwargs[spec["name"]] = value
+        elif not spec["path"]:
+            kwargs[spec["keyword"]] = value
+        else:  # a place inside one nested keyword argument (a structured action's masks)
+            place = kwargs.setdefault(spec["keyword"], {})
+            for key in spec["path"][:-1]:
+                place = place.setdefault(key, {})
+            place[spec["path"][-1]] = value
     return args, kwargs
 
 
@@ -87,7 +92,8 @@ def test_every_checkpoint_policy_is_exported_and_every_agent_mapped_to_its_own(p
         # every input: [batch, agents, ...obs] observation, then the group's action mask
         assert program["inputs"] == [
             {"name": OBSERVATION, "kind": "positional", "position": 0, "dtype": "int8", "shape": ["batch", 2, *OBS_SHAPE]},
-            {"name": ACTION_MASK, "kind": "keyword", "required": True, "dtype": "bool", "shape": ["batch", 2, N_ACTIONS]},
+            {"name": ACTION_MASK, "kind": "keyword", "keyword": ACTION_MASK, "path": [], "required": True, "dtype": "bool",
+             "shape": ["batch", 2, N_ACTIONS]},
         ]
         assert program["outputs"] == [{"name": ACTION, "dtype": "int64", "shape": ["batch", 2]}]
         assert program["returns"] == "tensor"
@@ -153,3 +159,29 @@ def test_signature_documents_dict_observations_tuple_actions_and_recurrent_state
              "composite_tanh": (["observation"], ["action/move", "action/aim"]),
              "recurrent_binary": (["observation", "recurrent_state"], ["action", "recurrent_state"])}[case]
     assert ([s["name"] for s in signature["inputs"]], [s["name"] for s in signature["outputs"]]) == names
+
+
+def test_a_structured_actions_masks_are_documented_as_places_in_one_keyword(tmp_path):
+    """builtin:pick's two-stage action takes its masks as one nested ``action_mask`` dict: the manifest names
+    each mask's keyword and path (it listed ``action_mask/node`` and the like as keywords the program refused)."""
+    from adapters.builtin import pick_tree
+    from core.policies import PolicyConfig, export_policy
+    from core.policies.export import deployment_signature
+    from core.specs import rand
+
+    tree = pick_tree()
+    policy = make_policies(tree, PolicyConfig())["agent"]
+    example = rand(tree, (2,), torch.Generator().manual_seed(0)).get("agent")
+    signature = deployment_signature(policy, example)
+    masks = [s for s in signature["inputs"] if s["kind"] == "keyword"]
+    assert masks and all(s["keyword"] == ACTION_MASK and s["name"] == "/".join((ACTION_MASK, *s["path"]))
+                         for s in masks), masks
+    torch.export.save(export_policy(policy, example), str(tmp_path / "p.pt2"))
+    args, kwargs = _inputs(signature, 3, torch.Generator().manual_seed(0))
+    for s in masks:  # all True allows every action (the layout's rule), whatever the random draw made
+        place = kwargs[ACTION_MASK]
+        for key in s["path"][:-1]:
+            place = place[key]
+        place[s["path"][-1]] = torch.ones_like(place[s["path"][-1]])
+    with torch.no_grad():
+        torch.export.load(str(tmp_path / "p.pt2")).module()(*args, **kwargs)
