@@ -20,7 +20,7 @@ from orchestration.result_line import print_result
 
 
 def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4,
-             env: str | None = None, threads: int = 1, opponent: str | None = None, seats: tuple[str, ...] = (),
+             env: str | None = None, env_kwargs: tuple[tuple[str, str], ...] = (), threads: int = 1, opponent: str | None = None, seats: tuple[str, ...] = (),
              sample: bool = False, video: str | None = None) -> float:
     """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return
     and its standard deviation. With ``--opponent``: plays each seat against it and prints win/draw/loss rates
@@ -38,6 +38,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         num_envs: envs stepped together.
         env: the env to play in, instead of the checkpoint's env or collection (default: the checkpoint's,
             unless naming it would import a module: an env read from a checkpoint never imports code).
+        env_kwargs: the env's keyword arguments as ``NAME VALUE`` pairs (``--env-kwargs delay 8``), as for
+            ``shoal train``; default: the checkpoint's for its own env, none for another ``--env``.
         threads: torch CPU threads (1 is fastest for small networks on a shared machine).
         opponent: ``random``, a scripted player ``scripted:MODULE:FUNCTION`` (:mod:`orchestration.scripted`),
             another checkpoint (same tree) or a league snapshot (``league/pool/NAME``) playing every seat but the
@@ -68,11 +70,17 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     if env is None and (why := imports_code(config.env)):
         raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "
                          f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
-    if env is not None:  # it replaces the checkpoint's env and its collection: is its tree the checkpoint's?
+    if env is None and env_kwargs and config.collection:
+        raise ValueError("--env-kwargs: this checkpoint was trained on a collection, whose envs keep their own "
+                         "keyword arguments; name the env to play in with --env too")
+    if env is not None or env_kwargs:  # it replaces the checkpoint's env (and collection): is its tree the same?
         trained_on = "its collection's envs" if config.collection else config.env
-        if trained_on != env:
-            _check_same_tree(dataclasses.replace(config, env=env, collection=None), state["tree"], trained_on)
-        config = dataclasses.replace(config, env=env, collection=None)
+        new_env = config.env if env is None else env
+        kwargs = tuple(map(tuple, env_kwargs)) if env_kwargs or new_env != config.env else config.env_kwargs
+        given = dataclasses.replace(config, env=new_env, env_kwargs=kwargs, collection=None)
+        if (trained_on, config.env_kwargs) != (new_env, kwargs):
+            _check_same_tree(given, state["tree"], trained_on)
+        config = given
     if opponent is not None:
         from orchestration.matches import play_seats
 
@@ -138,6 +146,7 @@ def _check_same_tree(config, saved_tree: str, trained_on: str) -> None:
     if tree != saved_tree:
         where = tree_difference(json.loads(tree), json.loads(saved_tree), here=f"in {config.env}",
                                 there=f"in {trained_on}")
-        raise ValueError(f"--env {config.env}: the checkpoint's policies were trained on {trained_on}, whose "
+        given = f" --env-kwargs {' '.join(f'{k} {v}' for k, v in config.env_kwargs)}" if config.env_kwargs else ""
+        raise ValueError(f"--env {config.env}{given}: the checkpoint's policies were trained on {trained_on}, whose "
                          f"observations and actions differ: {where}")
 

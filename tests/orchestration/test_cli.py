@@ -330,6 +330,28 @@ def test_evaluate_on_an_env_of_another_tree_names_it_and_the_difference(cartpole
         "whose observations and actions differ: at " in err and "Traceback" not in err, err
 
 
+def test_evaluate_takes_env_kwargs_and_drops_the_checkpoints_for_another_env(tmp_path, capsys):
+    """The checkpoint's --env-kwargs were carried to another --env (refused as keywords it does not take); they
+    are its own env's default, and --env-kwargs overrides them (a recall policy at a longer delay)."""
+    from orchestration.cli import main
+
+    run = tmp_path / "recall"
+    main(["train", "builtin:recall", "--env-kwargs", "num_cues", "3", "--rollout.num-envs", "4",
+          "--rollout.fragment-length", "8", "--iterations", "1", "--run-dir", str(run), "--no-progress"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["evaluate", str(run), "--env", "builtin:cartpole", "--episodes", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--env builtin:cartpole: the checkpoint's policies were trained on " \
+        "builtin:recall, whose observations and actions differ" in err and "num_cues" not in err, err
+    main(["evaluate", str(run), "--env-kwargs", "num_cues", "3", "delay", "6", "--episodes", "2"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["episodes"] == 2
+    with pytest.raises(SystemExit) as exit_:  # two cues: another observation than the checkpoint's three
+        main(["evaluate", str(run), "--env-kwargs", "delay", "6", "--episodes", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--env builtin:recall --env-kwargs delay 6: the checkpoint's policies" in err, err
+
+
 def test_a_run_directory_names_its_checkpoints(cartpole_run, capsys):
     from orchestration.cli import main
 
