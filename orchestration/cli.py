@@ -325,8 +325,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         how = "stopped by SIGTERM" if isinstance(stop, Terminated) else "interrupted"
         resumable = command in ("train", "serve", "league")
+        run_dir = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--run-dir"),
+                       next((a.split("=", 1)[1] for a in rest if a.startswith("--run-dir=")), "RUN"))
         print(f"shoal {command}: {how}" + (f" (a run keeps the checkpoints it wrote: shoal {command} --resume "
-                                           f"--run-dir RUN continues it)" if resumable else ""), file=sys.stderr)
+                                           f"--run-dir {run_dir} continues it)" if resumable else ""), file=sys.stderr)
         raise SystemExit(143 if isinstance(stop, Terminated) else 130) from None
     if command_line:
         # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
