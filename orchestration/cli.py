@@ -288,8 +288,15 @@ def _serve_args(argv: Sequence[str]) -> None:
 
 
 def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list[str]:
-    """Writes one ``torch.export`` program per policy of ``checkpoint`` plus ``manifest.json`` (see
-    :func:`orchestration.exporting.export`); returns the program paths."""
+    """Writes one ``torch.export`` program per policy of the checkpoint, and a manifest.json that documents them.
+
+    Args:
+        checkpoint: a checkpoint directory, or a run's ``checkpoints`` directory or the run's own directory (its
+            newest checkpoint).
+        out: the directory to write the programs (``<policy>.pt2``) and ``manifest.json`` into.
+
+    Returns the program paths (:func:`orchestration.exporting.export`).
+    """
     import torch
 
     from orchestration.exporting import export as export_programs
