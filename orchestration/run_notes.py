@@ -31,6 +31,16 @@ def note_unused(command: str, config: TrainConfig) -> None:
             one = len(changed) == 1
             print(f"shoal {command}: {', '.join(changed)} {'applies' if one else 'apply'} to {what} and does not use "
                   f"{'it' if one else 'them'}", file=sys.stderr)
+    note_capped(command, config)
+
+
+def note_capped(command: str, config: TrainConfig) -> None:
+    """Says on stderr when a recurrent policy's ``--ppo.sequence-length`` exceeds the fragments it is cut from."""
+    length, fragment = config.ppo.sequence_length, config.rollout.fragment_length
+    if config.policy.recurrent and length is not None and length > fragment:
+        print(f"shoal {command}: --ppo.sequence-length {length} is longer than --rollout.fragment-length "
+              f"{fragment}: sequences are whole fragments of {fragment} steps (a longer fragment makes longer "
+              f"sequences)", file=sys.stderr)
 
 
 def note_schedule(command: str, config: TrainConfig, resume: bool) -> None:
@@ -51,4 +61,4 @@ def note_past_selves(command: str, config: TrainConfig, tree) -> None:
               f"alone (feed-forward, learning), and this run has none: no past self plays", file=sys.stderr)
 
 
-__all__ = ["note_past_selves", "note_schedule", "note_unused"]
+__all__ = ["note_capped", "note_past_selves", "note_schedule", "note_unused"]

@@ -77,7 +77,7 @@ def test_plot_draws_only_where_every_run_has_values_and_its_finals_are_where_the
 def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
-    from orchestration.config import CuriosityConfig, PretrainConfig, RayConfig, TrainConfig
+    from orchestration.config import CuriosityConfig, PretrainConfig, RayConfig, RolloutConfig, TrainConfig
     from orchestration.run_notes import note_unused
 
     note_unused("train", TrainConfig(pretrain=PretrainConfig(steps=50), curiosity=CuriosityConfig(lr=0.1),
@@ -99,6 +99,10 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     assert "--ray.iteration-timeout-s applies to --backend ray only" in err
     note_unused("train", TrainConfig(mode="async", max_staleness=3, ray=RayConfig(iteration_timeout_s=5)))
     assert capsys.readouterr().err == ""  # the iteration timeout guards async runs on either backend
+    note_unused("train", TrainConfig(policy=PolicyConfig(recurrent=True), ppo=PPOConfig(sequence_length=20),
+                                     rollout=RolloutConfig(fragment_length=10)))
+    assert "--ppo.sequence-length 20 is longer than --rollout.fragment-length 10: sequences are whole fragments" \
+        in capsys.readouterr().err
 
 
 def test_a_seed_named_twice_is_refused_before_any_run_and_a_dropped_seed_is_said(tmp_path, capsys):
