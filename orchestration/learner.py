@@ -33,13 +33,13 @@ from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import concat_fragments
 from core.layout import FRAGMENT_ID, MASK, OBSERVATION, POLICY_VERSION, WORKER_ID
-from core.losses import PPOConfig, credit_absent_steps, ppo_update_, with_gae
+from core.losses import PPOConfig, credit_absent_steps, ppo_update_
 from core.policies import GroupPolicy
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.curiosity import CuriosityConfig, curiosity_for
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
-from orchestration.train_batches import only_slots, team_values_for, update_inputs, with_values
+from orchestration.train_batches import only_slots, team_values_for, update_inputs, with_advantages, with_values
 
 
 def resolve_device(name: str) -> torch.device:
@@ -202,7 +202,7 @@ class PPOLearner:
                     batch = self.returns.scaled(batch, group)
                 batch = only_slots(batch, group, self.groups[group])  # other policies' agents: not trained on
                 batch = with_values(self.policy, batch, group, team)
-                batch = with_gae(batch, group, self.ppo.gamma, self.ppo.gae_lambda)
+                batch = with_advantages(self.policy, batch, group, self.ppo)
             flat, evaluate, ppo = update_inputs(self.policy, batch, group, self.ppo, team)
             if self.evaluate_through is not None:  # DDP over the policy: averages gradients over ranks
                 evaluate = functools.partial(self.evaluate_through, evaluate)

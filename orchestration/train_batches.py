@@ -6,6 +6,7 @@
 - Team values (:mod:`orchestration.team_critic`): :func:`team_values_for` lines a team critic's values up with
   a batch's fragments; :func:`with_values` then takes them instead of the policy's critic, and
   :func:`update_inputs` turns the policy's own value loss off for those groups.
+- :func:`with_advantages`: GAE, or V-trace (``--ppo.advantage vtrace``) with the current policy's log-probabilities.
 - :func:`update_inputs`: a feed-forward policy trains on shuffled transitions ``[N]``; a recurrent one on
   whole sequences ``[S]`` (groups ``[S, W, A]``, :func:`core.buffers.split_sequences`), minibatches of
   ``minibatch_size // sequence_length`` sequences, evaluated by truncated BPTT.
@@ -20,9 +21,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import drop_trivial_masks, flatten_transitions, sequence_starts, split_sequences
-from core.layout import (CRITIC_MASK, EPISODE_ID, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SEQUENCE_START, SHARED,
-                         STATE_VALUE)
-from core.losses import PPOConfig
+from core.layout import (CRITIC_MASK, EPISODE_ID, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SEQUENCE_START,
+                         SHARED, STATE_VALUE)
+from core.losses import PPOConfig, with_gae, with_vtrace
 from core.policies import GroupPolicy
 
 #: Transitions per critic call when values are computed for a whole batch: the hidden activations of a large
@@ -68,6 +69,19 @@ def with_values(policy: GroupPolicy, batch: TensorDictBase, group: str,
         g.set(STATE_VALUE, policy.value(obs, shared) if g.batch_size[0] <= rows else _chunked_values(
             policy, obs, shared, rows))
     return batch
+
+
+def with_advantages(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: PPOConfig) -> TensorDictBase:
+    """``(group, "advantage")`` and ``(group, "value_target")`` of ``batch`` ``[E, T]`` (with values) by the
+    estimator ``ppo.advantage``: GAE, or V-trace with the log-probabilities of the recorded actions under
+    ``policy`` as it is now (feed-forward), evaluated :data:`VALUE_CHUNK` transitions at a time."""
+    if ppo.advantage == "gae":
+        return with_gae(batch, group, ppo.gamma, ppo.gae_lambda)
+    g, shared = batch.get(group), batch.get(SHARED, None)
+    rows = max(1, VALUE_CHUNK // max(1, g.batch_size[1:].numel()))
+    target = torch.cat([policy.evaluate_terms(g[i:i + rows], None if shared is None else shared[i:i + rows])[LOG_PROB]
+                        for i in range(0, g.batch_size[0], rows)])
+    return with_vtrace(batch, group, ppo.gamma, target_log_prob=target)
 
 
 def _chunked_values(policy: GroupPolicy, obs: TensorDict, shared, rows: int) -> torch.Tensor:
@@ -142,4 +156,4 @@ def update_inputs(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: P
     return drop_trivial_masks(sequences, group), evaluate_sequences, config
 
 
-__all__ = ["VALUE_CHUNK", "only_slots", "team_values_for", "update_inputs", "with_values"]
+__all__ = ["VALUE_CHUNK", "only_slots", "team_values_for", "update_inputs", "with_advantages", "with_values"]

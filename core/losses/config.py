@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +30,11 @@ class PPOConfig:
     """Discount factor of returns and of the GAE/V-trace recursions."""
     gae_lambda: float = 0.95
     """GAE lambda: 0 gives one-step TD advantages, 1 Monte-Carlo returns minus the baseline (detail 5)."""
+    advantage: Literal["gae", "vtrace"] = "gae"
+    """The estimator of advantages and value targets: ``gae``, or ``vtrace`` (IMPALA, Espeholt et al. 2018,
+    arXiv:1802.01561; truncation thresholds rho and c of 1): corrects for data that older weights acted with
+    (asynchronous mode, uploads of local policies) by the truncated importance ratios of the policy being
+    trained; feed-forward policies."""
     normalize_advantage: bool = True
     """Standardise advantages per minibatch over valid (unmasked) entries (detail 7)."""
     advantage_eps: float = 1e-8
@@ -57,6 +63,7 @@ class PPOConfig:
         _check(self.entropy_coef >= 0.0, "entropy_coef", ">= 0", self.entropy_coef)
         _check(0.0 <= self.gamma <= 1.0, "gamma", "in [0, 1]", self.gamma)
         _check(0.0 <= self.gae_lambda <= 1.0, "gae_lambda", "in [0, 1]", self.gae_lambda)
+        _check(self.advantage in ADVANTAGES, "advantage", f"one of {ADVANTAGES}", self.advantage)
         _check(self.advantage_eps > 0.0, "advantage_eps", "> 0", self.advantage_eps)
         _check(_is_int(self.num_epochs) and self.num_epochs >= 1, "num_epochs", "an int >= 1", self.num_epochs)
         _check(_is_int(self.minibatch_size) and self.minibatch_size >= 1, "minibatch_size", "an int >= 1",
@@ -69,6 +76,9 @@ class PPOConfig:
         _check(_is_int(self.burn_in) and self.burn_in >= 0, "burn_in", "an int >= 0", self.burn_in)
         for name in ("clip_eps", "value_coef", "entropy_coef", "gamma", "gae_lambda", "advantage_eps"):
             _check(math.isfinite(getattr(self, name)), name, "finite", getattr(self, name))
+
+
+ADVANTAGES = ("gae", "vtrace")
 
 
 def _is_int(x: object) -> bool:
