@@ -21,8 +21,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-#: Below this many elements :class:`Tanh` calls ``torch.tanh`` (one kernel launch beats four).
-FAST_MIN_ELEMENTS = 16384
+#: Below this many elements :class:`Tanh` calls ``torch.tanh``: four kernel launches (and, training, the
+#: autograd function's own cost) outweigh the cheaper kernel there. Measured crossover: forward and backward of
+#: a 16,384-element activation were slower by the identity, of 32,768 faster (``benchmarks/activation_cost.py``).
+FAST_MIN_ELEMENTS = 32768
 
 _FAST_DTYPES = (torch.float32, torch.float64)
 
