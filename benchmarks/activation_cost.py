@@ -2,9 +2,10 @@
 
 For the activation shapes of the project's workloads (rows x width: CartPole minibatches, below and at the
 size from which the identity is used, a CartPole acting batch, a 16k-env batch, a VMAS MAPPO minibatch's actor
-and critic), times the forward alone (acting, no graph) and forward + backward
-(training), interleaved over rounds; reports each side's median in microseconds per call, the speed-up, and
-the largest absolute difference of the values. Prints one JSON.
+and critic), times the identity's forward alone (no graph) and forward + backward
+(training: the only place Shoal uses the identity; acting keeps ``torch.tanh``), interleaved over rounds;
+reports each side's median in microseconds per call, the speed-up, and the largest absolute difference of the
+values. Prints one JSON.
 
     python benchmarks/activation_cost.py [--rounds 5] [--threads 1]
 """
@@ -18,12 +19,13 @@ import time
 
 import torch
 
-from core.policies.fast_tanh import FAST_MIN_ELEMENTS, tanh
+from core.policies.fast_tanh import FAST_MIN_ELEMENTS, sigmoid_tanh, tanh
 
 
 def fast_tanh(x: torch.Tensor) -> torch.Tensor:
-    """The identity at every size (the module's threshold is what this benchmark measures)."""
-    return tanh(x, min_elements=0)
+    """The identity at every size (the module's threshold is what this benchmark measures): the autograd
+    function where gradients are recorded, else the bare identity (Shoal itself acts with ``torch.tanh``)."""
+    return tanh(x, min_elements=0) if torch.is_grad_enabled() else sigmoid_tanh(x)
 
 SHAPES = {"cartpole_minibatch_256x64": (256, 64), "cartpole_update_512x64": (512, 64),
           "cartpole_act_1024x64": (1024, 64), "cartpole_act_16384x64": (16384, 64),
@@ -60,7 +62,7 @@ def main() -> None:
     for name, shape in SHAPES.items():
         x = (torch.randn(*shape, generator=g) * 2).requires_grad_()
         with torch.no_grad():
-            entry: dict = {"max_abs_diff": float((fast_tanh(x) - torch.tanh(x)).abs().max())}
+            entry: dict = {"max_abs_diff": float((sigmoid_tanh(x) - torch.tanh(x)).abs().max())}
         for mode, backward in (("forward", False), ("forward_backward", True)):
             times: dict[str, list[float]] = {"torch_tanh": [], "shoal_tanh": []}
             for _ in range(args.rounds):

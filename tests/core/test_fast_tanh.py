@@ -18,9 +18,9 @@ def _inputs() -> torch.Tensor:
 
 
 def test_values_match_torch_tanh_within_float32_rounding():
-    x = _inputs()
+    x = _inputs().requires_grad_()
     assert x.numel() >= FAST_MIN_ELEMENTS
-    fast, exact = tanh(x), torch.tanh(x)
+    fast, exact = tanh(x).detach(), torch.tanh(x).detach()
     assert (fast - exact).abs().max().item() <= TOLERANCE
     assert fast.abs().max().item() <= 1.0  # never outside tanh's range
     # the reference in float64 too: the identity's float32 error, not only its difference from torch's
@@ -30,7 +30,7 @@ def test_values_match_torch_tanh_within_float32_rounding():
 def test_infinities_and_nan():
     x = torch.zeros(FAST_MIN_ELEMENTS)
     x[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
-    y = tanh(x)
+    y = tanh(x.requires_grad_()).detach()
     assert y[0].item() == 1.0 and y[1].item() == -1.0 and torch.isnan(y[2])
 
 
@@ -63,20 +63,21 @@ def test_small_or_integer_tensors_are_torch_tanh_exactly():
     assert torch.equal(tanh(half), torch.tanh(half))
 
 
-def test_no_graph_without_grad():
-    x = torch.randn(FAST_MIN_ELEMENTS, requires_grad=True)
+def test_acting_and_value_passes_get_torch_tanh_exactly():
+    """Without autograd recording (acting, values), torch's own values: an action does not depend on the batch."""
+    x = torch.randn(4 * FAST_MIN_ELEMENTS, requires_grad=True) * 3
     with torch.no_grad():
-        assert tanh(x).grad_fn is None
-    assert tanh(x.detach()).grad_fn is None
+        assert torch.equal(tanh(x), torch.tanh(x)) and tanh(x).grad_fn is None
+    assert torch.equal(tanh(x.detach()), torch.tanh(x.detach()))
+    assert not torch.equal(tanh(x).detach(), torch.tanh(x).detach())  # training: the identity (rounded otherwise)
 
 
 def test_mlp_uses_it_and_an_exported_policy_holds_plain_tanh():
     trunk = mlp(8, (256, 256), "tanh", 1.0)
     assert [type(m) for m in trunk] == [torch.nn.Linear, Tanh, torch.nn.Linear, Tanh]
     x = torch.randn(128, 8)
-    with torch.no_grad():
-        reference = torch.nn.Sequential(trunk[0], torch.nn.Tanh(), trunk[2], torch.nn.Tanh())(x)
-        assert (trunk(x) - reference).abs().max().item() <= 2 * TOLERANCE
+    reference = torch.nn.Sequential(trunk[0], torch.nn.Tanh(), trunk[2], torch.nn.Tanh())(x)
+    assert (trunk(x) - reference).abs().max().item() <= 2 * TOLERANCE
     program = torch.export.export(trunk, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
     targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
     assert torch.ops.aten.tanh.default in targets and torch.ops.aten.sigmoid_.default not in targets
