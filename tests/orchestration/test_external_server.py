@@ -119,35 +119,6 @@ def test_refusals_name_the_fault_and_the_server_keeps_serving(served):
     assert len(bad) == 3 and bad[-1].endswith("(further bad_message refusals are only counted)"), told
 
 
-def test_silent_connections_are_closed_with_the_reason_and_logged(served):
-    """No hello within heartbeat_s, or no message for idle_timeout_s: close code 1008 with the reason (a
-    plain 1000 "OK" told the simulator nothing), a line on the server's log, and a counter."""
-    from websockets.exceptions import ConnectionClosed
-
-    server, _, _ = served
-    ws = _raw(server, hello=False)
-    with pytest.raises(ConnectionClosed) as closed:
-        ws.recv(timeout=10)
-    assert closed.value.rcvd.code == 1008 and closed.value.rcvd.reason == \
-        "no hello within 0.5 s (heartbeat_s) of connecting"
-    tree = from_json(json.dumps(TREE))
-    service = InferenceService({"agents": make_policies(tree, PolicyConfig())["agents"]}).start()
-    quick = ExternalServer(ExternalConfig(token="secret", heartbeat_s=0.5, idle_timeout_s=1.0), tree,
-                           log=io.StringIO()).start()
-    quick.attach(service, Lanes(TreeCodec(tree), assign(tree, {}), 4, lambda *item: None))
-    try:
-        ws = _raw(quick)
-        with pytest.raises(ConnectionClosed) as closed:
-            while True:
-                ws.recv(timeout=10)
-        assert closed.value.rcvd.code == 1008 and closed.value.rcvd.reason == "no message for 1 s (idle_timeout_s)"
-    finally:
-        quick.close()
-        service.close()
-    assert server.counters["idle_closed"] == 1
-    assert "closed: no hello within 0.5 s (heartbeat_s) of connecting" in server.test_log.getvalue()
-
-
 def test_a_bad_request_ends_only_its_episode(served):
     server, lanes, _ = served
     with SimulatorClient(server.url, "secret", TREE, "sim") as client:

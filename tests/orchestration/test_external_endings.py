@@ -1,0 +1,56 @@
+"""How the external server ends a connection it will not keep (``orchestration.external_endings``): silence is
+told in the close frame and on the log, and counted."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from adapters.external.codec import TreeCodec
+from adapters.external.messages import encode
+from core.policies import PolicyConfig, make_policies
+from core.specs import from_json
+from orchestration.assignment import assign
+from orchestration.config import ExternalConfig
+from orchestration.external_episodes import Lanes
+from orchestration.external_server import ExternalServer
+from orchestration.inference import InferenceService
+
+from .test_external_server import TREE
+
+
+def _closing_frame(ws):
+    """The close frame the server sent (reading until the connection closes)."""
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            ws.recv(timeout=10)
+    return closed.value.rcvd
+
+
+def test_silent_connections_are_closed_with_the_reason_and_logged():
+    """No hello within heartbeat_s, or no message for idle_timeout_s: close code 1008 with the reason (a
+    plain 1000 "OK" told the simulator nothing), a line on the server's log, and a counter."""
+    tree = from_json(json.dumps(TREE))
+    service = InferenceService({"agents": make_policies(tree, PolicyConfig())["agents"]}).start()
+    log = io.StringIO()
+    server = ExternalServer(ExternalConfig(token="secret", heartbeat_s=0.5, idle_timeout_s=1.0), tree, log=log).start()
+    server.attach(service, Lanes(TreeCodec(tree), assign(tree, {}), 4, lambda *item: None))
+    try:
+        silent = connect(server.url, proxy=None, legacy=True)
+        frame = _closing_frame(silent)
+        assert (frame.code, frame.reason) == (1008, "no hello within 0.5 s (heartbeat_s) of connecting")
+        idle = connect(server.url, proxy=None, legacy=True)
+        idle.send(encode({"type": "hello", "protocol": 1, "token": "secret", "sim_id": "quiet", "tree": TREE}))
+        frame = _closing_frame(idle)  # the welcome, then nothing from the simulator for a second
+        assert (frame.code, frame.reason) == (1008, "no message for 1 s (idle_timeout_s)")
+    finally:
+        server.close()
+        service.close()
+    assert server.counters["idle_closed"] == 2
+    told = log.getvalue()
+    assert "closed: no hello within 0.5 s (heartbeat_s) of connecting" in told
+    assert "connection of sim id 'quiet' closed: no message for 1 s (idle_timeout_s)" in told
