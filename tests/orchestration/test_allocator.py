@@ -47,7 +47,8 @@ def _run(**env: str) -> dict:
 def test_tuned_allocator_keeps_activation_pages():
     got = _run()
     assert got["tuned"] and got["again"]
-    assert got["default"] > 100  # glibc's defaults: each step faults its activations' pages in again
+    # glibc's defaults: each step faults some of its activations' pages in again (90-390 a step, run to run)
+    assert got["default"] > 50
     assert got["after"] < got["default"] / 5
 
 

@@ -36,7 +36,7 @@ def _learner_and_fragments(curiosity: CuriosityConfig, n: int = 1):
 
 def _trained_on(learner, fragment, monkeypatch) -> TensorDict:
     """The ``("next", group)`` rewards and the advantages of one update of ``learner`` on ``fragment``."""
-    import orchestration.learner as module
+    import orchestration.train_batches as module  # where the learner's GAE is called (with_advantages)
 
     seen = {}
     real = module.with_gae
