@@ -346,8 +346,9 @@ class TrainConfig:
 
         check_logger_names(self.loggers)
         if self.ppo.advantage == "vtrace" and self.policy.recurrent:
-            raise ValueError("--ppo.advantage vtrace: feed-forward policies only (a recurrent policy's log-probabilities "
-                             "need its sequences); drop --policy.recurrent, or keep --ppo.advantage gae")
+            raise ValueError("--ppo.advantage vtrace: feed-forward policies only (a recurrent policy's "
+                             "log-probabilities need its sequences); drop --policy.recurrent, or keep --ppo.advantage "
+                             "gae")
         if self.curiosity.enabled and self.ray.learners_per_policy > 1:
             raise ValueError("curiosity.coef > 0 with ray.learners_per_policy > 1: the RND predictor is not trained "
                              "data-parallel yet; use one learner per policy")

@@ -20,8 +20,9 @@ from orchestration.result_line import print_result
 
 
 def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4,
-             env: str | None = None, env_kwargs: tuple[tuple[str, str], ...] = (), threads: int = 1, opponent: str | None = None, seats: tuple[str, ...] = (),
-             sample: bool = False, video: str | None = None) -> float:
+             env: str | None = None, env_kwargs: tuple[tuple[str, str], ...] = (), threads: int = 1,
+             opponent: str | None = None, seats: tuple[str, ...] = (), sample: bool = False,
+             video: str | None = None) -> float:
     """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return
     and its standard deviation. With ``--opponent``: plays each seat against it and prints win/draw/loss rates
     with 95% intervals per seat (:mod:`orchestration.matches`). With ``--video DIR``: plays the episodes in one

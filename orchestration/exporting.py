@@ -97,7 +97,8 @@ _EXPORT_LAYOUT = (
     "per program with name, kind (positional/keyword), dtype and shape; observation leaves are positional in "
     "the listed order, action_mask [batch, capacity, n] bool is required when listed (all True allows every "
     "action); a keyword input's 'path' is its place inside the argument 'keyword' (a structured action's masks "
-    "are one nested dict: action_mask={key: tensor or dict, ...}). Outputs are deterministic actions: argmax of legal logits, Gaussian mean, logit > 0."
+    "are one nested dict: action_mask={key: tensor or dict, ...}). Outputs are deterministic actions: argmax "
+    "of legal logits, Gaussian mean, logit > 0."
 )
 
 

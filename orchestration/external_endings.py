@@ -47,12 +47,12 @@ class ConnectionEndings:
             why, more = str(error)[:300], f" (further {error.code} refusals are only counted)" if told == _TOLD else ""
             whose = (f" claiming sim id {sim!r}" if refused else f" of sim id {sim!r}") if sim else ""
             how = "refused" if refused else "closed after a fatal error"
-            print(f"shoal: external connection{whose} {how}: {error.code}: {why}{more}", file=self._log)  # a client's text: repr'd or JSON-escaped upstream, and bounded
+            # a client's text: repr'd or JSON-escaped upstream, and bounded
+            print(f"shoal: external connection{whose} {how}: {error.code}: {why}{more}", file=self._log)
         try:
             ws.send(encode(error.as_message()))
         except (ConnectionClosed, OSError):
             pass
-
 
 
 __all__ = ["ConnectionEndings"]

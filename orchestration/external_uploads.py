@@ -36,7 +36,7 @@ class LocalPolicyHandlers:
             raise ProtocolError("bad_message", f"{what}: 'versions' maps every group {sorted(self._codec.groups)} "
                                                f"to the policy version (int) that acted, got {versions!r}", fatal=False)
         for g, v in versions.items():
-            newest = self._service.latest(self._lanes.policy_of[g])[0]
+            newest, _ = self._service.latest(self._lanes.policy_of[g], weights=False)  # no copy per upload
             if not 0 <= v <= newest:
                 raise ProtocolError("spec_violation", f"{what}: group {g!r} acted with version {v}, which the server "
                                                       f"never published (versions 0 to {newest} so far; 'policy' "

@@ -206,14 +206,15 @@ class InferenceService:
         """A copy of the weights the service acts with for ``policy_id`` (CPU)."""
         return self._template(policy_id).detach().cpu().clone()
 
-    def latest(self, policy_id: str) -> tuple[int, TensorDictBase]:
+    def latest(self, policy_id: str, weights: bool = True) -> tuple[int, TensorDictBase | None]:
         """``(version, weights)`` of ``policy_id``: the newest staged by :meth:`set_weights` (what the next batch
-        acts with), else the current ones. For callers that act elsewhere with a copy (local policies)."""
+        acts with), else the current ones; ``weights=False``: None for them, no copy (a check of a version). For
+        callers that act elsewhere with a copy (local policies)."""
         with self._lock:
             pending = self._pending.get(policy_id)
         if pending is not None:
-            return pending[0], pending[1].detach().cpu().clone()
-        return self._versions[policy_id], self.weights(policy_id)
+            return pending[0], pending[1].detach().cpu().clone() if weights else None
+        return self._versions[policy_id], self.weights(policy_id) if weights else None
 
     @property
     def versions(self) -> dict[str, int]:

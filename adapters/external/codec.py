@@ -319,9 +319,9 @@ class TreeCodec:
                     raise ProtocolError("spec_violation", f"{what}: agent {name!r}: log_prob must be a finite number, "
                                                           f"got {lp!r}", fatal=False)
                 if lp > most:
-                    raise ProtocolError("spec_violation", f"{what}: agent {name!r}: log_prob {lp!r} is above 0, the log "
-                                                          f"of a probability above 1 (the action space is discrete)",
-                                        fatal=False)
+                    raise ProtocolError("spec_violation", f"{what}: agent {name!r}: log_prob {lp!r} is above 0, the "
+                                                          f"log of a probability above 1 (the action space is "
+                                                          f"discrete)", fatal=False)
                 log_prob[0, slot, 0] = lp
             out[g] = {ACTION: _tensors(action), LOG_PROB: torch.from_numpy(log_prob)}
         return out

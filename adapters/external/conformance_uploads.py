@@ -37,6 +37,8 @@ def check_trajectory(message: dict[str, Any], tree: KitTree, what: str) -> tuple
     elif any(v != 0 for v in versions.values()):
         out.fail("trajectory.versions", f"{what}: versions {versions!r}, but the kit published version 0 only "
                                         f"(a server refuses a version it never published)")
+    if out.failures:  # the server refuses the whole message: no step of it is kept
+        return out, 0
     steps = message.get("steps")
     if not isinstance(steps, list):
         out.fail("trajectory.steps", f"{what}: 'steps' must be a list of step maps, got {type(steps).__name__}")

@@ -152,9 +152,9 @@ def deployment_signature(policy: GroupPolicy, example_batch) -> dict:
     with it and rejects a call without it) for ``action_mask`` (when ``example_batch`` has one; all True
     allows every action) and ``recurrent_state``, with ``keyword`` (the argument's name) and ``path`` (the key
     path inside it: ``[]`` for a tensor; a structured action's masks are one nested dict,
-    ``action_mask={"node": ..., "@present": {...}}``, named ``action_mask/node``, ...). Outputs are named ``"action"`` / ``"action/<key path>"``, then
-    ``"recurrent_state"`` (the next state) for a recurrent policy; ``returns`` says whether the program gives
-    one tensor or a tuple in that order.
+    ``action_mask={"node": ..., "@present": {...}}``, named ``action_mask/node``, ...). Outputs are named
+    ``"action"`` / ``"action/<key path>"``, then ``"recurrent_state"`` (the next state) for a recurrent policy;
+    ``returns`` says whether the program gives one tensor or a tuple in that order.
 
     Args:
         policy: the policy; example_batch: a group entry ``[B, A]`` as for :func:`export_policy`.

@@ -179,8 +179,8 @@ def test_an_upload_with_a_version_never_published_fails():
                                     "action": 2, "log_prob": -1.1}}}
     checked, steps = check_trajectory({"versions": {"agents": 0}, "steps": [step, step]}, kit_tree, "t")
     assert not checked.failures and steps == 2
-    checked, _ = check_trajectory({"versions": {"agents": 3}, "steps": [step]}, kit_tree, "t")
-    assert "the kit published version 0 only" in checked.failures[0][1]
+    checked, steps = check_trajectory({"versions": {"agents": 3}, "steps": [step]}, kit_tree, "t")
+    assert "the kit published version 0 only" in checked.failures[0][1] and steps == 0  # refused whole
     illegal = {"agents": {"agents_0": dict(step["agents"]["agents_0"], action=5)}}
     checked, steps = check_trajectory({"versions": {"agents": 0}, "steps": [step, illegal]}, kit_tree, "t")
     assert steps == 1 and "outside its discrete space" in checked.failures[0][1] and checked.fatal is None

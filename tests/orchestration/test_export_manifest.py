@@ -92,8 +92,8 @@ def test_every_checkpoint_policy_is_exported_and_every_agent_mapped_to_its_own(p
         # every input: [batch, agents, ...obs] observation, then the group's action mask
         assert program["inputs"] == [
             {"name": OBSERVATION, "kind": "positional", "position": 0, "dtype": "int8", "shape": ["batch", 2, *OBS_SHAPE]},
-            {"name": ACTION_MASK, "kind": "keyword", "keyword": ACTION_MASK, "path": [], "required": True, "dtype": "bool",
-             "shape": ["batch", 2, N_ACTIONS]},
+            {"name": ACTION_MASK, "kind": "keyword", "keyword": ACTION_MASK, "path": [], "required": True,
+             "dtype": "bool", "shape": ["batch", 2, N_ACTIONS]},
         ]
         assert program["outputs"] == [{"name": ACTION, "dtype": "int64", "shape": ["batch", 2]}]
         assert program["returns"] == "tensor"
