@@ -165,10 +165,24 @@ def collect_replies(workers: list[WorkerProcess], timeout: float) -> dict[int, o
     return replies
 
 
+def command(workers: list[WorkerProcess], message: Callable[[WorkerProcess], tuple],
+            timeout: float) -> dict[int, object]:
+    """Sends each worker ``message(worker)``, then waits for one reply each as :func:`collect_replies`. A worker
+    whose pipe is closed already (its process died since its last reply) answers ``("dead", None)``."""
+    sent, replies = [], {}
+    for w in workers:
+        try:
+            w.conn.send(message(w))
+            sent.append(w)
+        except (OSError, ValueError):
+            replies[w.index] = ("dead", None)
+    return {**replies, **collect_replies(sent, timeout)}
+
+
 def kill_all(workers: list[WorkerProcess]) -> None:
     for w in workers:
         if w.proc.is_alive():
             w.proc.kill()
 
 
-__all__ = ["EnvWorkerConfig", "WorkerProcess", "collect_replies", "kill_all", "step_template", "worker_main"]
+__all__ = ["EnvWorkerConfig", "WorkerProcess", "collect_replies", "command", "kill_all", "step_template", "worker_main"]

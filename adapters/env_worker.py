@@ -48,7 +48,7 @@ from core.tensordicts import clone_td
 
 from .env_process import EnvWorkerConfig, step_template
 from .env_process import WorkerProcess as _Worker
-from .env_process import collect_replies as _collect
+from .env_process import collect_replies as _collect, command as _command
 from .env_process import kill_all as _kill_all
 from .protocol import BatchedEnv
 
@@ -143,9 +143,8 @@ class EnvWorkerPool:
         self._results.clear()
         self._roots.clear()
         self._seed = seed
-        for w in self._workers:
-            w.conn.send(("reset", None if seed is None else seed + self.offsets[w.index]))
-        for i, reply in _collect(self._workers, self.config.step_timeout_s).items():
+        seeds = lambda w: ("reset", None if seed is None else seed + self.offsets[w.index])  # noqa: E731
+        for i, reply in _command(self._workers, seeds, self.config.step_timeout_s).items():
             if not self._accept(i, reply):
                 if not self.config.restart:
                     self._raise(i)
@@ -165,10 +164,8 @@ class EnvWorkerPool:
         self._results.clear()
         for key, buf in self._act_leaves:
             buf.copy_(actions.get(key))
-        for w in self._workers:
-            w.conn.send(("step", None))
-        failed = [i for i, reply in _collect(self._workers, self.config.step_timeout_s).items()
-                  if not self._accept(i, reply)]
+        replies = _command(self._workers, lambda w: ("step", None), self.config.step_timeout_s)
+        failed = [i for i, reply in sorted(replies.items()) if not self._accept(i, reply)]
         if failed and not self.config.restart:
             self._raise(failed[0])
         for i in failed:
@@ -371,11 +368,14 @@ class EnvWorkerPool:
                 continue
             if tree_json != self._tree_json or n != self._sizes[i]:
                 raise RuntimeError(f"restarted env worker {i} has a different tree or number of envs")
-            self._send_buffers(w)
+            try:
+                self._send_buffers(w)
+            except (OSError, ValueError):  # died right after its handshake
+                w.kill()
+                continue
             seed = None if self._seed is None else int(
                 np.random.SeedSequence([self._seed, i, w.incarnation]).generate_state(1, np.uint32)[0])
-            w.conn.send(("reset", seed))
-            if self._accept(i, _collect([w], self.config.step_timeout_s)[i]):
+            if self._accept(i, _command([w], lambda w: ("reset", seed), self.config.step_timeout_s)[i]):
                 return
             w.kill()
 

@@ -144,6 +144,38 @@ def test_workers_run_nicer_than_the_acting_process_restarted_ones_too(pool_facto
         pool_factory([factory], niceness=-1)
 
 
+def wait_until_exited(pid: int) -> None:
+    """Waits until ``pid`` has exited (gone, or a zombie: its pipes are closed either way)."""
+    for _ in range(500):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not exit")
+
+
+@pytest.mark.parametrize("call", ["step", "reset"])
+def test_a_worker_that_died_between_calls_is_restarted_not_a_broken_pipe(pool_factory, call):
+    """The pool writes the next command into the dead worker's closed pipe: that must count as its death."""
+    factory = functools.partial(CartPole, CartPoleConfig(num_envs=2))
+    pool = pool_factory([factory, factory])
+    pool.reset(seed=0)
+    dead = pool.worker_pids[1]
+    os.kill(dead, signal.SIGKILL)
+    wait_until_exited(dead)
+    if call == "step":
+        out = pool.step(cartpole_actions(4, torch.Generator().manual_seed(0)))
+        assert out.get((NEXT, TRUNCATED)).squeeze(1).tolist() == [False, False, True, True]
+        assert pool.counters["episodes_lost"] == 2
+    else:
+        validate(pool.reset(seed=1), pool.tree)
+    assert pool.counters["env_restarts"] == 1 and pool.counters["worker_crashes"] == 1
+    assert dead not in pool.worker_pids
+
+
 @pytest.mark.parametrize("mode, counter", [("hang", "step_timeouts"), ("raise", "worker_errors")])
 def test_hung_or_failing_worker_is_restarted(pool_factory, tmp_path, mode, counter):
     flags = [str(tmp_path / f"fault{k}") for k in range(2)]
