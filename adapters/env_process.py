@@ -120,10 +120,13 @@ def worker_main(conn, factory: Callable[[], BatchedEnv], threads: int, niceness:
             else:
                 _write(env.step(clone_td(actions)), leaves)  # the env may keep what it is given
             conn.send(("ok", dict(env.counters)))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        return  # the parent is gone or stopping us
+    except (EOFError, ConnectionError, KeyboardInterrupt):
+        return  # the parent is gone (its end of the pipe closed or reset) or stopping us
     except BaseException:  # noqa: BLE001 - reported to the parent, which restarts us
-        conn.send(("error", traceback.format_exc()))
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, ValueError):
+            pass  # the parent went away meanwhile: nobody to tell
 
 
 class WorkerProcess:

@@ -30,7 +30,8 @@ from orchestration.config import TrainConfig
 from orchestration.collection_env import make_actor_env
 from orchestration.env_collection import load_collection, probe_members, with_collection
 from orchestration.envs import make_run_env
-from orchestration.learner import FixedLearner, PPOLearner, resolve_device
+from orchestration.devices import resolve_device
+from orchestration.learner import FixedLearner, PPOLearner
 from orchestration.team_critic import TEAM_CRITIC, build_team_critic, teams_for
 
 

@@ -60,7 +60,7 @@ _TRAIN_HELP = """{headline}
 --config-file F reads a YAML or JSON config (strict keys; over the preset if any; flags override it);
 --resume continues the run that --run-dir names from its latest checkpoint (--resume=auto: if it has one, else
 starts it there: one command for a supervisor that restarts the run); --seeds S1 S2 ... trains one run
-per seed; --no-progress hides the progress bar."""
+per seed; --no-progress hides the progress bar (a Ray run still writes each iteration's pipeline line on stderr)."""
 
 
 def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool | str, bool, str | None]:
@@ -334,8 +334,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         resumable = command in ("train", "serve", "league")
         run_dir = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--run-dir"),
                        next((a.split("=", 1)[1] for a in rest if a.startswith("--run-dir=")), "RUN"))
+        wrote = resumable and (run_dir == "RUN" or any(Path(run_dir).glob("**/ckpt-*")))
         print(f"shoal {command}: {how}" + (f" (a run keeps the checkpoints it wrote: shoal {command} --resume "
-                                           f"--run-dir {run_dir} continues it)" if resumable else ""), file=sys.stderr)
+                                           f"--run-dir {run_dir} continues it)" if wrote else
+                                           " before its first checkpoint: nothing to resume" if resumable else ""),
+              file=sys.stderr)
         raise SystemExit(143 if isinstance(stop, Terminated) else 130) from None
     if command_line:
         # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end

@@ -12,6 +12,7 @@ from core.losses import PPOConfig
 from core.policies import PolicyConfig
 from orchestration.config_kinds import check_fields, field_hints
 from orchestration.external_config import ExternalConfig
+from orchestration.ray_config import RayConfig
 from orchestration.team_critic_config import TeamCriticConfig
 
 
@@ -73,66 +74,6 @@ class RolloutConfig:
     def fragment_steps(self) -> int:
         """Env steps in one fragment: one actor's envs, or one env process's with ``env_polling``."""
         return (self.num_envs // self.env_processes if self.env_polling else self.num_envs) * self.fragment_length
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RayConfig:
-    """How the Ray backend places and runs the fleet and the learners (no Ray import needed to build one)."""
-
-    queue_size: int = 2
-    """Fragments buffered between a worker's sampling loop and its sender thread."""
-    max_in_flight: int = 2
-    """Pushes per learner a sender thread may have unacknowledged before it waits."""
-    num_cpus: float | None = None
-    """CPUs of a local Ray instance this backend starts (None: ``os.cpu_count()``, or more if reserved)."""
-    worker_num_cpus: float = 1.0
-    """Ray CPUs reserved per rollout worker (fractions allowed)."""
-    learner_num_cpus: float = 1.0
-    """Ray CPUs reserved per learner."""
-    learner_num_gpus: float | Literal["auto"] = "auto"
-    """GPUs per learner; ``auto``: share the cluster's GPUs among learners when it has any, else 0."""
-    learners_per_policy: int = 1
-    """Processes training each policy data-parallel (torch.distributed, gradients averaged); above 1, every
-    batch is split by env rows into equal shards, so its env rows must divide evenly."""
-    learner_resources: tuple[tuple[str, float], ...] = ()
-    """Custom Ray resources per learner, e.g. ``(("learner_node", 1),)`` to pin learners to a node."""
-    worker_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
-    """Ray scheduling strategy of rollout workers (``SPREAD``: across nodes)."""
-    max_worker_restarts: int = 100
-    """Re-creations of dead rollout workers allowed over the run before it fails."""
-    max_learner_restarts: int = 3
-    """Restarts of each learner process Ray may make after it dies (each resumes from the learner's last
-    checkpoint) before the run fails."""
-    learner_checkpoint_every: int = 10
-    """Iterations between the learners' in-memory checkpoints (object store, owned by the driver) that a
-    restarted learner resumes from; checkpoints written to disk refresh them too. 0: only those."""
-    resolve_timeout_s: float = 30.0
-    """A learner gives up fetching a pushed fragment after this long (counted lost)."""
-    worker_threads: int = 1
-    """torch threads per rollout worker."""
-    worker_niceness: int | None = 0
-    """Niceness of Ray's worker processes when this backend starts a local Ray (``RAY_worker_niceness``, unless
-    already set). Ray's own default, 15, lets any busy process on the machine take the CPU from the rollout
-    workers and learners, which do all of the run's work (measured: 0.64x of local sampling, 0.85x at 0).
-    None keeps Ray's default. A joined cluster keeps its own setting."""
-    learner_threads: int = 1
-    """torch threads per learner."""
-    poll_interval_s: float = 0.002
-    """Async mode: pause between readiness polls of the learners."""
-    iteration_timeout_s: float = 600.0
-    """Async mode: fail when no learner could train for this long."""
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        for name in ("max_worker_restarts", "max_learner_restarts", "learner_checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("queue_size", "max_in_flight", "worker_threads", "learner_threads",
-                     "learners_per_policy"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.worker_num_cpus < 0 or self.learner_num_cpus < 0 or (self.num_cpus is not None and self.num_cpus <= 0):
-            raise ValueError("RayConfig CPU counts must be >= 0 (num_cpus > 0)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -301,9 +242,8 @@ class TrainConfig:
     device: str = "auto"
     """Learner device: ``auto`` (CUDA when present), ``cpu`` or ``cuda[:i]``."""
     threads: int = 1
-    """torch CPU threads of the ``shoal train`` process. 1 suits small networks: the README job (64x64 MLPs,
-    16 envs) takes 11.4 s with 1 thread and 14.6 s with 2 on this 2-core machine (matmuls this small do not
-    split well, and the env steps in the same thread anyway). Raise it for wide networks trained on the CPU."""
+    """torch CPU threads of the ``shoal train`` process. 1 suits small networks (matmuls this small do not split
+    well, and the env steps in the same thread anyway); raise it for wide networks trained on the CPU."""
     backend: Literal["local", "ray"] = "local"
     """``local``: everything in this process; ``ray``: rollout workers and learners as Ray actors."""
     mode: Literal["sync", "async"] = "sync"
@@ -342,9 +282,12 @@ class TrainConfig:
                                ("reuse_limit", self.reuse_limit >= 1, ">= 1")):
             if not ok:
                 raise ValueError(f"TrainConfig.{name} must be {rule}, got {getattr(self, name)!r}")
+        from orchestration.devices import device_problem
         from orchestration.loggers import check_logger_names
 
         check_logger_names(self.loggers)
+        if problem := device_problem(self.device):
+            raise ValueError(problem)
         if self.ppo.advantage == "vtrace" and self.policy.recurrent:
             raise ValueError("--ppo.advantage vtrace: feed-forward policies only (a recurrent policy's "
                              "log-probabilities need its sequences); drop --policy.recurrent, or keep --ppo.advantage "

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from orchestration.allocator import keep_freed_memory
-from orchestration.learner import PPOLearner, resolve_device
+from orchestration.devices import resolve_device
+from orchestration.learner import PPOLearner
 from orchestration.wire import from_wire, to_wire
 
 

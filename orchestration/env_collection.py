@@ -151,6 +151,11 @@ def check_params_supported(collection: EnvCollection, env_id: str, env) -> None:
 
     supported = f"builtin:cartpole ({', '.join(EPISODE_PARAMS)}) in the actor's process (env_processes 0)"
     takes = getattr(env, "episode_params", None)
+    if hasattr(env, "worker_pids") and collection.member(env_id).env.startswith("builtin:cartpole"):  # a pool
+        raise ValueError(f"collection member {env_id!r} (env {collection.member(env_id).env!r}) draws its prior's "
+                         f"per-episode parameters in the actor's process only, and this run steps its envs in env "
+                         f"processes (--rollout.env-processes, --rollout.env-timeout-s or --rollout.check lenient): "
+                         f"drop those flags for this collection")
     if takes is None or not hasattr(env, "set_param_sampler"):
         raise ValueError(f"collection member {env_id!r} (env {collection.member(env_id).env!r}) cannot take "
                          f"per-episode parameters, which its prior draws; envs that can: {supported}")

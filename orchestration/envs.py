@@ -22,7 +22,6 @@ mpe2, VMAS, PettingZoo's classic and butterfly games and gymnasium's Box2D envs 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
 import pkgutil
 import re
@@ -30,6 +29,7 @@ from functools import partial
 from typing import Any, Iterable
 
 from adapters.extras import EXTRAS, extra_for, is_installed, missing_extra, require
+from orchestration.env_parameters import check_values, factory_of, parameters
 
 
 def parse_kwargs(pairs: Iterable[tuple[str, str]]) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
         with the nearest one it takes where its signature tells; a value whose type is not the one the
         keyword's annotation (a bool, int, float or str) asks for.
     """
-    _check_values(name, kwargs or {})
+    check_values(name, kwargs or {})
     try:
         return _make_env(name, num_envs, check=check, kwargs=kwargs, shared_state=shared_state)
     except TypeError as err:
@@ -66,63 +66,7 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 
         word = bad.group(1)
         raise ValueError(f"env {name!r}: --env-kwargs {word} is not a keyword it takes"
-                         f"{hint(word, _parameters(name), rest_as='it takes {}')} ({err})") from None
-
-
-def _check_values(name: str, kwargs: dict[str, Any]) -> None:
-    """Raises ValueError naming the first keyword whose value (one a literal gives: a bool, number or string)
-    is not of its parameter's annotated type (``--env-kwargs max_steps abc`` for an ``int``): the env would
-    fail later, deep inside, or silently take it. Other values (numpy scalars, devices from Python) and
-    annotations that do not resolve are left to the env."""
-    from orchestration.config_kinds import PYTHON_WORDS, allows, describe
-
-    params = _parameters(name) if kwargs else {}
-    for key, value in kwargs.items():
-        want = params.get(key)
-        if want is None or type(value) not in (bool, int, float, str) or allows(want, value):
-            continue
-        raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is {PYTHON_WORDS[type(value)]}, but {key} "
-                         f"takes {describe(want, PYTHON_WORDS)} (values are read as Python literals: e.g. 3, 0.5, "
-                         f"True, 'text')")
-
-
-def _parameters(name: str) -> dict[str, Any]:
-    """The keyword arguments env ``name`` takes, each with its annotation (resolved; None where there is none or
-    it does not resolve), where a signature tells (else none: messages go without)."""
-    import inspect
-    import typing
-
-    try:
-        if name.startswith("builtin:"):
-            from adapters import builtin
-
-            configs = {n.lower(): getattr(builtin, n) for n in builtin.__all__ if n.endswith("Config")}
-            config = configs[f"{name.split(':', 1)[1]}config"]
-            hints = typing.get_type_hints(config)
-            return {f.name: hints.get(f.name) for f in dataclasses.fields(config) if f.name != "num_envs"}
-        if name.split(":", 1)[0] in ("vmas", "torchrl", "mpe2", "pettingzoo", "external"):
-            return {}  # their own checks name a bad keyword
-        if ":" in name:
-            creator = _factory(name)
-        else:
-            import gymnasium
-            from gymnasium.envs.registration import load_env_creator
-
-            creator = gymnasium.spec(name).entry_point
-            creator = load_env_creator(creator) if isinstance(creator, str) else creator
-        made: dict[str, Any] = {}
-        if ":" not in name:  # gymnasium.make's own keywords (max_episode_steps, ...) come with every id
-            types = typing.get_type_hints(gymnasium.make)
-            made = {p: types.get(p) for p in inspect.signature(gymnasium.make).parameters if p not in ("id", "kwargs")}
-        if creator is None:
-            return made
-        try:
-            hints = typing.get_type_hints(creator.__init__ if inspect.isclass(creator) else creator)
-        except Exception:  # noqa: BLE001 - annotations that do not resolve: names only
-            hints = {}
-        return {**made, **{p: hints.get(p) for p in inspect.signature(creator).parameters if p != "self"}}
-    except Exception:  # noqa: BLE001 - a hint only: no signature, no hint
-        return {}
+                         f"{hint(word, parameters(name), rest_as='it takes {}')} ({err})") from None
 
 
 def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | None, shared_state: bool | None):
@@ -149,8 +93,12 @@ def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | 
             from adapters.builtin.pick import Pick, PickConfig
 
             return Pick(PickConfig(num_envs=num_envs, **kwargs))
-        raise ValueError(f"unknown built-in env {which!r}: use builtin:cartpole, builtin:spread, builtin:spot, "
-                         f"builtin:recall or builtin:pick")
+        import difflib
+
+        known = ["cartpole", "spread", "spot", "recall", "pick"]
+        near = difflib.get_close_matches(which, known, n=1)
+        raise ValueError(f"unknown built-in env {name!r}" + (f" (did you mean 'builtin:{near[0]}'?)" if near else
+                         f": use one of {', '.join(f'builtin:{k}' for k in known)}"))
     if name.startswith("vmas:"):  # a VMAS scenario through torchrl's VmasEnv: the batch lives in torch
         require(name, "vmas")
         from torchrl.envs.libs.vmas import VmasEnv
@@ -184,7 +132,7 @@ def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | 
             return PettingZooParallelEnv(partial(module.parallel_env, **kwargs), num_envs, check=check,
                                          **adapter_kwargs)
         return PettingZooAECEnv(partial(module.env, **kwargs), num_envs, check=check, **adapter_kwargs)
-    if ":" in name and (factory := _factory(name)) is not None:
+    if ":" in name and (factory := factory_of(name)) is not None:
         return from_factory(name, factory, num_envs, check=check, kwargs=kwargs)
     from gymnasium.error import DependencyNotInstalled
 
@@ -275,19 +223,6 @@ def _modules(package: str) -> list[str]:
                 continue
             names += [f"{family}.{m.name}" for m in pkgutil.iter_modules(path) if not m.ispkg]
     return [n for n in names if re.search(r"_v\d+$", n)]  # env modules are versioned: simple_spread_v3
-
-
-def _factory(name: str):
-    """The callable ``module:attr`` names, or None when ``attr`` is not an attribute of the module (then
-    ``name`` is gymnasium's ``module:EnvId`` form: gymnasium imports the module and looks the id up)."""
-    module_name, attr = name.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise ValueError(f"env {name!r}: cannot import module {module_name!r} ({err}); a custom env is given as "
-                         f"package.module:factory, with the package importable (e.g. on PYTHONPATH)") from None
-    factory = getattr(module, attr, None)
-    return factory if callable(factory) else None
 
 
 def from_factory(name: str, factory, num_envs: int, *, check: str = "strict", kwargs: dict[str, Any] | None = None):

@@ -62,7 +62,7 @@ from torch import Tensor
 from core.policies import GroupPolicy
 from orchestration.inference_requests import (InferenceConfig, InferenceResult, Request, RequestExpired, ServiceClosed,
                                               check_weights, forward, get_within, make_request, refuse_all)
-from orchestration.learner import resolve_device
+from orchestration.devices import resolve_device
 
 #: Batches whose size sets the "nearly empty" threshold (three quarters of the largest of them).
 _RECENT_BATCHES = 8

@@ -42,11 +42,6 @@ from orchestration.reward_scaling import ReturnStreams
 from orchestration.train_batches import only_slots, team_values_for, update_inputs, with_advantages, with_values
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present, else CPU."""
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
-
-
 def _actor_copy(policy: GroupPolicy, weights: TensorDictBase) -> GroupPolicy:
     copy_ = copy.deepcopy(policy).cpu()
     with torch.no_grad():
@@ -395,4 +390,4 @@ class FixedLearner:
         self._published = TensorDict.from_module(self.policy).detach().clone()
 
 
-__all__ = ["Done", "FixedLearner", "NonFiniteTraining", "PPOLearner", "meta_of", "resolve_device"]
+__all__ = ["Done", "FixedLearner", "NonFiniteTraining", "PPOLearner", "meta_of"]

@@ -1,6 +1,6 @@
 """What a Ray run reserves: CPUs for its workers and learners, and how it shares the cluster's GPUs between
-the learners and a central inference server. Plain arithmetic on the config and the cluster's totals (the
-Ray calls that read those and place the actors are in :mod:`orchestration.ray_session`)."""
+the learners (every data-parallel rank) and a central inference server. Plain arithmetic on the config and the
+cluster's totals (the Ray calls that read those and place the actors are in :mod:`orchestration.ray_session`)."""
 
 from __future__ import annotations
 
@@ -29,19 +29,40 @@ def reservation_problem(config: TrainConfig, ray_config: RayConfig, num_learners
             f" or raise --ray.num-cpus")
 
 
-def learner_gpus(num_gpus: float | str, cluster_gpus: float, num_learners: int) -> float:
-    """GPUs of one learner: ``"auto"`` shares the cluster's GPUs (at most one each) when it has any."""
+def learner_gpus(num_gpus: float | str, cluster_gpus: float, holders: int) -> float:
+    """GPUs of one learner process: ``"auto"`` shares the cluster's GPUs (at most one each) among ``holders``
+    processes (every learner's data-parallel ranks, team critics) when it has any."""
     if num_gpus == "auto":
-        return min(1.0, cluster_gpus / num_learners) if cluster_gpus else 0.0
+        return min(1.0, cluster_gpus / holders) if cluster_gpus else 0.0
     return float(num_gpus)
+
+
+def gpu_holders(ray_config: RayConfig, num_learners: int, critics: int = 0) -> int:
+    """Processes that each take a learner's GPUs: every data-parallel rank of ``num_learners`` learners, and
+    ``critics`` team critics (placed as learners)."""
+    return num_learners * ray_config.learners_per_policy + critics
+
+
+def gpu_problem(config: TrainConfig, ray_config: RayConfig, holders: int, have: float) -> str | None:
+    """Why ``holders`` learner processes of ``config`` cannot get their GPUs in a cluster of ``have`` (some would
+    wait for ever, or a CUDA learner would get none), naming the flags at fault; None when they can."""
+    gpus = learner_gpus(ray_config.learner_num_gpus, have, holders)
+    if gpus * holders > have + 1e-9:
+        ranks = f" ({holders} learner processes)" if holders > 1 else ""
+        return (f"--ray.learner-num-gpus {ray_config.learner_num_gpus:g} asks for {gpus * holders:g} GPUs{ranks} but "
+                f"the cluster has {have:g}: use --ray.learner-num-gpus auto (shares the GPUs there are) or 0")
+    if gpus == 0 and config.device.startswith("cuda"):
+        return (f"--device {config.device}: the learners get no GPU (the cluster has {have:g}, --ray.learner-num-gpus "
+                f"{ray_config.learner_num_gpus}); use --device auto (CUDA where a learner has a GPU) or cpu")
+    return None
 
 
 def inference_gpus(ray_config: RayConfig, cluster_gpus: float, num_learners: int, critics: int = 0) -> float:
     """GPUs of the central inference server: what the learners (each with its data-parallel ranks) and ``critics``
     team critics (placed as learners) leave, at most one; else none (the CPU)."""
-    share = learner_gpus(ray_config.learner_num_gpus, cluster_gpus, num_learners + critics)
-    left = cluster_gpus - share * (num_learners * ray_config.learners_per_policy + critics)
+    holders = gpu_holders(ray_config, num_learners, critics)
+    left = cluster_gpus - learner_gpus(ray_config.learner_num_gpus, cluster_gpus, holders) * holders
     return min(1.0, left) if left >= 0.1 else 0.0
 
 
-__all__ = ["cpus_needed", "inference_gpus", "learner_gpus", "reservation_problem"]
+__all__ = ["cpus_needed", "gpu_holders", "gpu_problem", "inference_gpus", "learner_gpus", "reservation_problem"]

@@ -27,7 +27,8 @@ from tensordict import TensorDict
 from core.specs import Tree, to_json
 from orchestration.addresses import check_reachable
 from orchestration.config import RayConfig, TrainConfig
-from orchestration.placement import cpus_needed, inference_gpus, learner_gpus, reservation_problem
+from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
+                                    reservation_problem)
 from orchestration.signals import kept_sigterm
 from orchestration.sweeps import config_from_params, run_trial
 
@@ -62,9 +63,12 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
 
 def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool,
                     trainers: int = 1) -> None:
-    """Warns (``strict``: raises ValueError) when the run does not fit the cluster's CPUs
-    (:func:`orchestration.placement.reservation_problem`)."""
-    problem = reservation_problem(config, ray_config, num_learners, ray.cluster_resources().get("CPU", 0.0), trainers)
+    """Warns (``strict``: raises ValueError) when the run does not fit the cluster's CPUs or GPUs
+    (:func:`orchestration.placement.reservation_problem`, :func:`~orchestration.placement.gpu_problem`)."""
+    have = ray.cluster_resources()
+    holders = trainers * gpu_holders(ray_config, num_learners)
+    problem = (reservation_problem(config, ray_config, num_learners, have.get("CPU", 0.0), trainers)
+               or gpu_problem(config, ray_config, holders, have.get("GPU", 0.0)))
     if problem and strict:
         raise ValueError(problem)
     if problem:
@@ -100,10 +104,10 @@ def kill_actor(handle) -> None:
         pass
 
 
-def learner_options(num_cpus: float, num_gpus: float | str, num_learners: int,
+def learner_options(num_cpus: float, num_gpus: float | str, holders: int,
                     resources: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """Ray resources of one learner (:func:`orchestration.placement.learner_gpus`)."""
-    gpus = learner_gpus(num_gpus, ray.cluster_resources().get("GPU", 0.0), num_learners)
+    """Ray resources of one of ``holders`` learner processes (:func:`orchestration.placement.learner_gpus`)."""
+    gpus = learner_gpus(num_gpus, ray.cluster_resources().get("GPU", 0.0), holders)
     return {"num_cpus": num_cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
 
 
@@ -128,7 +132,8 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     owns_ray = init_ray(config, rc, cpus_needed(config, rc, placed))
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
     check_resources(config, rc, placed, strict=owns_ray and not joined)
-    options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, placed, dict(rc.learner_resources))
+    holders = gpu_holders(rc, len(trained), critics=int(config.team_critic.enabled))
+    options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, holders, dict(rc.learner_resources))
     initial = {pid: [ray.put(to_wire(TensorDict.from_module(policies[pid]).detach()))] for pid in trained}
     # The checkpoint registry stays near the driver (it reserves nothing, so it never competes with the
     # learners for pinned resources); statistics live beside the learners when they are pinned.
@@ -212,7 +217,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         from orchestration.ray_learner import RayTeamCritic, RemoteTeamCritic
         from orchestration.team_critic import TEAM_CRITIC
 
-        options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, len(learners) + 1,
+        options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, gpu_holders(rc, len(learners), critics=1),
                                   dict(rc.learner_resources))
         critic = RayTeamCritic(RemoteTeamCritic.options(max_restarts=0, **options).remote(
             config, to_json(tree), teams, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads),

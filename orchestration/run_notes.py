@@ -19,6 +19,8 @@ def note_unused(command: str, config: TrainConfig) -> None:
             ("", config.backend == "local", "--backend ray only; this run is local", ("address",)),
             ("", config.mode == "sync", "--mode async only; this run is synchronous", ("max_staleness", "reuse_limit")),
             ("external", config.env != "external", f"--env external only; this run trains {config.env}", every),
+            ("rollout", config.env == "external", "envs Shoal steps itself; this run trains on external simulators",
+             ("env_processes", "env_timeout_s", "check", "env_polling")),
             ("pretrain", not config.pretrain.dataset, "runs with --pretrain.dataset only; this run has none", every),
             ("curiosity", not config.curiosity.enabled, "--curiosity.coef > 0 only; this run's is 0", every),
             ("ppo", not config.policy.recurrent, feed_forward, ("sequence_length", "burn_in")),

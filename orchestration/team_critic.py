@@ -309,7 +309,7 @@ def _tensor(array) -> Tensor:  # np.array: a writable copy of a possibly read-on
 
 def team_critic_settings(config) -> dict[str, Any]:
     """The keyword arguments of :class:`TeamCriticLearner` that a run's config sets (every backend's)."""
-    from orchestration.learner import resolve_device
+    from orchestration.devices import resolve_device
 
     return {"critic": config.team_critic, "policy": config.policy, "ppo": config.ppo, "lr": config.lr,
             "batch_steps": config.steps_per_iteration, "seed": config.seed, "device": resolve_device(config.device)}

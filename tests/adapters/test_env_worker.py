@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -223,3 +224,37 @@ def test_a_worker_writes_every_leaf_of_a_step_and_fills_a_missing_action_mask():
     assert buffers.get(("agent", "action_mask")).all()
     with pytest.raises(KeyError, match="'next', 'agent', 'reward'"):
         _write(out.exclude(("next", "agent", "reward")), leaves)
+
+
+class RaisingCartPole(CartPole):
+    def step(self, actions):
+        raise RuntimeError("injected env failure")
+
+
+def test_a_worker_whose_parent_went_away_exits_quietly():
+    """A worker that cannot report its env's error (the parent closed the pipe: a Ray worker killed at the end
+    of a run) returns instead of raising again from its handler, which printed a traceback per worker."""
+    import multiprocessing
+
+    from adapters.env_process import worker_main
+    from core.specs import groups, zeros
+
+    parent, child = multiprocessing.Pipe()
+    errors = []
+
+    def run():
+        try:
+            worker_main(child, functools.partial(RaisingCartPole, CartPoleConfig(num_envs=2)), threads=1)
+        except BaseException as err:  # noqa: BLE001 - the test's finding
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    _, tree_json, n = parent.recv()
+    env = CartPole(CartPoleConfig(num_envs=2))
+    actions = zeros(env.tree, [n]).select(*[(g, ACTION) for g in groups(env.tree)])
+    parent.send((actions, step_template(env.tree, n)))
+    parent.send(("step", None))
+    parent.close()  # gone before the worker's answer
+    thread.join(10)
+    assert not thread.is_alive() and errors == []

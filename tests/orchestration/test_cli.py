@@ -172,6 +172,16 @@ def cartpole_run(tmp_path_factory):
      "--env-kwargs max_steps 'abc' is a str, but max_steps takes an int"),
     (["train", "CartPole-v1", "--env-kwargs", "sutton_barto_reward", "yes"],
      "--env-kwargs sutton_barto_reward 'yes' is a str, but sutton_barto_reward takes a bool"),
+    (["train", "builtin:cartpole", "--device", "gpu"], "--device 'gpu' is not a device"),
+    (["train", "builtin:cartpole", "--device", "cuda:99"], "--device cuda:99: "),
+    (["train", "vmas:navigation", "--env-kwargs", "n_agent", "3"],
+     "env 'vmas:navigation': --env-kwargs n_agent is not a keyword it takes (did you mean 'n_agents'?)"),
+    (["train", "vmas:navigation", "--env-kwargs", "n_agents", "three"],
+     "--env-kwargs n_agents 'three' is a str, but n_agents takes an int or a float"),
+    (["train", "mpe2:simple_spread_v3", "--env-kwargs", "N", "three"],
+     "--env-kwargs N 'three' is a str, but N takes an int"),
+    (["train", "mpe2:simple_spread_v3", "--env-kwargs", "max_cycle", "3"], "(did you mean 'max_cycles'?)"),
+    (["train", "builtin:spred"], "unknown built-in env 'builtin:spred' (did you mean 'builtin:spread'?)"),
     (["plot", "--out", "x.png"], "shoal plot: name the run directories to draw"),
     (["plot", "nowhere"], "shoal plot: nowhere has no metrics.csv"),
     (["serve", "CartPole-v1"], "shoal serve: it trains on external environments only, not CartPole-v1"),
@@ -184,7 +194,7 @@ def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkey
         main([*args, "--no-progress"] if args[0] == "train" else args)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and named in err and "Traceback" not in err and f"shoal {args[0]}: " * 2 not in err
-    if "--rollout.env-processes" not in args:  # a flag value tyro refuses comes in tyro's own box
+    if "--rollout.env-processes" not in args and "gpu" not in args:  # a value a config refuses: in tyro's box
         assert len(err.strip().splitlines()) == 1  # one paragraph
 
 

@@ -193,6 +193,9 @@ def test_a_prior_in_training_reports_its_draws_and_is_refused_for_envs_without_p
     with pytest.raises(ValueError, match=r"member 'pole' \(env 'builtin:spread'\) cannot take per-episode "
                                          r"parameters.*builtin:cartpole \(gravity"):
         build_trainer(config(prior("builtin:spread")))
+    with pytest.raises(ValueError, match=r"member 'pole' \(env 'builtin:cartpole'\) draws its prior's per-episode "
+                                         r"parameters in the actor's process only.*drop those flags"):
+        build_trainer(TrainConfig(collection=prior(), rollout=RolloutConfig(num_envs=4, env_processes=2)))
 
 
 def test_members_with_different_trees_are_refused_naming_both_ids_and_the_first_differing_key():

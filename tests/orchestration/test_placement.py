@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orchestration.config import RayConfig, RolloutConfig, TrainConfig
-from orchestration.placement import cpus_needed, inference_gpus, learner_gpus, reservation_problem
+from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
+                                    reservation_problem)
 
 
 def _config(workers: int = 2) -> TrainConfig:
@@ -72,3 +73,36 @@ def test_data_parallel_ranks_that_cannot_share_a_batch_evenly_are_refused_before
         TrainConfig(backend="ray", rollout=rollout, ray=RayConfig(learners_per_policy=2))
     TrainConfig(backend="ray", rollout=rollout, ray=RayConfig(learners_per_policy=3))  # 15 rows: 5 each
     TrainConfig(backend="local", rollout=rollout, ray=RayConfig(learners_per_policy=2))  # not used locally
+
+
+def test_auto_shares_the_gpus_among_every_data_parallel_rank():
+    # one GPU, one policy trained by two ranks: half each (a whole one each left rank 1 waiting for ever)
+    rc = RayConfig(learners_per_policy=2)
+    holders = gpu_holders(rc, 1)
+    assert holders == 2 and learner_gpus("auto", 1.0, holders) == 0.5
+    assert gpu_problem(_config(), rc, holders, have=1.0) is None
+    assert gpu_holders(rc, 2, critics=1) == 5
+
+
+@pytest.mark.parametrize("asked, per_policy, have, named", [
+    (1.0, 1, 0.0, "--ray.learner-num-gpus 1 asks for 1 GPUs but the cluster has 0"),
+    (1.0, 2, 1.0, "--ray.learner-num-gpus 1 asks for 2 GPUs (2 learner processes) but the cluster has 1"),
+    (0.5, 2, 1.0, None),
+])
+def test_gpus_a_cluster_cannot_give_are_named_with_the_flag(asked, per_policy, have, named):
+    rc = RayConfig(learner_num_gpus=asked, learners_per_policy=per_policy)
+    problem = gpu_problem(_config(), rc, gpu_holders(rc, 1), have)
+    assert problem == named if named is None else named in problem and "--ray.learner-num-gpus auto" in problem
+
+
+def test_a_cuda_learner_without_a_gpu_is_named_with_the_device_flag():
+    config = TrainConfig(env="builtin:cartpole", backend="ray", device="cuda")
+    problem = gpu_problem(config, config.ray, 1, have=0.0)
+    assert problem.startswith("--device cuda: the learners get no GPU (the cluster has 0")
+    assert gpu_problem(config, config.ray, 1, have=1.0) is None
+    assert gpu_problem(TrainConfig(env="builtin:cartpole", backend="ray"), config.ray, 1, have=0.0) is None  # auto
+
+
+def test_negative_learner_gpus_are_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--ray.learner-num-gpus must be auto or >= 0, got -1"):
+        RayConfig(learner_num_gpus=-1)
