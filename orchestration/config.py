@@ -12,7 +12,7 @@ from core.losses import PPOConfig
 from core.policies import PolicyConfig
 from orchestration.config_kinds import check_fields, field_hints
 from orchestration.external_config import ExternalConfig
-from orchestration.ray_config import RayConfig
+from orchestration.distributed_config import RayConfig
 from orchestration.team_critic_config import TeamCriticConfig
 
 

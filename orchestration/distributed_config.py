@@ -1,5 +1,5 @@
-"""The Ray backend's settings (``--ray.*``): modes, placement and bounds. Kept apart from
-:mod:`orchestration.config`, which re-exports it, as the external environments' are."""
+"""The Ray backend's settings (``--ray.*``): modes, placement and bounds; plain data with no Ray import (the Ray
+wiring is in ``ray_*.py``). Kept apart from :mod:`orchestration.config`, which re-exports it."""
 
 from __future__ import annotations
 
