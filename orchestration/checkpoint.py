@@ -175,8 +175,22 @@ def resolve(path: str | Path) -> Path:
     base = path.parent if path.name == "checkpoints" else path  # the directory of a --seeds run holds runs
     seeds = sorted(p.name for p in base.glob("seed_*") if (p / "checkpoints").is_dir()) if base.is_dir() else []
     runs = f"; {base} holds the runs of --seeds ({', '.join(seeds)}): name one, e.g. {base / seeds[0]}" if seeds else ""
+    runs = runs or league_players_hint(path)
     raise FileNotFoundError(f"no checkpoint at {path}: neither a checkpoint directory (state.json) nor a "
                             f"checkpoint root with complete '{_PREFIX}*' directories{runs}")
+
+
+def league_players_hint(path: str | Path) -> str:
+    """``"; RUN is a league: ..."`` naming its players' checkpoints when ``path`` is in a ``shoal league`` run
+    (its directory, or its ``league/``), else ``""``."""
+    path = Path(path).absolute()
+    for run in (path, *path.parents)[:4]:
+        players = sorted(p.name for p in (run / "players").glob("*") if (p / "checkpoints").is_dir())
+        if players and (run / "league").is_dir():
+            example = next((name for name in players if name.startswith("main_")), players[0])
+            return (f"; {run} is a league: each player's checkpoints are under players/ ({', '.join(players)}), "
+                    f"e.g. {run / 'players' / example / 'checkpoints'}")
+    return ""
 
 
 MAX_JSON_BYTES = 64 << 20

@@ -175,6 +175,9 @@ def _setup_training(argv: list[str], command: str = "train"):
                              "directory per run)")
         if resume == "auto":  # a supervisor's one command: the first start starts, every restart resumes
             resume = any((Path(named) / "checkpoints").glob("ckpt-*"))
+    if resume and (Path(named) / "league").is_dir() and not (Path(named) / "checkpoints").is_dir():
+        raise ValueError(f"{named} is a league, not a training run: continue it with shoal league --resume "
+                         f"--run-dir {named}")
     if resume:
         from orchestration.checkpoint import load_checkpoint
         from orchestration.run_state import load_config

@@ -147,9 +147,12 @@ class PastSelvesConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if not 0.0 <= self.fraction <= 1.0 or self.snapshot_every < 1 or self.pool_size < 1:
-            raise ValueError(f"PastSelvesConfig: fraction must be in [0, 1], snapshot_every and pool_size >= 1; "
-                             f"got {self.fraction}, {self.snapshot_every}, {self.pool_size}")
+        bad = [f"--past-selves.{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}"
+               for name, rule, ok in (("fraction", "in [0, 1]", 0.0 <= self.fraction <= 1.0),
+                                      ("snapshot_every", ">= 1", self.snapshot_every >= 1),
+                                      ("pool_size", ">= 1", self.pool_size >= 1)) if not ok]
+        if bad:
+            raise ValueError("; ".join(bad))
 
 
 def _literal(name: str, value: Any) -> str:

@@ -67,6 +67,11 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         raise ValueError("--video records the evaluation of one checkpoint; it does not combine with --opponent")
     torch.set_num_threads(threads)
     weights, _, state = load_checkpoint(checkpoint)
+    if "league" in state:  # the league's own checkpoint holds its pool and table, not a player to play
+        from orchestration.checkpoint import league_players_hint
+
+        raise ValueError(f"{checkpoint} is a league's own checkpoint (its pool, payoff table and ratings), not a "
+                         f"player's{league_players_hint(checkpoint)}")
     config = load_config(state)
     if env is None and (why := imports_code(config.env)):
         raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "

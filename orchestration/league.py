@@ -14,7 +14,9 @@ worker) are credited to the new member.
 
 Ratings: the learner and every member carry an Elo rating (:mod:`core.ratings`), updated once per iteration
 from the games against the member played (``league_elo``, ``league_opponent_elo``): in a zero-sum game the
-summed return is always 0, and a win rate depends on who was played; a rating does not.
+summed return is always 0, and a win rate depends on who was played; a rating does not. ``league_win_rate``
+is the iteration's (its ``league_games`` games), ``league_opponent_win_rate`` that of every game against the
+member so far (what PFSP weighs).
 
 Usage::
 
@@ -32,6 +34,7 @@ import difflib
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -179,10 +182,39 @@ class LeagueTrainer:
         if self.trainer.iteration % self.snapshot_every == 0:
             version, weights = self.trainer.learners[self.learner].weights()
             self.pool.append(Member(f"{self.learner}@{version}", weights.clone(), rating=self.rating))
+        won = float(score_from_return(torch.tensor(new, dtype=torch.float64)).mean()) if new else float("nan")
         metrics.update(league_size=len(self.pool), league_opponent=self.pool.index(self.current),
-                       league_win_rate=self.current.win_rate, league_games=len(new), league_elo=self.rating,
-                       league_opponent_elo=self.current.rating)
+                       league_win_rate=won, league_games=len(new), league_elo=self.rating,
+                       league_opponent_win_rate=self.current.win_rate, league_opponent_elo=self.current.rating)
         return metrics
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(tensors, json)``: the pool (each member's weights ``pool/<index>/<key>``, name, games, score,
+        rating), the learner's rating, the current opponent and the draws' generator. The sub-trainer is saved
+        on its own (:func:`orchestration.run_state.trainer_state`)."""
+        tensors = {f"pool/{i}/{'/'.join(k) if isinstance(k, tuple) else k}": v
+                   for i, m in enumerate(self.pool) for k, v in m.weights.items(True, True)}
+        tensors["rng"] = self.generator.get_state()
+        members = [{"name": m.name, "games": m.games, "score": m.score, "rating": m.rating} for m in self.pool]
+        return tensors, {"members": members, "rating": self.rating, "current": self.pool.index(self.current)}
+
+    def load_state_(self, tensors: Mapping[str, torch.Tensor], state: Mapping[str, Any]) -> None:
+        """Restores :meth:`state` into a league over a trainer of the same policies. Raises ValueError naming
+        the member whose weights do not fit the opponent slot."""
+        template, pool = self.pool[0].weights, []
+        for i, m in enumerate(state["members"]):
+            weights = template.clone()
+            for key, value in template.items(True, True):
+                name = f"pool/{i}/{'/'.join(key) if isinstance(key, tuple) else key}"
+                if name not in tensors or tensors[name].shape != value.shape:
+                    got = tuple(tensors[name].shape) if name in tensors else "missing"
+                    raise ValueError(f"league member {m['name']!r}: its weights do not fit the opponent slot "
+                                     f"{self.opponent!r} ({name} is {got}, the slot's is {tuple(value.shape)})")
+                weights.set(key, tensors[name].clone())
+            pool.append(Member(str(m["name"]), weights, int(m["games"]), float(m["score"]), float(m["rating"])))
+        self.pool, self.rating = pool, float(state["rating"])
+        self.current = self.pool[int(state["current"])]
+        self.generator.set_state(tensors["rng"])
 
 
 __all__ = ["LeagueTrainer", "Member", "SAMPLINGS"]

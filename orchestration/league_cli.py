@@ -14,7 +14,7 @@ the win-rate table); the league's own checkpoint (pool, payoff table, ratings) g
 
 A resumed league rebuilds its players from the saved configs and loads each player's checkpoint of the same
 iteration as the league's, so the league and its players go on from one consistent point (a player that
-finished an iteration an interrupt cut short for the others keeps it, and sits the next one out).
+finished an iteration an interrupt cut short for the others keeps it and its games, and sits the next one out).
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
             raise ValueError("--resume continues a league: name its directory with --run-dir RUN")
         if resume == "auto":  # a supervisor's one command: the first start starts, every restart resumes
             resume = any((Path(named) / "league" / "checkpoints").glob("ckpt-*"))
+    if resume and (Path(named) / "checkpoints").is_dir() and not (Path(named) / "league").is_dir():
+        raise ValueError(f"{named} is a training run, not a league (it has no league/): continue it with "
+                         f"shoal train --resume --run-dir {named}")
     if resume:
         from orchestration.checkpoint import load_checkpoint
         from orchestration.envs import imports_code
@@ -153,13 +156,22 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     from orchestration.league_roles import progress_line
     from orchestration.metrics_log import MetricsLog
 
+    from orchestration.run_loop import provenance
+
     run_dir = Path(config.run_dir)
-    saved_at = None
+    saved_at, trained = None, 0
+    if resume:
+        print("shoal league --resume: this continuation is not bit-identical to an uninterrupted run: opponents "
+              "are drawn again for the players that had not finished the interrupted iteration"
+              + ("" if all(t.resume_exact for t in league.trainers) else
+                 ", and envs that cannot save their state were reset (a new episode starts in every env)")
+              + "; learners, optimizers, ratings and the payoff table are.", file=sys.stderr)
     try:
         log = MetricsLog(run_dir, config=config, resume=resume, upto_iteration=league.iteration if resume else None)
         (run_dir / "config.json").write_text(json.dumps({"train": dataclasses.asdict(config),
                                                          "league": dataclasses.asdict(league.league)},
                                                         indent=1, default=str))
+        (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))
         try:
             while league.iteration < config.iterations:
                 try:
@@ -170,6 +182,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
                     except Exception as err:  # noqa: BLE001 -- reported; the original error propagates
                         print(f"shoal league: could not write a checkpoint after the error ({err})", file=sys.stderr)
                     raise
+                trained += 1
                 log.write(int(metrics["env_steps"]), metrics)
                 if progress:  # on stderr: stdout is the result line alone
                     print(progress_line(metrics), file=sys.stderr, flush=True)
@@ -177,7 +190,11 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
                     written, saved_at = save_league(league, run_dir), league.iteration
         finally:
             log.close()
-        if saved_at != league.iteration:
+        if not trained:  # a resumed league at --iterations already: its checkpoints stay as they are
+            print(f"shoal league: the league is at iteration {league.iteration} of {config.iterations} already; "
+                  f"nothing was trained (raise --iterations to train on)", file=sys.stderr)
+            written = league_paths(league, run_dir)
+        elif saved_at != league.iteration:
             written = save_league(league, run_dir)
     finally:
         league.close()
@@ -199,12 +216,10 @@ def save_league(league, run_dir: Path) -> dict:
     from orchestration.run_state import trainer_state
     from orchestration.snapshots import save_snapshot
 
-    players = {}
     for player, trainer in zip(league.players, league.trainers):
         weights, tensors, state = trainer_state(trainer)
-        root = run_dir / "players" / player.name / "checkpoints"
-        save_checkpoint(root, league.iteration, weights=weights, tensors=tensors, state=state)
-        players[player.name] = str(root)
+        save_checkpoint(run_dir / "players" / player.name / "checkpoints", league.iteration, weights=weights,
+                        tensors=tensors, state=state)
     pool = run_dir / "league" / "pool"
     module = league.trainers[0].learners[league.group].policy if league.config.backend == "local" else None
     for i, player in enumerate(league.players):
@@ -225,7 +240,13 @@ def save_league(league, run_dir: Path) -> dict:
     save_checkpoint(run_dir / "league" / "checkpoints", league.iteration, weights=weights, tensors=tensors, state=state)
     (run_dir / "league" / "league.json").write_text(json.dumps({"iteration": league.iteration, **league.table()},
                                                                indent=1))
-    return {"players": players, "pool": str(pool)}
+    return league_paths(league, run_dir)
+
+
+def league_paths(league, run_dir: Path) -> dict:
+    """Where a league's outputs are: each active player's checkpoints and the pool of historical players."""
+    return {"players": {p.name: str(run_dir / "players" / p.name / "checkpoints")
+                        for p in league.players[:len(league.trainers)]}, "pool": str(run_dir / "league" / "pool")}
 
 
 def main(argv: Sequence[str]) -> int:

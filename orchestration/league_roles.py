@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -143,6 +143,9 @@ class RoleLeague:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.iteration = 0
         self.resets = 0
+        self.finished: dict[int, dict[str, Any]] = {}
+        """The players that finished the current iteration, by index: ``{"opponent", "scores", "metrics"}``,
+        recorded in the table when the iteration's bookkeeping runs (non-empty only after an interrupt)."""
 
     # -- the roster ------------------------------------------------------------------------------------
     @property
@@ -167,41 +170,46 @@ class RoleLeague:
 
     # -- one iteration ---------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        """Matchmaking, one iteration of every active player against its opponent, then the bookkeeping."""
+        """Matchmaking, one iteration of every active player against its opponent, then the bookkeeping.
+
+        Each player's games are kept as its iteration ends (:attr:`finished`), so an interrupt loses none: a
+        player that finished an interrupted iteration is saved so, sits the resumed one out, and its games,
+        rating change and metrics count in that iteration's bookkeeping with the others'."""
         start = time.perf_counter()
-        # a player already past the league's iteration (it finished this one before an interrupt stopped the
-        # others, and was saved so) sits this one out: after it, every player is at the league's iteration again
         active = [i for i, t in enumerate(self.trainers) if t.iteration <= self.iteration]
         roster = self.roster
-        picks = [choose_opponent(i, roster, self.wins, self.games, self.generator, self.league.self_play)
-                 for i in active]
-        for i, (opponent, _) in zip(active, picks):  # frozen now, whatever the opponent learns meanwhile
+        picks = {i: choose_opponent(i, roster, self.wins, self.games, self.generator, self.league.self_play)
+                 for i in active}
+        for i, (opponent, _) in picks.items():  # frozen now, whatever the opponent learns meanwhile
             self.trainers[i].set_weights(OPPONENT, self.weights_of(opponent).detach().clone())
         if self.parallel:  # each trainer waits on its own Ray actors: the threads only wait
-            with ThreadPoolExecutor(max_workers=len(self.trainers)) as pool:
-                results = list(pool.map(lambda i: self.trainers[i].train(), active))
+            futures = {}
+            try:
+                with ThreadPoolExecutor(max_workers=max(1, len(active))) as pool:
+                    futures = {i: pool.submit(self.trainers[i].train) for i in active}
+            finally:  # an interrupt: the players still training finish their iteration, and all that did count
+                wait(futures.values())
+                for i, future in futures.items():
+                    if not future.cancelled() and future.exception() is None:
+                        self._finish(i, picks[i], future.result())
+            for future in futures.values():
+                future.result()  # a player's error, raised once every finished player is kept
         else:
-            results = [self.trainers[i].train() for i in active]
+            for i in active:
+                self._finish(i, picks[i], self.trainers[i].train())
         self.iteration += 1
         metrics: dict[str, float] = {"iteration": float(self.iteration)}
         before = self.ratings.clone()
         a, b, scores = [], [], []
-        for i, (opponent, why), result in zip(active, picks, results):
-            got = score_from_return(torch.tensor(self.trainers[i].last_episodes.get(f"return/{self.group}", []),
-                                                 dtype=torch.float64))
-            self.wins, self.games = record_games(self.wins, self.games, i, opponent, got)
-            if opponent != i and got.numel():  # games against a frozen copy of itself move no rating
+        for i, done in sorted(self.finished.items()):
+            got = torch.tensor(done["scores"], dtype=torch.float64)
+            self.wins, self.games = record_games(self.wins, self.games, i, done["opponent"], got)
+            if done["opponent"] != i and got.numel():  # games against a frozen copy of itself move no rating
                 a.append(i)
-                b.append(opponent)
+                b.append(done["opponent"])
                 scores.append(float(got.mean()))
-            name = self.players[i].name
-            metrics.update({f"win_rate/{name}": float(got.mean()) if got.numel() else float("nan"),
-                            f"games/{name}": float(got.numel()), f"opponent/{name}": float(opponent),
-                            f"episode_return_mean/{name}": result.get("episode_return_mean", float("nan")),
-                            f"env_steps/{name}": float(self.trainers[i].env_steps)})
-            metrics[f"matched/{name}/{why}"] = 1.0
-            metrics.update({f"{key.rsplit('/', 1)[-1]}/{name}": value for key, value in result.items()
-                            if key.startswith(("fragments_", f"{self.group}/fragments_", f"{self.group}/env_steps_t"))})
+            metrics.update(done["metrics"])
+        self.finished = {}
         if a:  # one rating period: each player's games of the iteration count as one match scored by their mean
             # (per-game updates summed over a period of ~100 games against one opponent overshoot and oscillate)
             self.ratings = elo_update(before, torch.tensor(a), torch.tensor(b),
@@ -213,6 +221,21 @@ class RoleLeague:
                         "env_steps": float(sum(t.env_steps for t in self.trainers)),
                         "time_iteration": time.perf_counter() - start})
         return metrics
+
+    def _finish(self, i: int, pick: tuple[int, str], result: Mapping[str, float]) -> None:
+        """Keeps player ``i``'s iteration as it ends: its opponent, game scores and metrics (plain data, so a
+        checkpoint taken before the others finish holds them)."""
+        opponent, why = pick
+        trainer, name = self.trainers[i], self.players[i].name
+        got = score_from_return(torch.tensor(trainer.last_episodes.get(f"return/{self.group}", []),
+                                             dtype=torch.float64))
+        metrics = {f"win_rate/{name}": float(got.mean()) if got.numel() else float("nan"),
+                   f"games/{name}": float(got.numel()), f"opponent/{name}": float(opponent),
+                   f"episode_return_mean/{name}": float(result.get("episode_return_mean", float("nan"))),
+                   f"env_steps/{name}": float(trainer.env_steps), f"matched/{name}/{why}": 1.0}
+        metrics.update({f"{key.rsplit('/', 1)[-1]}/{name}": float(value) for key, value in result.items()
+                        if key.startswith(("fragments_", f"{self.group}/fragments_", f"{self.group}/env_steps_t"))})
+        self.finished[i] = {"opponent": int(opponent), "scores": got.tolist(), "metrics": metrics}
 
     def _checkpoint_rules(self, i: int) -> None:
         """Snapshots on the schedule; an exploiter that beat its targets is snapshotted and may start over."""
@@ -255,6 +278,7 @@ class RoleLeague:
                  "iteration": self.iteration, "env_steps": sum(t.env_steps for t in self.trainers),
                  "learners": {p.name: {"version": int(t.learners[self.group].published()[0])}
                               for p, t in zip(self.players, self.trainers)},
+                 "finished": {str(i): done for i, done in self.finished.items()},
                  "league": {"config": dataclasses.asdict(self.league), "resets": self.resets,
                             "players": [{"name": p.name, "role": p.role, "parent": p.parent, "historical": p.historical}
                                         for p in self.players]}}
@@ -283,6 +307,7 @@ class RoleLeague:
         self.ratings = tensors["ratings"].clone()
         self.generator.set_state(tensors["rng"])
         self.iteration, self.resets = int(state["iteration"]), int(state["league"]["resets"])
+        self.finished = finished_from_json(state.get("finished", {}), len(self.trainers), len(self.players))
 
     def close(self) -> None:
         """Closes every player's trainer, then the Ray instance if the league started it."""
@@ -293,6 +318,29 @@ class RoleLeague:
             if self._shutdown is not None:
                 self._shutdown()
                 self._shutdown = None
+
+
+def finished_from_json(data: Any, active: int, size: int) -> dict[int, dict[str, Any]]:
+    """:attr:`RoleLeague.finished` read back from a checkpoint's JSON, its types checked (a checkpoint is data:
+    a wrong one is refused with the entry at fault, never trusted)."""
+    def bad(where: str) -> ValueError:
+        return ValueError(f"the league checkpoint's 'finished' {where} is not an interrupted iteration's record "
+                          f"(a player index, its opponent's index, game scores and numeric metrics)")
+
+    if not isinstance(data, dict):
+        raise bad("table")
+    out = {}
+    for key, done in data.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < active and isinstance(done, dict)):
+            raise bad(f"entry {key!r}")
+        opponent, scores, metrics = done.get("opponent"), done.get("scores"), done.get("metrics")
+        if not (isinstance(opponent, int) and 0 <= opponent < size and isinstance(scores, list)
+                and all(isinstance(x, (int, float)) for x in scores) and isinstance(metrics, dict)
+                and all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items())):
+            raise bad(f"entry {key!r}")
+        out[int(key)] = {"opponent": opponent, "scores": [float(x) for x in scores],
+                         "metrics": {k: float(v) for k, v in metrics.items()}}
+    return out
 
 
 def progress_line(metrics: Mapping[str, float]) -> str:

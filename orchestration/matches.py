@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,14 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
         if not Path(opponent).exists():
             from core.envsets.ids import hint
 
-            raise ValueError(f"--opponent {opponent!r} is no checkpoint{hint(opponent, ['random'])}: it takes random, "
-                             f"scripted:MODULE:FUNCTION, a checkpoint directory or a league snapshot (league/pool/*)")
+            beside = Path(opponent).parent  # a misspelt snapshot or run: the nearest of its neighbours by name
+            near = [p.name for p in beside.iterdir() if p.is_dir()] if beside.is_dir() and str(beside) != "." else []
+            close = difflib.get_close_matches(Path(opponent).name, near, n=1)
+            said = (f" (did you mean {str(beside / close[0])!r}?)" if close else
+                    "" if len(Path(opponent).parts) > 1 else hint(opponent, ["random"]))
+            raise ValueError(f"--opponent {opponent!r} is no checkpoint{said}: it takes "
+                             f"random, scripted:MODULE:FUNCTION, a checkpoint directory or a league snapshot "
+                             f"(league/pool/*)")
         other_weights, _, other_state = load_checkpoint(opponent)
         if other_state["tree"] != state["tree"]:
             raise ValueError(f"opponent checkpoint {opponent!r} was trained on another tree than {checkpoint!r}")

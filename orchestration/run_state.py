@@ -175,6 +175,12 @@ def changed_settings(saved: TrainConfig, config: TrainConfig, ignore: tuple[str,
             if key not in ignore and before.get(key) != after[key]]
 
 
+_SHAPING = ("env", "env_kwargs", "collection", "policy.", "policy_mapping", "fixed_policies", "curiosity.",
+            "team_critic.", "past_selves.", "rollout.num_envs", "rollout.num_workers", "ray.learners_per_policy",
+            "external.tree")
+"""Settings a checkpoint's tensor shapes (or its set of learners and env states) depend on."""
+
+
 def misfit(err: BaseException, saved, config) -> BaseException:
     """What a resume whose checkpoint does not fit raises: a ValueError naming each setting changed since the
     checkpoint (``saved``, a TrainConfig) and the mismatch torch found (a size or shape); ``err`` itself for
@@ -182,6 +188,9 @@ def misfit(err: BaseException, saved, config) -> BaseException:
     text = str(err)
     if ("size" not in text and "shape" not in text) or not (changed := changed_settings(saved, config)):
         return err  # another fault (a missing player checkpoint, say): not the changed settings' doing
+    shaping = [c for c in changed if any(key == s or (s.endswith(".") and key.startswith(s)) for s in _SHAPING
+                                         for key in [c.split()[0][2:].replace("-", "_")])]
+    changed = shaping or changed  # a changed --lr next to a changed --policy.hidden-sizes is not the misfit
     return ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
                       f"{'; '.join(changed)} ({shape_detail(err)}). Resume without changing "
                       f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another --run-dir")

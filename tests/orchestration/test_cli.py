@@ -310,6 +310,11 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
             main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", *flags])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and named in err and "does not fit this run" in err, err
+    with pytest.raises(SystemExit):  # a learning rate changed alongside is not what does not fit
+        main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", "--lr", "0.01",
+              "--policy.hidden-sizes", "32"])
+    err = capsys.readouterr().err
+    assert "--policy.hidden-sizes (64, 64) -> (32,)" in err and "--lr" not in err, err
     assert [p.name for p in (tmp_path / "r" / "checkpoints").glob("ckpt-*")] == ["ckpt-000001"]
     # a gymnasium env saves no env state: the actor's episode counters are what no longer fit
     main(["train", "CartPole-v1", "--rollout.num-envs", "2", "--rollout.fragment-length", "8", "--iterations", "1",

@@ -7,6 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from core.losses import PPOConfig
+from core.ratings import score_from_return
 from orchestration.config import RolloutConfig, TrainConfig
 from orchestration.league import LeagueTrainer
 from orchestration.builder import build_trainer
@@ -53,10 +54,24 @@ def test_a_league_is_seeded_with_in_memory_members_that_it_draws_and_plays():
     with pytest.raises(ValueError, match="do not fit"):
         league.add_member(source.exclude(*list(source.keys())[:1]))
     league.pool[:] = seeded[1:2]  # only a seeded member left: the league must draw and play it
-    league.train()
+    metrics = league.train()
     assert league.current is seeded[1] and seeded[1].games > 0
     actor_opponent = TensorDict.from_module(league.trainer.fleet.actors[0].policies["opponent"])
     assert (actor_opponent == seeded[1].weights).all()
+    returns = torch.tensor(league.trainer.last_episodes["return/player"], dtype=torch.float64)
+    assert metrics["league_win_rate"] == float(score_from_return(returns).mean())  # this iteration's games
+    assert metrics["league_opponent_win_rate"] == seeded[1].win_rate and metrics["league_games"] == len(returns)
+    league.pool.append(seeded[0])
+    tensors, state = league.state()
+    again = LeagueTrainer(league.trainer, learner="player", opponent="opponent")
+    again.load_state_(tensors, state)
+    assert [(m.name, m.games, m.score, m.rating) for m in again.pool] == [
+        (m.name, m.games, m.score, m.rating) for m in league.pool]
+    assert all((a.weights == b.weights).all() for a, b in zip(again.pool, league.pool))
+    assert again.current.name == "member/2" and again.rating == league.rating
+    assert torch.equal(again.generator.get_state(), league.generator.get_state())
+    with pytest.raises(ValueError, match="league member 'member/2'.*pool/0/"):
+        again.load_state_({k: v[..., :1] if k.startswith("pool/0/") else v for k, v in tensors.items()}, state)
     league.trainer.close()
 
 

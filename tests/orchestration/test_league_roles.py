@@ -14,6 +14,7 @@ from core.losses import PPOConfig
 from orchestration.builder import build_trainer
 from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 from orchestration.league_config import LeagueConfig
+from core.ratings import INITIAL, elo_update
 from orchestration.league_roles import MATCH_K, OPPONENT, RoleLeague
 
 GAME = "pettingzoo:classic.connect_four_v3"
@@ -154,6 +155,9 @@ def test_shoal_league_trains_writes_checkpoints_a_pool_and_a_table(tmp_path, cap
     assert len(rows) == 3 and "rating/main_0" in rows[0]
     main(["evaluate", summary["players"]["main_0"], "--opponent", "random", "--episodes", "2"])
     assert '"player_0"' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:  # a misspelt snapshot: the nearest one in the pool, in full
+        main(["evaluate", summary["players"]["main_0"], "--opponent", str(pool[0]) + "x"])
+    assert stop.value.code == 2 and f"(did you mean {str(pool[0])!r}?)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         main(["league", "builtin:cartpole", "--iterations", "1", "--run-dir", str(tmp_path / "x")])
     assert stop.value.code == 2 and "two-player zero-sum" in capsys.readouterr().err
@@ -195,7 +199,9 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
     capsys.readouterr()
     main(["league", "--resume=auto", "--iterations", "3", "--run-dir", str(tmp_path)])  # a checkpoint: resumed
     # the learning rate's schedule goes on as it started (it was stretched to 3 in silence), and that is said
-    assert "anneals to 0 at iteration 2 (--anneal-iterations, kept from the run resumed)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "anneals to 0 at iteration 2 (--anneal-iterations, kept from the run resumed)" in err
+    assert "not bit-identical" in err and json.loads((tmp_path / "run.json").read_text())["python"]
     from orchestration.run_state import load_config
 
     assert load_config(load_checkpoint(tmp_path / "players" / "main_0" / "checkpoints")[2]).anneal_iterations == 2
@@ -222,8 +228,24 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
         main(["league", "--resume", "--iterations", "4", "--run-dir", str(tmp_path), "--policy.hidden-sizes", "8"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "--policy.hidden-sizes (64, 64) -> (8,) (size mismatch for" in err, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "which changes --policy.hidden-sizes (64" in err  # only what shapes it
     assert json.loads((tmp_path / "league" / "league.json").read_text())["iteration"] == 3  # untouched
+    checkpoints = sorted(p.name for p in (tmp_path / "league" / "checkpoints").glob("ckpt-*"))
+    main(["league", "--resume", "--iterations", "3", "--run-dir", str(tmp_path)])  # there already: said, not saved
+    assert "at iteration 3 of 3 already; nothing was trained" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "league" / "checkpoints").glob("ckpt-*")) == checkpoints
+    for argv, said in ((["evaluate", str(tmp_path)], f"{tmp_path} is a league: each player's checkpoints are under "
+                        f"players/ (main_0, main_exploiter_0), e.g. {tmp_path / 'players' / 'main_0' / 'checkpoints'}"),
+                       (["evaluate", str(tmp_path / "league" / "checkpoints")], "a league's own checkpoint"),
+                       (["train", "--resume", "--run-dir", str(tmp_path)], "continue it with shoal league --resume")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and said in err, err
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a training run's directory
+    with pytest.raises(SystemExit) as stop:
+        main(["league", "--resume", "--run-dir", str(tmp_path / "run")])
+    assert stop.value.code == 2 and "continue it with shoal train --resume" in capsys.readouterr().err
 
 
 @pytest.mark.ray
@@ -252,15 +274,24 @@ def test_a_league_exploiter_that_is_done_without_a_restart_needs_new_games_to_be
         league.close()
 
 
-def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_out(tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_out_its_games_kept(
+        tmp_path, backend, request):
     """Ctrl-C after the first player's iteration but before the second's: the checkpoint keeps the first
-    player's extra iteration, and the resumed league trains only the second, so all are level again."""
+    player's extra iteration and its games; the resumed league trains only the second, so all are level again,
+    and the iteration's bookkeeping counts both players' games, ratings and metrics (none lost, none twice)."""
     from orchestration.checkpoint import load_checkpoint
     from orchestration.league_cli import restore_league_, train_league
 
-    config = _config(iterations=3, run_dir=str(tmp_path))
-    rules = LeagueConfig(league_exploiters=0, snapshot_every=100, parallel=False)
+    extra = {}
+    if backend == "ray":  # players in parallel on the shared instance (0-CPU actors: 2 players fit on 2 CPUs)
+        request.getfixturevalue("ray_session")
+        extra = {"backend": "ray", "ray": RayConfig(worker_num_cpus=0, learner_num_cpus=0),
+                 "rollout": RolloutConfig(num_envs=8, fragment_length=32, num_workers=1)}
+    config = _config(iterations=3, run_dir=str(tmp_path), **extra)
+    rules = LeagueConfig(league_exploiters=0, snapshot_every=100)
     league = RoleLeague(config, rules)
+    assert league.parallel == (backend == "ray")
 
     def interrupted():
         raise KeyboardInterrupt
@@ -268,12 +299,35 @@ def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_ou
     league.trainers[1].train = interrupted  # the second player is stopped before its iteration
     with pytest.raises(KeyboardInterrupt):
         train_league(league, config, progress=False)
+    kept = league.finished[0]["metrics"]["games/main_0"]
+    assert kept > 0 and list(league.finished) == [0]
     again = RoleLeague(config, rules)
     restore_league_(again, tmp_path, load_checkpoint(tmp_path / "league" / "checkpoints"))
     assert (again.iteration, again.trainers[0].iteration, again.trainers[1].iteration) == (0, 1, 0)
+    assert again.games.sum() == 0 and list(again.finished) == [0]  # kept, not yet in the table
     steps = [t.env_steps for t in again.trainers]
     metrics = again.train()
-    assert [t.iteration for t in again.trainers] == [1, 1] and again.iteration == 1
+    assert [t.iteration for t in again.trainers] == [1, 1] and again.iteration == 1 and again.finished == {}
     assert again.trainers[0].env_steps == steps[0] and again.trainers[1].env_steps > steps[1]
-    assert "games/main_0" not in metrics and metrics["games/main_exploiter_0"] > 0
+    assert metrics["games/main_0"] == kept and metrics["games/main_exploiter_0"] > 0
+    assert metrics["env_steps/main_0"] == steps[0] and "fragments_produced/main_0" in metrics
+    recorded = float(again.games.diagonal().sum() + again.games.triu(1).sum())
+    assert recorded == kept + metrics["games/main_exploiter_0"]  # each game in the table once
+    pairs = [(i, int(metrics[f"opponent/{name}"]), metrics[f"win_rate/{name}"])  # one rating period for both
+             for i, name in enumerate(["main_0", "main_exploiter_0"]) if int(metrics[f"opponent/{name}"]) != i]
+    expected = elo_update(torch.full((3,), INITIAL, dtype=torch.float64), torch.tensor([p[0] for p in pairs]),
+                          torch.tensor([p[1] for p in pairs]), torch.tensor([p[2] for p in pairs],
+                                                                             dtype=torch.float64), k=MATCH_K)
+    assert torch.allclose(again.ratings[:3], expected)
     again.close()
+
+
+def test_a_league_checkpoint_whose_finished_record_is_not_data_is_refused_by_name():
+    from orchestration.league_roles import finished_from_json
+
+    good = {"0": {"opponent": 2, "scores": [1.0, 0.5], "metrics": {"games/main_0": 2.0}}}
+    assert finished_from_json(good, 2, 3)[0]["scores"] == [1.0, 0.5]
+    for bad in ({"0": {"opponent": 7, "scores": [], "metrics": {}}}, {"5": good["0"]}, [1],
+                {"0": {**good["0"], "metrics": {"games/main_0": "os.system"}}}):
+        with pytest.raises(ValueError, match="'finished'"):
+            finished_from_json(bad, 2, 3)

@@ -230,3 +230,10 @@ def test_past_selves_set_by_flags_where_none_can_play_are_said_not_dropped(tmp_p
                               ["--preset", "connect_four", "--policy-mapping", "player_1", "random"])):  # the preset's
         main(["train", *args, *small, "--run-dir", str(tmp_path / f"yes{i}")])
         assert said not in capsys.readouterr().err
+
+
+def test_a_past_selves_setting_out_of_range_is_named_as_its_flag():
+    with pytest.raises(ValueError, match=r"^--past-selves.fraction must be in \[0, 1\], got 1.5$"):
+        PastSelvesConfig(fraction=1.5)
+    with pytest.raises(ValueError, match=r"--past-selves.snapshot-every must be >= 1, got 0; --past-selves.pool-size"):
+        PastSelvesConfig(snapshot_every=0, pool_size=0)
