@@ -242,12 +242,18 @@ def _defaults(preset: str | None, config_file: str | None) -> TrainConfig:
 
 
 def _refuse_a_used_run_dir(run_dir: str, checkpoints: str = "checkpoints") -> None:
-    """Raises ValueError naming ``--resume`` when ``run_dir`` holds a run's checkpoints (under ``checkpoints``): a
-    new run there would mix two runs' checkpoints, logs and TensorBoard files."""
+    """Raises ValueError naming ``--resume`` when ``run_dir`` holds a run's checkpoints (under ``checkpoints``), or
+    naming the command that continues it when it holds the other kind's (a training run's ``checkpoints``, a
+    league's ``league/checkpoints``): a new run there would mix two runs' checkpoints, logs and TensorBoard files."""
     if any((Path(run_dir) / checkpoints).glob("ckpt-*")):
         raise ValueError(f"--run-dir {run_dir} holds a run already (its checkpoints): continue it with --resume "
                          f"--run-dir {run_dir}, or name a new --run-dir (without one, each run gets its own under "
                          f"runs/; to start over there, remove its checkpoints directory)")
+    for root, kind, command in (("checkpoints", "a training run", "train"),
+                                ("league/checkpoints", "a league", "league")):
+        if root != checkpoints and any((Path(run_dir) / root).glob("ckpt-*")):
+            raise ValueError(f"--run-dir {run_dir} holds {kind} already (its {root}): continue it with shoal "
+                             f"{command} --resume --run-dir {run_dir}, or name a new --run-dir")
 
 
 def _import_torchrl_without_ray() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import tyro
 from orchestration.config import TrainConfig
 from orchestration.league_config import LeagueConfig
 from orchestration.result_line import print_result
+from orchestration.signals import deferred_interrupts
 
 
 @dataclass(frozen=True)
@@ -145,10 +147,18 @@ def restore_league_(league, run_dir: Path, checkpoint: tuple) -> None:
     from orchestration.checkpoint import checkpoint_at, load_checkpoint
     from orchestration.run_state import restore_trainer_
 
-    league.load_state_(*checkpoint)
+    try:
+        league.load_state_(*checkpoint)
+    except ValueError as err:
+        raise ValueError(f"{run_dir / 'league' / 'checkpoints'}: {err}") from None
+    paired = checkpoint[2].get("player_checkpoints", {})  # the player checkpoints this league checkpoint saved
     for player, trainer in zip(league.players, league.trainers):
         root = run_dir / "players" / player.name / "checkpoints"
-        restore_trainer_(trainer, *load_checkpoint(checkpoint_at(root, league.iteration)))
+        name = paired.get(player.name) if isinstance(paired, dict) else None
+        if isinstance(name, str) and re.fullmatch(r"ckpt-[0-9]{6}(\.[0-9]{1,6})?", name):  # a name, never a path
+            restore_trainer_(trainer, *load_checkpoint(root / name))
+        else:  # a league checkpoint of an older Shoal: the player's newest of the same iteration
+            restore_trainer_(trainer, *load_checkpoint(checkpoint_at(root, league.iteration)))
 
 
 def train_league(league, config: TrainConfig, progress: bool = True, resume: bool = False) -> dict:
@@ -160,12 +170,12 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
 
     run_dir = Path(config.run_dir)
     saved_at, trained = None, 0
-    if resume:
+    if resume and league.iteration < config.iterations:
         print("shoal league --resume: this continuation is not bit-identical to an uninterrupted run: opponents "
               "are drawn again for the players that had not finished the interrupted iteration"
               + ("" if all(t.resume_exact for t in league.trainers) else
                  ", and envs that cannot save their state were reset (a new episode starts in every env)")
-              + "; learners, optimizers, ratings and the payoff table are.", file=sys.stderr)
+              + "; learners, optimizers, ratings and the payoff table are restored exactly.", file=sys.stderr)
     try:
         log = MetricsLog(run_dir, config=config, resume=resume, upto_iteration=league.iteration if resume else None)
         (run_dir / "config.json").write_text(json.dumps({"train": dataclasses.asdict(config),
@@ -178,7 +188,8 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
                     metrics = league.train()
                 except BaseException:  # what was trained so far survives an env error or Ctrl-C
                     try:
-                        save_league(league, run_dir)
+                        with deferred_interrupts():  # a second Ctrl-C would leave the league's checkpoint unwritten
+                            save_league(league, run_dir)
                     except Exception as err:  # noqa: BLE001 -- reported; the original error propagates
                         print(f"shoal league: could not write a checkpoint after the error ({err})", file=sys.stderr)
                     raise
@@ -191,8 +202,8 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
         finally:
             log.close()
         if not trained:  # a resumed league at --iterations already: its checkpoints stay as they are
-            print(f"shoal league: the league is at iteration {league.iteration} of {config.iterations} already; "
-                  f"nothing was trained (raise --iterations to train on)", file=sys.stderr)
+            print(f"shoal league: the league is at iteration {league.iteration} already (--iterations "
+                  f"{config.iterations}); nothing was trained (raise --iterations to train on)", file=sys.stderr)
             written = league_paths(league, run_dir)
         elif saved_at != league.iteration:
             written = save_league(league, run_dir)
@@ -216,10 +227,11 @@ def save_league(league, run_dir: Path) -> dict:
     from orchestration.run_state import trainer_state
     from orchestration.snapshots import save_snapshot
 
+    paired = {}
     for player, trainer in zip(league.players, league.trainers):
         weights, tensors, state = trainer_state(trainer)
-        save_checkpoint(run_dir / "players" / player.name / "checkpoints", league.iteration, weights=weights,
-                        tensors=tensors, state=state)
+        paired[player.name] = save_checkpoint(run_dir / "players" / player.name / "checkpoints", league.iteration,
+                                              weights=weights, tensors=tensors, state=state).name
     pool = run_dir / "league" / "pool"
     module = league.trainers[0].learners[league.group].policy if league.config.backend == "local" else None
     for i, player in enumerate(league.players):
@@ -236,7 +248,8 @@ def save_league(league, run_dir: Path) -> dict:
             TensorDict.from_module(policy).update_(player.weights)
         save_snapshot(pool / player.name.replace("@", "-at-"), policy, league.trainers[0].tree, group=league.group,
                       policy_id=player.name, version=i, config=league.config.policy)
-    weights, tensors, state = league.state()  # last: it names the iteration every player has a checkpoint of
+    weights, tensors, state = league.state()  # last: it names the iteration every player has a checkpoint of,
+    state["player_checkpoints"] = paired  # and which one (a save cut short leaves newer ones of the same iteration)
     save_checkpoint(run_dir / "league" / "checkpoints", league.iteration, weights=weights, tensors=tensors, state=state)
     (run_dir / "league" / "league.json").write_text(json.dumps({"iteration": league.iteration, **league.table()},
                                                                indent=1))

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -48,6 +50,7 @@ from core.ratings import INITIAL, elo_update, score_from_return
 from core.specs import groups, to_json
 from orchestration.config import PastSelvesConfig, TrainConfig
 from orchestration.league_config import LeagueConfig
+from orchestration.signals import deferred_interrupts
 
 OPPONENT = "opponent"
 MATCH_K = 32.0
@@ -183,12 +186,18 @@ class RoleLeague:
         for i, (opponent, _) in picks.items():  # frozen now, whatever the opponent learns meanwhile
             self.trainers[i].set_weights(OPPONENT, self.weights_of(opponent).detach().clone())
         if self.parallel:  # each trainer waits on its own Ray actors: the threads only wait
-            futures = {}
+            futures: dict[int, Future] = {}
             try:
                 with ThreadPoolExecutor(max_workers=max(1, len(active))) as pool:
-                    futures = {i: pool.submit(self.trainers[i].train) for i in active}
+                    for i in active:
+                        futures[i] = pool.submit(self.trainers[i].train)
             finally:  # an interrupt: the players still training finish their iteration, and all that did count
-                wait(futures.values())
+                running = [self.players[i].name for i, future in futures.items() if not future.done()]
+                if running:
+                    print(f"shoal league: interrupted; {', '.join(running)} finish their iteration first (their "
+                          f"games are kept)", file=sys.stderr, flush=True)
+                    with deferred_interrupts():  # a second Ctrl-C would save them mid-iteration
+                        wait(futures.values())
                 for i, future in futures.items():
                     if not future.cancelled() and future.exception() is None:
                         self._finish(i, picks[i], future.result())
@@ -307,7 +316,8 @@ class RoleLeague:
         self.ratings = tensors["ratings"].clone()
         self.generator.set_state(tensors["rng"])
         self.iteration, self.resets = int(state["iteration"]), int(state["league"]["resets"])
-        self.finished = finished_from_json(state.get("finished", {}), len(self.trainers), len(self.players))
+        active = [p.name for p in self.players[:len(self.trainers)]]
+        self.finished = finished_from_json(state.get("finished", {}), active, len(self.players))
 
     def close(self) -> None:
         """Closes every player's trainer, then the Ray instance if the league started it."""
@@ -320,23 +330,28 @@ class RoleLeague:
                 self._shutdown = None
 
 
-def finished_from_json(data: Any, active: int, size: int) -> dict[int, dict[str, Any]]:
+def finished_from_json(data: Any, names: list[str], size: int) -> dict[int, dict[str, Any]]:
     """:attr:`RoleLeague.finished` read back from a checkpoint's JSON, its types checked (a checkpoint is data:
-    a wrong one is refused with the entry at fault, never trusted)."""
+    a wrong one is refused with the entry at fault, never trusted). ``names``: the active players', by index;
+    ``size``: the number of players (active and historical)."""
     def bad(where: str) -> ValueError:
         return ValueError(f"the league checkpoint's 'finished' {where} is not an interrupted iteration's record "
-                          f"(a player index, its opponent's index, game scores and numeric metrics)")
+                          f"(an active player's index, its opponent's index, game scores in [0, 1] and that "
+                          f"player's numeric metrics)")
 
     if not isinstance(data, dict):
         raise bad("table")
     out = {}
     for key, done in data.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < active and isinstance(done, dict)):
+        if not (isinstance(key, str) and re.fullmatch(r"[0-9]{1,6}", key) and int(key) < len(names)
+                and isinstance(done, dict)):
             raise bad(f"entry {key!r}")
         opponent, scores, metrics = done.get("opponent"), done.get("scores"), done.get("metrics")
-        if not (isinstance(opponent, int) and 0 <= opponent < size and isinstance(scores, list)
-                and all(isinstance(x, (int, float)) for x in scores) and isinstance(metrics, dict)
-                and all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items())):
+        mine = f"/{names[int(key)]}"
+        if not (type(opponent) is int and 0 <= opponent < size and isinstance(scores, list)
+                and all(type(x) in (int, float) and 0.0 <= x <= 1.0 for x in scores) and isinstance(metrics, dict)
+                and all(isinstance(k, str) and (k.endswith(mine) or f"{mine}/" in k) and type(v) in (int, float)
+                        for k, v in metrics.items())):
             raise bad(f"entry {key!r}")
         out[int(key)] = {"opponent": opponent, "scores": [float(x) for x in scores],
                          "metrics": {k: float(v) for k, v in metrics.items()}}

@@ -64,7 +64,8 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
             print(f"shoal {command} --resume: this continuation is not bit-identical to an uninterrupted run: "
                   + ("envs that cannot save their state were reset (a new episode starts in every env)"
                      if config.mode == "sync" else "asynchronous mode: fragments waiting in a learner's pool and "
-                     "in flight at the checkpoint are not restored") + "; learners, optimizers and schedules are.",
+                     "in flight at the checkpoint are not restored")
+                  + "; learners, optimizers and schedules are restored exactly.",
                   file=sys.stderr)
     try:
         log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None, config=config)
@@ -132,8 +133,8 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
         raise SystemExit(128 + stopped)
     png = plot_learning_curve(log.csv_path, run_dir / "learning_curve.png", title=config.env)
     if not metrics:  # nothing left to train (a resumed run that had finished): the figures logged last
-        print(f"shoal {command}: the run is at iteration {trainer.iteration} of {config.iterations} already; nothing "
-              f"was trained (raise --iterations to train on)", file=sys.stderr)
+        print(f"shoal {command}: the run is at iteration {trainer.iteration} already (--iterations "
+              f"{config.iterations}); nothing was trained (raise --iterations to train on)", file=sys.stderr)
         metrics = _last_logged(log.csv_path)
     final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10")}
     final["env_steps"] = trainer.env_steps

@@ -200,7 +200,8 @@ def shape_detail(err: BaseException) -> str:
     """The line of a failed restore that names the mismatch (torch's "size mismatch for ...", also inside a Ray
     actor's error, whose first lines name the actor), without terminal colours."""
     lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
-    return next((line for line in lines if "size" in line), lines[-1] if lines else type(err).__name__)
+    line = next((line for line in lines if "size" in line), lines[-1] if lines else type(err).__name__)
+    return line.rstrip(".")  # it goes inside parentheses, before the sentence's own full stop
 
 
 __all__ = ["changed_settings", "config_to_dict", "load_config", "misfit", "restore_trainer_", "shape_detail",

@@ -52,4 +52,23 @@ def kept_sigterm():
             signal.signal(signal.SIGTERM, previous)
 
 
-__all__ = ["Terminated", "kept_sigterm", "stop_on_sigterm"]
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Ctrl-C and SIGTERM are ignored in the block (main thread; elsewhere nothing changes): a clean-up that an
+    interrupt started (saving what was trained, waiting for players to end their iteration) is not cut short
+    by a second one, which would leave a checkpoint half written or a player's games unrecorded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler installed outside Python, which Python cannot restore
+                signal.signal(sig, handler)
+
+
+__all__ = ["Terminated", "deferred_interrupts", "kept_sigterm", "stop_on_sigterm"]

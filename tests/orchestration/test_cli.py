@@ -70,7 +70,7 @@ def test_resuming_a_finished_run_trains_nothing_writes_no_checkpoint_and_reports
     main(["train", "--resume", "--run-dir", str(run), "--no-progress"])
     captured = capsys.readouterr()
     again = json.loads(captured.out.strip().splitlines()[-1])
-    assert "at iteration 2 of 2 already; nothing was trained" in captured.err
+    assert "at iteration 2 already (--iterations 2); nothing was trained" in captured.err
     assert again["env_steps"] == first["env_steps"] == 2 * 8 * 32
     assert again["episode_return_mean"] == pytest.approx(first["episode_return_mean"])
     assert sorted(p.name for p in (run / "checkpoints").glob("ckpt-*")) == ["ckpt-000001", "ckpt-000002"]

@@ -232,7 +232,8 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
     assert json.loads((tmp_path / "league" / "league.json").read_text())["iteration"] == 3  # untouched
     checkpoints = sorted(p.name for p in (tmp_path / "league" / "checkpoints").glob("ckpt-*"))
     main(["league", "--resume", "--iterations", "3", "--run-dir", str(tmp_path)])  # there already: said, not saved
-    assert "at iteration 3 of 3 already; nothing was trained" in capsys.readouterr().err
+    err = capsys.readouterr().err  # and no not-bit-identical notice for a resume that trains nothing
+    assert "at iteration 3 already (--iterations 3); nothing was trained" in err and "bit-identical" not in err
     assert sorted(p.name for p in (tmp_path / "league" / "checkpoints").glob("ckpt-*")) == checkpoints
     for argv, said in ((["evaluate", str(tmp_path)], f"{tmp_path} is a league: each player's checkpoints are under "
                         f"players/ (main_0, main_exploiter_0), e.g. {tmp_path / 'players' / 'main_0' / 'checkpoints'}"),
@@ -242,10 +243,17 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
             main(argv)
         err = capsys.readouterr().err
         assert stop.value.code == 2 and said in err, err
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a training run's directory
-    with pytest.raises(SystemExit) as stop:
-        main(["league", "--resume", "--run-dir", str(tmp_path / "run")])
-    assert stop.value.code == 2 and "continue it with shoal train --resume" in capsys.readouterr().err
+    (tmp_path / "run" / "checkpoints" / "ckpt-000001").mkdir(parents=True)  # a training run's directory
+    for argv in (["league", "--resume", "--run-dir", str(tmp_path / "run")],  # neither resumed nor written over
+                 ["league", GAME, "--iterations", "1", "--run-dir", str(tmp_path / "run")],
+                 ["league", GAME, "--resume=auto", "--iterations", "1", "--run-dir", str(tmp_path / "run")]):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and "continue it with shoal train --resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # nor a league by a new training run
+        main(["train", "builtin:cartpole", "--iterations", "1", "--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "holds a league already" in err and "shoal league --resume" in err, err
 
 
 @pytest.mark.ray
@@ -301,7 +309,13 @@ def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_ou
         train_league(league, config, progress=False)
     kept = league.finished[0]["metrics"]["games/main_0"]
     assert kept > 0 and list(league.finished) == [0]
-    again = RoleLeague(config, rules)
+    import shutil
+
+    players = tmp_path / "players" / "main_0" / "checkpoints"  # a later save of the same iteration, cut short
+    shutil.copytree(players / "ckpt-000000", players / "ckpt-000000.1")  # before the league's own checkpoint:
+    state = json.loads((players / "ckpt-000000.1" / "state.json").read_text())
+    (players / "ckpt-000000.1" / "state.json").write_text(json.dumps({**state, "iteration": 5}))
+    again = RoleLeague(config, rules)  # the league resumes from the player checkpoints its checkpoint names
     restore_league_(again, tmp_path, load_checkpoint(tmp_path / "league" / "checkpoints"))
     assert (again.iteration, again.trainers[0].iteration, again.trainers[1].iteration) == (0, 1, 0)
     assert again.games.sum() == 0 and list(again.finished) == [0]  # kept, not yet in the table
@@ -325,9 +339,53 @@ def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_ou
 def test_a_league_checkpoint_whose_finished_record_is_not_data_is_refused_by_name():
     from orchestration.league_roles import finished_from_json
 
-    good = {"0": {"opponent": 2, "scores": [1.0, 0.5], "metrics": {"games/main_0": 2.0}}}
-    assert finished_from_json(good, 2, 3)[0]["scores"] == [1.0, 0.5]
-    for bad in ({"0": {"opponent": 7, "scores": [], "metrics": {}}}, {"5": good["0"]}, [1],
-                {"0": {**good["0"], "metrics": {"games/main_0": "os.system"}}}):
+    names = ["main_0", "main_exploiter_0"]
+    good = {"0": {"opponent": 2, "scores": [1.0, 0.5], "metrics": {"games/main_0": 2.0, "matched/main_0/pfsp": 1.0}}}
+    assert finished_from_json(good, names, 3)[0]["scores"] == [1.0, 0.5]
+    entry = good["0"]
+    for bad in ({"0": {**entry, "opponent": 7}}, {"5": entry}, [1], {"\u00b2": entry},
+                {"0": {**entry, "opponent": True}},
+                {"0": {**entry, "metrics": {"games/main_0": "os.system"}}}, {"0": {**entry, "scores": [5.0]}},
+                {"0": {**entry, "scores": [float("nan")]}}, {"0": {**entry, "metrics": {"iteration": 99.0}}},
+                {"1": entry}):  # main_exploiter_0's entry holding main_0's metrics
         with pytest.raises(ValueError, match="'finished'"):
-            finished_from_json(bad, 2, 3)
+            finished_from_json(bad, names, 3)
+
+
+def test_a_second_interrupt_while_the_league_waits_for_a_player_does_not_lose_its_games():
+    """Ray trains the players in threads; after Ctrl-C the league waits for those still training. A second
+    Ctrl-C in that wait would save them mid-iteration, their games lost: it is ignored until they finish."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    league = RoleLeague(_config(), LeagueConfig(league_exploiters=0, snapshot_every=100))
+    league.parallel = True  # the Ray path's threads, on local trainers
+    raised, train = threading.Event(), league.trainers[0].train
+
+    def interrupted():
+        raised.set()
+        raise KeyboardInterrupt
+
+    deferred = []
+
+    def slow():  # the first Ctrl-C reaches the main thread while it waits for this player, then a second one
+        raised.wait()
+        time.sleep(0.1)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        for _ in range(500):  # until the league waits with interrupts deferred (the old code never did)
+            if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+                deferred.append(True)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                break
+            time.sleep(0.01)
+        return train()
+
+    league.trainers[0].train, league.trainers[1].train = slow, interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            league.train()
+        assert deferred and list(league.finished) == [0] and league.trainers[0].iteration == 1  # finished, kept
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        league.close()

@@ -48,3 +48,27 @@ print("kept", signal.getsignal(signal.SIGTERM) is mine)
 def test_ray_init_does_not_take_the_sigterm_handler_over():
     out = subprocess.run([sys.executable, "-c", RAY_SCRIPT], capture_output=True, text=True, timeout=120)
     assert "kept True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+
+DEFERRED_SCRIPT = """
+import os, signal, time
+from orchestration.signals import deferred_interrupts, stop_on_sigterm
+stop_on_sigterm()
+before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+with deferred_interrupts():
+    os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C during a clean-up: nothing raised
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+print("restored", (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("interrupted after")
+"""
+
+
+def test_interrupts_in_a_deferred_block_are_ignored_and_the_handlers_come_back():
+    out = subprocess.run([sys.executable, "-c", DEFERRED_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[:2] == ["restored True", "interrupted after"], out.stdout + out.stderr
