@@ -20,6 +20,7 @@ from orchestration.fleet import CollectionInterrupted
 from orchestration.metrics_log import MetricsLog, plot_learning_curve, read_csv
 from orchestration.result_line import print_result, result_json
 from orchestration.run_state import trainer_state
+from orchestration.signals import deferred_interrupts
 
 
 class _Stop:
@@ -157,9 +158,11 @@ def _last_logged(csv_path: Path) -> dict[str, float]:
 
 
 def _save_anyway(checkpoint) -> None:
-    """Writes a checkpoint on the way out of a failed iteration; a failure to do so must not hide the error."""
+    """Writes a checkpoint on the way out of a failed iteration; a failure to do so must not hide the error, and a
+    second Ctrl-C must not cut it short (what was trained since the last checkpoint would be lost)."""
     try:
-        checkpoint()
+        with deferred_interrupts():
+            checkpoint()
     except Exception as err:  # noqa: BLE001 -- reported, then the original error propagates
         print(f"shoal train: could not write a checkpoint after the error ({err})", file=sys.stderr)
 

@@ -314,3 +314,35 @@ def test_metrics_that_appear_later_get_their_own_column_and_keep_earlier_rows(tm
     data = read_csv(tmp_path / "metrics.csv")
     assert data["iteration"] == [1, 2, 3] and data["eval_return_mean"][1] == 9.0
     assert all(v != v for v in (data["eval_return_mean"][0], data["eval_return_mean"][2]))  # empty cells: NaN
+
+
+def test_a_second_ctrl_c_while_the_interrupted_run_saves_does_not_cut_the_checkpoint_short(tmp_path, monkeypatch):
+    """Ctrl-C, then Ctrl-C again while the run writes its checkpoint on the way out: the checkpoint is written
+    (what was trained since the last one would be lost), and the first interrupt still ends the run."""
+    import threading
+
+    from orchestration import run_loop
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    config = TrainConfig(env="builtin:cartpole", iterations=3, run_dir=str(tmp_path), checkpoint_every=0,
+                         checkpoint_every_s=0, rollout=RolloutConfig(num_envs=8, fragment_length=32))
+    trainer = build_trainer(config)
+    train, real_save = trainer.train, run_loop.save_checkpoint
+
+    def interrupted_second():
+        if trainer.iteration == 1:
+            raise KeyboardInterrupt  # Ctrl-C during the second iteration
+        return train()
+
+    def saving(*args, **kwargs):  # the second Ctrl-C arrives while the checkpoint is written
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        return real_save(*args, **kwargs)
+
+    trainer.train = interrupted_second
+    monkeypatch.setattr(run_loop, "save_checkpoint", saving)
+    with pytest.raises(KeyboardInterrupt):
+        run_loop.run_training(trainer, config, resume=False, progress=False)
+    _, _, state = ckpt.load_checkpoint(tmp_path / "checkpoints")
+    assert state["iteration"] == 1
