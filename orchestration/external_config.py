@@ -65,17 +65,17 @@ class ExternalConfig:
         check_fields(self)
         for name in ("instances", "max_message_bytes", "max_episodes", "max_simulators", "inference_batch_rows"):
             if getattr(self, name) < 1:
-                raise ValueError(f"ExternalConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--external.{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("start_timeout_s", "heartbeat_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"ExternalConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"--external.{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
-            raise ValueError(f"ExternalConfig.port must be 0-65535 (0: any free port), got {self.port}")
+            raise ValueError(f"--external.port must be 0-65535 (0: any free port), got {self.port}")
         for name in ("max_restarts", "restart_backoff_s", "wait_s", "inference_wait_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"ExternalConfig.{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"--external.{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("ExternalConfig: tls_cert and tls_key go together (wss needs both)")
+            raise ValueError("--external.tls-cert and --external.tls-key go together (wss needs both)")
         if self.command:  # a bad template is told before the server starts waiting
             from adapters.external.command import render
 

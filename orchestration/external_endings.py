@@ -36,6 +36,29 @@ class ConnectionEndings:
                   file=self._log)
         return why
 
+    def _lost(self, state: dict, closed: ConnectionClosed, open_episodes: int) -> None:
+        """Logs a connection that ended under the server (the simulator died, stopped answering pings, or left
+        with episodes open; each cut episode is counted by its lane): an end the simulator asked for with no
+        episode open says nothing."""
+        sent, received = closed.sent, closed.rcvd
+        if sent is not None and sent.code == 1011 and "ping" in sent.reason:
+            why = f"no answer to a ping within {self.config.heartbeat_s:g} s (heartbeat_s)"
+        elif open_episodes == 0:
+            return
+        elif received is None:
+            why = "it dropped without a close frame (the simulator died or the network failed)"
+        else:
+            why = f"the simulator closed it (code {received.code})"
+        with self._lock:
+            told = self._told["lost"] = self._told.get("lost", 0) + 1
+        if told <= _TOLD:
+            cut = f"; {open_episodes} open episode{'s' if open_episodes != 1 else ''} cut (counted in " \
+                  f"episodes_cut and steps_lost)" if open_episodes else ""
+            more = " (further ones are only counted)" if told == _TOLD else ""
+            sim = state["sim"] or state.get("hello_sim")
+            print(f"shoal: external connection{f' of sim id {sim!r}' if sim else ''} lost: {why}{cut}{more}",
+                  file=self._log)
+
     def _refuse(self, ws: ServerConnection, error: ProtocolError, state: dict, tell: bool = True) -> None:
         sim = state["sim"] or state.get("hello_sim")
         refused = error.code in ("bad_token", "busy", "protocol_version", "spec_mismatch")

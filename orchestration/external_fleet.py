@@ -208,12 +208,12 @@ def _given_tree(path: str):
     try:
         text = Path(path).read_text()
     except OSError as error:
-        raise ValueError(f"external.tree {path!r}: cannot read it ({error.strerror or error})") from None
+        raise ValueError(f"--external.tree {path!r}: cannot read it ({error.strerror or error})") from None
     try:
         return from_json(text)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
-        raise ValueError(f"external.tree {path!r} is not a tree document ({what}); docs/external-protocol.md "
+        raise ValueError(f"--external.tree {path!r} is not a tree document ({what}); docs/external-protocol.md "
                          f"shows the format") from None
 
 
@@ -250,10 +250,12 @@ def build_external(config: TrainConfig, *, log=None):
             if launcher is not None:
                 launcher.check(server.connected, server.welcomed)
             if time.monotonic() > deadline:
-                todo = ("check external.command, or wait longer (external.start_timeout_s, doubled with a launcher: "
-                        f"{launcher.summary()})" if launcher is not None else "start simulators (external.command "
-                        "launches them), give external.tree, or wait longer (external.start_timeout_s)")
-                raise TimeoutError(f"no simulator connected to {server.url} within {patience:.0f} s, so the "
+                todo = (f"{launcher.summary()}. Check --external.command, or wait longer: with a launcher the wait "
+                        f"is twice --external.start-timeout-s ({ec.start_timeout_s:g} s), so that a simulator that "
+                        f"failed to connect is restarted once" if launcher is not None else "start simulators "
+                        "(--external.command launches them), give --external.tree, or wait longer "
+                        "(--external.start-timeout-s)")
+                raise TimeoutError(f"no simulator connected to {server.url} within {patience:g} s, so the "
                                    f"environment's tree is unknown: {todo}")
         tree = server.tree
         assignment = assignment_for(config, tree)

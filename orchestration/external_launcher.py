@@ -112,7 +112,7 @@ class SimulatorLauncher:
             self._procs[i] = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
                                               start_new_session=True)
         except OSError as error:
-            raise ValueError(f"external.command: cannot start {args[0]!r}: {error}") from None
+            raise ValueError(f"--external.command: cannot start {args[0]!r}: {error}") from None
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
@@ -144,7 +144,7 @@ class SimulatorLauncher:
             _kill_group(proc)
             if self.counters["simulator_restarts"] >= self.max_restarts:
                 raise SimulatorsFailed(f"external simulator {self.sim_id(i)} {'exited' if exited else 'never connected'}"
-                                       f" and the launcher used all {self.max_restarts} restarts (external.max_restarts)"
+                                       f" and the launcher used all {self.max_restarts} restarts (--external.max-restarts)"
                                        f"{self._hint(i)}; its output is in {self.log_dir or 'nowhere: set run_dir'}"
                                        f"{self._last_words(i)}")
             self.counters["simulator_restarts"] += 1
@@ -153,7 +153,7 @@ class SimulatorLauncher:
                 why = f"exited (code {proc.returncode})" if exited else f"did not connect in {self.start_timeout_s:g} s"
                 print(f"shoal: external simulator {self.sim_id(i)} {why}; restarting it"
                       + (f" in {pause:g} s" if pause else "") + f" (restart {self.counters['simulator_restarts']} "
-                      f"of {self.max_restarts}, external.max_restarts)", file=self._log)
+                      f"of {self.max_restarts}, --external.max-restarts)", file=self._log)
             if pause:
                 self._procs[i], self._relaunch_at[i] = None, now + pause
                 self.counters["simulator_restart_pauses"] += 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import secrets
 import ssl
 import sys
@@ -43,6 +44,9 @@ from orchestration.external_episodes import Episode, Lanes
 from orchestration.external_endings import ConnectionEndings
 from orchestration.external_uploads import LocalPolicyHandlers
 
+_QUIET = logging.getLogger("shoal.external_server.websockets")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
 _WELCOMED_KEPT = 4096  # sim ids remembered in ExternalServer.welcomed
 _DRAIN = 64  # frames a connection reads before it answers them (they share inference batches)
 
@@ -59,8 +63,8 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
     def __init__(self, config: ExternalConfig, tree: Tree | None = None, *, log=None) -> None:
         self.config = config
         if not is_loopback(config.host) and not config.tls_cert and not config.insecure:
-            raise ValueError(f"external.host {config.host!r} is not a loopback address: give external.tls_cert and "
-                             f"external.tls_key (wss://), or pass external.insecure to serve it unencrypted")
+            raise ValueError(f"--external.host {config.host!r} is not a loopback address: give --external.tls-cert and "
+                             f"--external.tls-key (wss://), or pass --external.insecure to serve it unencrypted")
         # hex: a generated token goes into launch commands (`--token {token}`), where a leading '-' (1 in 64
         # URL-safe tokens) would read as an option
         self.token = config.token or secrets.token_hex(24)
@@ -96,17 +100,18 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
             try:
                 context.load_cert_chain(c.tls_cert, c.tls_key)
             except (OSError, ssl.SSLError) as error:  # missing or unreadable files, not a certificate and its key
-                raise ValueError(f"external.tls_cert {c.tls_cert!r} and external.tls_key {c.tls_key!r}: cannot load "
+                raise ValueError(f"--external.tls-cert {c.tls_cert!r} and --external.tls-key {c.tls_key!r}: cannot load "
                                  f"them ({error})") from None
         elif not is_loopback(c.host):
             print(f"shoal: WARNING: the external-environment server on {c.host} is not encrypted "
-                  f"(external.insecure): anyone on the network can read the token and the data", file=self._log)
+                  f"(--external.insecure): anyone on the network can read the token and the data", file=self._log)
         try:
             self._server = serve(self._handle, c.host, c.port, ssl=context, compression=None,
                                  max_size=c.max_message_bytes, ping_interval=c.heartbeat_s, ping_timeout=c.heartbeat_s,
-                                 max_queue=16, open_timeout=c.heartbeat_s, close_timeout=2, server_header=None)
+                                 max_queue=16, open_timeout=c.heartbeat_s, close_timeout=2, server_header=None,
+                                 logger=_QUIET)  # its tracebacks of a connection's end: the server says it itself
         except OSError as error:  # the port is taken, the host is not this machine's or does not resolve
-            raise ValueError(f"cannot serve on external.host {c.host!r}, external.port {c.port}: "
+            raise ValueError(f"cannot serve on --external.host {c.host!r}, --external.port {c.port}: "
                              f"{error.strerror or error} (port 0: any free port; the host: this machine's)") from None
         self._port = self._server.socket.getsockname()[1]  # kept: messages name it after the socket closed
         self._thread = threading.Thread(target=self._server.serve_forever, name="shoal-external-server", daemon=True)
@@ -208,6 +213,8 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
             if closed.sent is not None and closed.sent.code == 1009:
                 limit = f"max_message_bytes={self.config.max_message_bytes}"
                 self._refuse(ws, ProtocolError("too_large", f"a frame over {limit}"), state)
+            else:  # a simulator that died, stopped answering pings, or left mid-episode: named on the log
+                self._lost(state, closed, len(episodes))
         except TimeoutError:  # silent past the hello deadline or idle_timeout_s: told in the close frame and the log
             closing = (1008, self._idle(state))
         except OSError:

@@ -167,6 +167,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     from orchestration.metrics_log import MetricsLog
 
     from orchestration.run_loop import provenance
+    from orchestration.run_state import config_to_dict
 
     run_dir = Path(config.run_dir)
     saved_at, trained = None, 0
@@ -178,7 +179,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
               + "; learners, optimizers, ratings and the payoff table are restored exactly.", file=sys.stderr)
     try:
         log = MetricsLog(run_dir, config=config, resume=resume, upto_iteration=league.iteration if resume else None)
-        (run_dir / "config.json").write_text(json.dumps({"train": dataclasses.asdict(config),
+        (run_dir / "config.json").write_text(json.dumps({"train": config_to_dict(config),
                                                          "league": dataclasses.asdict(league.league)},
                                                         indent=1, default=str))
         (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))

@@ -24,7 +24,6 @@ installed package, and its MLFlowLogger's ``close`` leaves the MLflow run open.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import difflib
 import importlib
 import json
@@ -169,9 +168,11 @@ class WandbLogger:
     repeats after its checkpoint)."""
 
     def __init__(self, directory: Path, config: TrainConfig | None, ids: _RunIds) -> None:
+        from orchestration.run_state import config_to_dict  # the config without its secrets
+
         wandb = _require("wandb")
         self._run = wandb.init(project=_project(config), name=_run_name(directory), dir=str(directory),
-                               config=dataclasses.asdict(config) if config else None, id=ids.get("wandb"),
+                               config=config_to_dict(config) if config else None, id=ids.get("wandb"),
                                resume="allow")
         ids.put("wandb", self._run.id)
 
@@ -196,7 +197,9 @@ class MlflowLogger:
         self.run_id = run.info.run_id
         ids.put("mlflow", self.run_id)
         if config is not None and not run_id:  # parameters are write-once in MLflow
-            params = sorted(_flatten(dataclasses.asdict(config)).items())
+            from orchestration.run_state import config_to_dict  # the config without its secrets
+
+            params = sorted(_flatten(config_to_dict(config)).items())
             for at in range(0, len(params), 100):  # MLflow takes at most 100 parameters per call
                 mlflow.log_params(dict(params[at:at + 100]))
 

@@ -3,7 +3,6 @@ error), the progress line, provenance. ``orchestration.cli`` parses and builds; 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import signal
@@ -19,7 +18,7 @@ from orchestration.config import TrainConfig
 from orchestration.fleet import CollectionInterrupted
 from orchestration.metrics_log import MetricsLog, plot_learning_curve, read_csv
 from orchestration.result_line import print_result, result_json
-from orchestration.run_state import trainer_state
+from orchestration.run_state import config_to_dict, trainer_state
 from orchestration.signals import deferred_interrupts
 
 
@@ -76,7 +75,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
             raise
         print(f"shoal {command}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1, default=str))
+    (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=1))  # no token: not a secret
     (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))
     # on stderr: stdout is the result line alone (``shoal train ... | jq`` reads it)
     bar = tqdm(total=config.iterations, initial=trainer.iteration, disable=not progress, unit="it",
@@ -181,6 +180,19 @@ def fresh_run_dir(path: Path) -> Path:
     return candidate
 
 
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the value of ``--external.token`` replaced (run.json is not a secret; the run keeps its token
+    in its own 0600 file)."""
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        flag = arg.split("=", 1)[0].replace("_", "-")
+        if flag == "--external.token" and "=" in arg:
+            out[i] = f"{arg.split('=', 1)[0]}=<redacted>"
+        elif flag == "--external.token" and i + 1 < len(argv):
+            out[i + 1] = "<redacted>"
+    return out
+
+
 def provenance() -> dict[str, Any]:
     """What produced a run: Shoal's version and git commit, the command line, library versions, the host."""
     import importlib.metadata
@@ -198,7 +210,7 @@ def provenance() -> dict[str, Any]:
                                 text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"shoal_version": version("shoal"), "git_commit": commit, "argv": sys.argv, "started": time.time(),
+    return {"shoal_version": version("shoal"), "git_commit": commit, "argv": redacted(sys.argv), "started": time.time(),
             "python": platform.python_version(), "torch": torch.__version__, "ray": version("ray"),
             "torchrl": version("torchrl"), "tensordict": version("tensordict"), "host": platform.node()}
 

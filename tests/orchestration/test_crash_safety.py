@@ -346,3 +346,18 @@ def test_a_second_ctrl_c_while_the_interrupted_run_saves_does_not_cut_the_checkp
         run_loop.run_training(trainer, config, resume=False, progress=False)
     _, _, state = ckpt.load_checkpoint(tmp_path / "checkpoints")
     assert state["iteration"] == 1
+
+
+def test_a_token_given_by_flag_is_not_written_into_the_run_files(tmp_path, monkeypatch):
+    """config.json and run.json are not secrets (mode 0644, copied around); the token lives in its 0600 file."""
+    from orchestration import run_loop
+    from orchestration.config import ExternalConfig
+
+    monkeypatch.setattr(sys, "argv", ["shoal", "train", "--external.token", "s3cret", "--external.token=s3cret"])
+    config = TrainConfig(env="builtin:cartpole", iterations=1, run_dir=str(tmp_path), external=ExternalConfig(
+        token="s3cret"), rollout=RolloutConfig(num_envs=8, fragment_length=32))
+    run_loop.run_training(build_trainer(config), config, resume=False, progress=False)
+    for name in ("config.json", "run.json"):
+        assert "s3cret" not in (tmp_path / name).read_text(), name
+    assert json.loads((tmp_path / "run.json").read_text())["argv"][2:] == [
+        "--external.token", "<redacted>", "--external.token=<redacted>"]

@@ -73,7 +73,7 @@ def test_a_simulator_that_had_connected_restarts_after_a_pause_that_doubles_then
         assert launcher.counters["simulator_restarts"] == 5 and launcher.counters["simulator_restart_pauses"] == 3
         lines = log.getvalue().splitlines()  # each restart told, not only counted in the metrics
         assert len(lines) == 5 and lines[0] == ("shoal: external simulator sim-0 exited (code 0); restarting it in 1 s "
-                                                "(restart 1 of 10, external.max_restarts)")
+                                                "(restart 1 of 10, --external.max-restarts)")
         assert lines[2].startswith("shoal: external simulator sim-0.2 exited (code 0); restarting it (restart 3")
     finally:
         launcher.close()

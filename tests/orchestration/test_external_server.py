@@ -148,9 +148,13 @@ def test_too_many_episodes_on_one_connection_are_refused_one_by_one(served):
         assert [a.episode for a in answers] == [f"e{i}" for i in range(4)]
 
 
-def test_repeated_kills_stalls_and_garbage_leak_no_episode(served, tmp_path):
+def test_repeated_kills_stalls_and_garbage_leak_no_episode(served, tmp_path, caplog):
     """A simulator killed with SIGKILL mid-episode, one that stops answering (SIGSTOP: heartbeat timeout) and
-    garbage frames, many times over: every episode started ends completed or cut, no connection is left."""
+    garbage frames, many times over: every episode started ends completed or cut, no connection is left; the
+    server's log names the first few lost connections, and websockets logs no traceback of its own."""
+    import logging
+
+    caplog.set_level(logging.INFO)
     server, lanes, out = served
     for round_ in range(3):
         for stop in (signal.SIGKILL, signal.SIGSTOP):
@@ -176,10 +180,15 @@ def test_repeated_kills_stalls_and_garbage_leak_no_episode(served, tmp_path):
     assert lanes.idle == lanes.created <= 6  # lanes are reused, not leaked
     produced = sum(len(f[0].reshape(-1)) for f in out)
     assert c["steps_recorded"] == produced + lanes.pending_steps  # every recorded step is in a fragment or waiting
+    log = server.test_log.getvalue()
+    assert "sim id 's0' lost: no answer to a ping within 0.5 s (heartbeat_s); 1 open episode cut" in log, log
+    assert "lost: it dropped without a close frame (the simulator died or the network failed); 1 open" in log, log
+    assert log.count(" lost: ") == 3 and "further ones are only counted" in log  # the rest only counted
+    assert not [r for r in caplog.records if r.name.startswith("websockets")], caplog.text
 
 
 def test_off_loopback_needs_tls_or_an_explicit_insecure_flag():
-    with pytest.raises(ValueError, match="not a loopback address.*tls_cert"):
+    with pytest.raises(ValueError, match="not a loopback address: give --external.tls-cert"):
         ExternalServer(ExternalConfig(host="0.0.0.0"))
     log = io.StringIO()
     server = ExternalServer(ExternalConfig(host="0.0.0.0", insecure=True), log=log).start()

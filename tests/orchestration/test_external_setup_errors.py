@@ -24,14 +24,14 @@ def test_setup_mistakes_name_the_flag_at_fault(tmp_path):
     them in one paragraph) naming the flags, never an OSError from deep in the socket layer."""
     taken = ExternalServer(ExternalConfig(), log=io.StringIO()).start()
     try:
-        with pytest.raises(ValueError, match=rf"external.host '127.0.0.1', external.port {taken.port}: .*in use"):
+        with pytest.raises(ValueError, match=rf"--external.host '127.0.0.1', --external.port {taken.port}: .*in use"):
             ExternalServer(ExternalConfig(port=taken.port), log=io.StringIO()).start()
     finally:
         taken.close()
     with pytest.raises(ValueError, match=r"external.host 'nohost.invalid'"):
         ExternalServer(ExternalConfig(host="nohost.invalid", insecure=True), log=io.StringIO()).start()
     missing = str(tmp_path / "cert.pem")
-    with pytest.raises(ValueError, match=rf"external.tls_cert '{missing}' and external.tls_key .*cannot load them"):
+    with pytest.raises(ValueError, match=rf"--external.tls-cert '{missing}' and --external.tls-key .*cannot load them"):
         ExternalServer(ExternalConfig(tls_cert=missing, tls_key=missing), log=io.StringIO()).start()
     assert server_url("::1", 80, False) == "ws://[::1]:80" and server_url("a.b", 1, True) == "wss://a.b:1"
 
@@ -59,7 +59,7 @@ def test_the_cli_tells_external_setup_mistakes_in_one_paragraph(tmp_path, capsys
     crash = f"{sys.executable} -c \"import sys; sys.exit('boom: cannot load level')\""
     err = told("train", "--env", "external", "--external.command", crash, "--external.max-restarts",
                "2", "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "run"))  # exits, never connects
-    assert "used all 2 restarts (external.max_restarts); none of its last 3 starts connected" in err, err
+    assert "used all 2 restarts (--external.max-restarts); none of its last 3 starts connected" in err, err
     assert f"its output is in {tmp_path / 'run' / 'simulators'} (its last line: 'boom: cannot load level')" in err, err
 
     (tmp_path / "good.json").write_text(json.dumps(TREE))  # served, but no simulator ever connects
