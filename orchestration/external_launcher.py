@@ -144,7 +144,8 @@ class SimulatorLauncher:
             _kill_group(proc)
             if self.counters["simulator_restarts"] >= self.max_restarts:
                 raise SimulatorsFailed(f"external simulator {self.sim_id(i)} {'exited' if exited else 'never connected'}"
-                                       f" and the launcher used all {self.max_restarts} restarts (--external.max-restarts)"
+                                       f" and the launcher used all {self.max_restarts} restarts "
+                                       f"(--external.max-restarts)"
                                        f"{self._hint(i)}; its output is in {self.log_dir or 'nowhere: set run_dir'}"
                                        f"{self._last_words(i)}")
             self.counters["simulator_restarts"] += 1

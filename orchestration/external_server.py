@@ -100,8 +100,8 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
             try:
                 context.load_cert_chain(c.tls_cert, c.tls_key)
             except (OSError, ssl.SSLError) as error:  # missing or unreadable files, not a certificate and its key
-                raise ValueError(f"--external.tls-cert {c.tls_cert!r} and --external.tls-key {c.tls_key!r}: cannot load "
-                                 f"them ({error})") from None
+                raise ValueError(f"--external.tls-cert {c.tls_cert!r} and --external.tls-key {c.tls_key!r}: "
+                                 f"cannot load them ({error})") from None
         elif not is_loopback(c.host):
             print(f"shoal: WARNING: the external-environment server on {c.host} is not encrypted "
                   f"(--external.insecure): anyone on the network can read the token and the data", file=self._log)
