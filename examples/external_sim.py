@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 # a refused request ends that episode on the server's side: go on with a new episode id
                 print(f"external_sim {args.sim_id}: episode {played} refused: {error}", file=sys.stderr)
+            for error in client.refused:  # an end the server refused (no answer comes for an end)
+                print(f"external_sim {args.sim_id}: the end of {error.episode} refused: {error}", file=sys.stderr)
+            client.refused.clear()
             played += 1
     except (ExternalError, OSError) as error:  # the server went away: training is over
         print(f"external_sim {args.sim_id}: stopped after {played} episodes: {error}", file=sys.stderr)

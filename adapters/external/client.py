@@ -36,9 +36,12 @@ from adapters.external.messages import (PROTOCOL_VERSION, SERVER_TYPES, Protocol
 class ExternalError(RuntimeError):
     """The server answered with an ``error`` message (``code`` as in the protocol) or broke the protocol."""
 
-    def __init__(self, code: str, message: str, fatal: bool = True, request: int | None = None) -> None:
+    def __init__(self, code: str, message: str, fatal: bool = True, request: int | None = None,
+                 episode: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
-        self.code, self.fatal, self.request = code, fatal, request
+        self.code, self.fatal, self.request, self.episode = code, fatal, request, episode
+        """``request``: the ``id`` of the request refused (None: a message without one, e.g. an ``end``);
+        ``episode``: the episode the error is about, when it is about one."""
         self.answers: list | None = None
 
 
@@ -70,6 +73,9 @@ class SimulatorClient:
                  max_message_bytes: int = 1 << 20, ssl: Any = None) -> None:
         self.timeout_s = timeout_s
         self._ids = itertools.count()
+        self.refused: list[ExternalError] = []
+        """Refusals of messages that get no answer (an ``end``): the episode they name was ended on the server
+        (cut) when it refused; they arrive while the client waits for another answer, which they do not fail."""
         try:
             self._ws = connect(url, open_timeout=timeout_s, max_size=None, compression=None, ssl=ssl,
                                ping_interval=None, proxy=None, legacy=True)
@@ -241,19 +247,24 @@ class SimulatorClient:
             raise ExternalError("closed", f"the server closed the connection ({closed})") from None
 
     def _receive(self) -> dict[str, Any]:
-        try:
-            frame = self._ws.recv(timeout=self.timeout_s)
-            message = decode(frame, max_bytes=1 << 62, allowed=SERVER_TYPES)
-        except TimeoutError:
-            raise ExternalError("timeout", f"no answer from the server within {self.timeout_s} s") from None
-        except ConnectionClosed as closed:
-            raise ExternalError("closed", f"the server closed the connection ({closed})") from None
-        except ProtocolError as error:
-            raise ExternalError(error.code, str(error)) from None
-        if message["type"] == "error":
-            raise ExternalError(str(message.get("code")), str(message.get("message")), bool(message.get("fatal")),
-                                request=message.get("id"))
-        return message
+        while True:
+            try:
+                frame = self._ws.recv(timeout=self.timeout_s)
+                message = decode(frame, max_bytes=1 << 62, allowed=SERVER_TYPES)
+            except TimeoutError:
+                raise ExternalError("timeout", f"no answer from the server within {self.timeout_s} s") from None
+            except ConnectionClosed as closed:
+                raise ExternalError("closed", f"the server closed the connection ({closed})") from None
+            except ProtocolError as error:
+                raise ExternalError(error.code, str(error)) from None
+            if message["type"] != "error":
+                return message
+            episode = message.get("episode")
+            error = ExternalError(str(message.get("code")), str(message.get("message")), bool(message.get("fatal")),
+                                  request=message.get("id"), episode=episode if isinstance(episode, str) else None)
+            if error.fatal or error.request is not None or error.episode is None:
+                raise error
+            self.refused.append(error)  # an earlier end's refusal (it has no id): not the request waited for
 
 
 def _tree(value: Any) -> Any:

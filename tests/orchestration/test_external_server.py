@@ -132,8 +132,12 @@ def test_a_bad_request_ends_only_its_episode(served):
         assert set(answer.actions) == {"agents_0", "agents_1"}
         client.end("good", "terminated", rewards={"agents_0": 1.0, "agents_1": 0.0})
         client.ping()
+        client.act("next", {"agents_0": OBS})
+        client.end("next", "finished")  # refused, with no answer to wait for: the next request is not failed
+        assert client.act("after", {"agents_0": OBS}).episode == "after"
+        assert [(e.episode, e.code, e.fatal) for e in client.refused] == [("next", "bad_message", False)]
     _wait(lambda: lanes.counters["episodes_completed"] == 1)
-    assert lanes.counters["episodes_started"] == 1  # the refused requests never opened an episode
+    assert lanes.counters["episodes_started"] == 3  # the refused requests never opened an episode
 
 
 def test_too_many_episodes_on_one_connection_are_refused_one_by_one(served):
