@@ -222,26 +222,13 @@ def check_act(message: dict[str, Any], tree: KitTree, episode: EpisodeState) -> 
     left = message.get("left")
     if left is not None and not isinstance(left, dict):
         out.failures.append(("act.left", f"'left' must be a map agent -> 'terminated'/'truncated', got {short(left)}"))
-    for agent, how in (left if isinstance(left, dict) else {}).items():
-        if how not in OUTCOMES:
-            out.failures.append(("act.left_value", f"left[{agent!r}] is {short(how)}; it must be 'terminated' or "
-                                                   f"'truncated'"))
-        if agent not in tree.agents:
-            out.failures.append(("act.left_unknown", f"left names {agent!r}, not an agent of the tree"))
-        elif agent in episode.gone:
-            out.failures.append(("act.left_twice", f"agent {agent!r} left this episode a second time"))
-        elif agent not in episode.seen:
-            out.failures.append(("act.left_unseen", f"agent {agent!r} leaves an episode it never joined"))
-        else:
-            out.left.add(agent)
+    problems, out.left = membership(agents, left if isinstance(left, dict) else {}, tree, episode, "act")
+    out.failures += problems
     for agent, entry in agents.items():
         if agent not in tree.agents:
             out.failures.append(("act.unknown_agent", f"agent {agent!r} is not in the tree (agents: "
                                                       f"{tree.agent_list()})"))
             continue
-        if agent in episode.gone or agent in out.left:
-            out.failures.append(("act.came_back", f"agent {agent!r} left this episode and comes back (an agent that "
-                                                  f"left does not come back in that episode)"))
         if not isinstance(entry, dict) or "observation" not in entry:
             out.failures.append(("act.entry", f"agents[{agent!r}] must be a map with an 'observation', got "
                                               f"{short(entry)}"))
@@ -262,6 +249,31 @@ def check_act(message: dict[str, Any], tree: KitTree, episode: EpisodeState) -> 
     _check_shared(message, tree, out)
     out.warnings += [(f"act.extra.{k}", f"unknown field {k!r} (ignored)") for k in sorted(set(message) - _ACT)]
     return out
+
+
+def membership(agents: dict, left: dict, tree: KitTree, episode: EpisodeState, kind: str
+               ) -> tuple[list[Problem], set[str]]:
+    """The join and leave rules of one ``act`` (or uploaded step, ``kind`` names it) against what the episode
+    showed before: ``(problems, the agents that left validly)``. An agent leaves once, after it joined, and does
+    not come back."""
+    problems, gone = [], set()
+    for agent, how in left.items():
+        if how not in OUTCOMES:
+            problems.append((f"{kind}.left_value", f"left[{agent!r}] is {short(how)}; it must be 'terminated' or "
+                                                   f"'truncated'"))
+        if agent not in tree.agents:
+            problems.append((f"{kind}.left_unknown", f"left names {agent!r}, not an agent of the tree"))
+        elif agent in episode.gone:
+            problems.append((f"{kind}.left_twice", f"agent {agent!r} left this episode a second time"))
+        elif agent not in episode.seen:
+            problems.append((f"{kind}.left_unseen", f"agent {agent!r} leaves an episode it never joined"))
+        else:
+            gone.add(agent)
+    for agent in agents:
+        if agent in tree.agents and (agent in episode.gone or agent in gone):
+            problems.append((f"{kind}.came_back", f"agent {agent!r} left this episode and comes back (an agent "
+                                                  f"that left does not come back in that episode)"))
+    return problems, gone
 
 
 def check_end(message: dict[str, Any], tree: KitTree, episode: EpisodeState) -> Checked:

@@ -188,9 +188,13 @@ class Session:
                                             f"({self.ended[name]})")
             self._refuse("spec_violation", f"episode {name!r} has ended", request=request, episode=name)
             return
-        checked, steps = check_trajectory(message, self.tree, f"trajectory {request} of episode {name!r}")
+        episode = self.episodes.setdefault(name, EpisodeState())
+        checked, steps, joined = check_trajectory(message, self.tree, f"trajectory {request} of episode {name!r}",
+                                                  episode)
         self._record(checked)
         self.report.uploaded += steps
+        self.report.joined += joined
+        self.report.left += len(checked.left)
         if checked.fatal is not None:
             self._fatal(*checked.fatal)
         elif checked.failures:

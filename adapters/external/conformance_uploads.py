@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from adapters.external.conformance_checks import Checked, KitTree
+from adapters.external.conformance_checks import Checked, EpisodeState, KitTree, membership
 from adapters.external.messages import ProtocolError
 
 
@@ -26,9 +26,12 @@ def policy_message(tree: KitTree, request_id: Any) -> dict[str, Any]:
     return {"type": "policy", "id": request_id, "groups": groups}
 
 
-def check_trajectory(message: dict[str, Any], tree: KitTree, what: str) -> tuple[Checked, int]:
-    """A ``trajectory``'s versions, steps and optional ``end``: ``(findings, steps accepted)``. A finding from
-    the server's parser keeps its ``fatal`` (:meth:`Checked.fail`); steps after the first bad one are not read."""
+def check_trajectory(message: dict[str, Any], tree: KitTree, what: str, episode: EpisodeState,
+                     ) -> tuple[Checked, int, int]:
+    """A ``trajectory``'s versions, steps and optional ``end``: ``(findings, steps accepted, agents that joined
+    mid-episode)``; ``episode``: what earlier uploads of the episode showed (updated: agents seen and gone, as
+    acts update it). A finding from the server's parser keeps its ``fatal`` (:meth:`Checked.fail`); steps after
+    the first bad one are not read."""
     out, codec = Checked(), tree.codec
     versions = message.get("versions")
     if not isinstance(versions, dict) or set(versions) != set(codec.groups):
@@ -38,12 +41,12 @@ def check_trajectory(message: dict[str, Any], tree: KitTree, what: str) -> tuple
         out.fail("trajectory.versions", f"{what}: versions {versions!r}, but the kit published version 0 only "
                                         f"(a server refuses a version it never published)")
     if out.failures:  # the server refuses the whole message: no step of it is kept
-        return out, 0
+        return out, 0, 0
     steps = message.get("steps")
     if not isinstance(steps, list):
         out.fail("trajectory.steps", f"{what}: 'steps' must be a list of step maps, got {type(steps).__name__}")
-        return out, 0
-    done = 0
+        return out, 0, 0
+    done = joined = 0
     try:
         for i, step in enumerate(steps):
             if not isinstance(step, dict):
@@ -51,6 +54,15 @@ def check_trajectory(message: dict[str, Any], tree: KitTree, what: str) -> tuple
             request = codec.parse_act(step, f"{what} step {i}", acted=True)
             codec.parse_outputs(step, request, f"{what} step {i}")
             codec.consequences(step, f"{what} step {i}")
+            agents, left = step.get("agents") or {}, step.get("left") or {}
+            problems, gone = membership(agents, left if isinstance(left, dict) else {}, tree, episode, "trajectory")
+            if problems:
+                raise ProtocolError("spec_violation", f"{what} step {i}: {problems[0][1]}", fatal=False)
+            joined += len(set(agents) - episode.seen) if episode.acts else 0
+            out.left |= gone
+            episode.seen |= set(agents)
+            episode.gone |= gone
+            episode.acts += 1
             done += 1
         end = message.get("end")
         if end is not None:
@@ -63,7 +75,7 @@ def check_trajectory(message: dict[str, Any], tree: KitTree, what: str) -> tuple
     except ProtocolError as error:
         out.fail("trajectory.step", error)
     out.covered.add("local_policy")
-    return out, done
+    return out, done, joined
 
 
 __all__ = ["check_trajectory", "policy_message"]

@@ -177,13 +177,38 @@ def test_an_upload_with_a_version_never_published_fails():
     kit_tree, _ = parse_tree(TREE_DOC)
     step = {"agents": {"agents_0": {"observation": {"pos": from_array(np.zeros(2, np.float32)), "id": 1},
                                     "action": 2, "log_prob": -1.1}}}
-    checked, steps = check_trajectory({"versions": {"agents": 0}, "steps": [step, step]}, kit_tree, "t")
+    checked, steps, _ = check_trajectory({"versions": {"agents": 0}, "steps": [step, step]}, kit_tree, "t",
+                                         EpisodeState())
     assert not checked.failures and steps == 2
-    checked, steps = check_trajectory({"versions": {"agents": 3}, "steps": [step]}, kit_tree, "t")
+    checked, steps, _ = check_trajectory({"versions": {"agents": 3}, "steps": [step]}, kit_tree, "t", EpisodeState())
     assert "the kit published version 0 only" in checked.failures[0][1] and steps == 0  # refused whole
     illegal = {"agents": {"agents_0": dict(step["agents"]["agents_0"], action=5)}}
-    checked, steps = check_trajectory({"versions": {"agents": 0}, "steps": [step, illegal]}, kit_tree, "t")
+    checked, steps, _ = check_trajectory({"versions": {"agents": 0}, "steps": [step, illegal]}, kit_tree, "t",
+                                         EpisodeState())
     assert steps == 1 and "outside its discrete space" in checked.failures[0][1] and checked.fatal is None
+
+
+def test_uploads_keep_the_join_and_leave_rules_across_steps_and_uploads():
+    """An uploaded episode is held to what acts are: an agent leaves once, after it joined, and does not come
+    back; joins and leaves are counted for the report (a second leave passed, and the report said 0 and 0)."""
+    from adapters.external.conformance_uploads import check_trajectory
+
+    kit_tree, _ = parse_tree(TREE_DOC)
+    names = [name for name in kit_tree.agents][:2]
+
+    def entry():
+        return {"observation": {"pos": from_array(np.zeros(2, np.float32)), "id": 1}, "action": 2, "log_prob": -1.1}
+
+    first, both = {"agents": {names[0]: entry()}}, {"agents": {names[0]: entry(), names[1]: entry()}}
+    leaves = {"agents": {names[0]: entry()}, "left": {names[1]: "terminated"}}
+    episode = EpisodeState()
+    checked, steps, joined = check_trajectory({"versions": {"agents": 0}, "steps": [first, both, leaves]}, kit_tree,
+                                              "t", episode)
+    assert not checked.failures and (steps, joined, checked.left) == (3, 1, {names[1]})
+    checked, steps, _ = check_trajectory({"versions": {"agents": 0}, "steps": [leaves]}, kit_tree, "t", episode)
+    assert steps == 0 and f"agent {names[1]!r} left this episode a second time" in checked.failures[0][1]
+    checked, steps, _ = check_trajectory({"versions": {"agents": 0}, "steps": [both]}, kit_tree, "t", episode)
+    assert steps == 0 and "comes back" in checked.failures[0][1]
 
 
 def test_the_test_simulator_conforms_and_covers_everything_but_pipelining(sim):
