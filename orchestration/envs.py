@@ -143,8 +143,14 @@ def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | 
     try:
         return make_gymnasium(name, num_envs, check=check, **kwargs)
     except NameNotFound as err:
-        if ":" not in name:
-            raise
+        if ":" not in name:  # a misspelt gymnasium id, or one of Shoal's forms without its prefix
+            import gymnasium
+
+            from core.envsets.ids import hint
+
+            raise ValueError(f"env {name!r} is neither a gymnasium id{hint(name, [*gymnasium.registry, 'external'])} "
+                             f"nor one of Shoal's forms (builtin:NAME, vmas:SCENARIO, mpe2:MODULE, "
+                             f"pettingzoo:FAMILY.MODULE, torchrl:ID, package.module:factory, external)") from None
         # ``module:attr`` whose module has no callable ``attr`` and registers no gymnasium id ``attr``: most likely a
         # misspelled factory, so the module's callables are the nearest choices
         from core.envsets.ids import hint

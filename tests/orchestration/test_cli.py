@@ -155,7 +155,6 @@ def cartpole_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args, named", [
-    (["train", "CartPol-v1"], "Did you mean: `CartPole`"),
     (["train", "pettingzoo:connect_four_v3"], "pettingzoo:classic.connect_four_v3"),
     (["train", "builtin:spread", "--policy-mapping", "agent_9", "x"], "did you mean 'agents_3'"),
     (["train", "--resume", "--run-dir", "nowhere"], "no checkpoint at nowhere"),
@@ -163,6 +162,8 @@ def cartpole_run(tmp_path_factory):
     (["train", "builtin:cartpole", "--rollout.num-envs", "2", "--rollout.env-processes", "3"], "cannot exceed"),
     (["trian", "builtin:cartpole"], "unknown command 'trian' (did you mean 'train'?)"),
     (["train", "vmas:navigaton"], "unknown VMAS scenario 'navigaton' (did you mean 'navigation'?)"),
+    (["train", "--env", "externl"], "env 'externl' is neither a gymnasium id (did you mean 'external'?) nor one of"),
+    (["train", "CartPol-v1"], "env 'CartPol-v1' is neither a gymnasium id (did you mean 'CartPole-v1'?)"),
     (["train", "builtin:spread", "--env-kwargs", "capcity", "3"],
      "env 'builtin:spread': --env-kwargs capcity is not a keyword it takes (did you mean 'capacity'?)"),
     (["train", "CartPole-v1", "--env-kwargs", "render_mod", "human"], "(did you mean 'render_mode'?)"),
