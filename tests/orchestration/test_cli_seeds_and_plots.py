@@ -77,7 +77,8 @@ def test_plot_draws_only_where_every_run_has_values_and_its_finals_are_where_the
 def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
-    from orchestration.config import CuriosityConfig, PretrainConfig, RayConfig, RolloutConfig, TrainConfig
+    from orchestration.config import (CuriosityConfig, ExternalConfig, PretrainConfig, RayConfig, RolloutConfig,
+                                      TrainConfig)
     from orchestration.run_notes import note_unused
 
     note_unused("train", TrainConfig(pretrain=PretrainConfig(steps=50), curiosity=CuriosityConfig(lr=0.1),
@@ -102,6 +103,11 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     note_unused("train", TrainConfig(env="external", rollout=RolloutConfig(env_processes=1, check="lenient")))
     assert ("--rollout.env-processes, --rollout.check apply to envs Shoal steps itself; this run trains on external "
             "simulators and does not use them") in capsys.readouterr().err
+    note_unused("serve", TrainConfig(env="external", external=ExternalConfig(instances=3)))
+    assert ("--external.instances applies to simulators launched by --external.command; this run launches none and "
+            "does not use it") in capsys.readouterr().err
+    note_unused("serve", TrainConfig(env="external", external=ExternalConfig(instances=3, command="sim {port}")))
+    assert capsys.readouterr().err == ""
     note_unused("train", TrainConfig(policy=PolicyConfig(recurrent=True), ppo=PPOConfig(sequence_length=20),
                                      rollout=RolloutConfig(fragment_length=10)))
     assert "--ppo.sequence-length 20 is longer than --rollout.fragment-length 10: sequences are whole fragments" \
