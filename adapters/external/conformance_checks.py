@@ -282,7 +282,9 @@ def check_end(message: dict[str, Any], tree: KitTree, episode: EpisodeState) -> 
     if episode.pending is not None:
         out.failures.append(("end.outstanding", f"end while act {episode.pending} of the episode is unanswered"))
     outcome = message.get("outcome")
-    if outcome not in OUTCOMES:
+    if "outcome" not in message:
+        out.failures.append(("end.outcome", "'outcome' is missing; it must be 'terminated' or 'truncated'"))
+    elif outcome not in OUTCOMES:
         out.failures.append(("end.outcome", f"'outcome' is {short(outcome)}; it must be 'terminated' or 'truncated'"))
     else:
         out.covered.add(outcome)

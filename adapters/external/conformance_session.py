@@ -321,7 +321,8 @@ class Session:
             self._fatal(*checked.fatal)
             return
         if checked.failures:
-            self._refuse("spec_violation", checked.failures[0][1], episode=name)
+            key, text = checked.failures[0]  # the server's code: a missing or bad outcome is a bad message
+            self._refuse("bad_message" if key == "end.outcome" else "spec_violation", text, episode=name)
         self._end_episode(name, "by its end message")
 
     def _end_episode(self, name: str, how: str) -> None:

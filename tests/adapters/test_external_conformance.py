@@ -348,3 +348,14 @@ def test_random_actions_are_legal():
             assert value_problem(from_array(random_action(leaf, rng)), leaf, "x") is None
     assert {int(random_action(Leaf.discrete(4, start=1), rng, np.array([0, 1, 0, 1], bool))) for _ in range(40)} \
         == {2, 4}
+
+
+def test_an_end_without_an_outcome_is_said_to_be_missing():
+    """A gym-style ``end`` (``terminated: true``, no ``outcome``) read "'outcome' is None"."""
+    from adapters.external.conformance_checks import check_end
+
+    kit_tree, _ = parse_tree(TREE_DOC)
+    checked = check_end({"type": "end", "episode": "e", "terminated": True}, kit_tree, EpisodeState())
+    assert checked.failures[0] == ("end.outcome", "'outcome' is missing; it must be 'terminated' or 'truncated'")
+    checked = check_end({"type": "end", "episode": "e", "outcome": "done"}, kit_tree, EpisodeState())
+    assert checked.failures[0][1].startswith("'outcome' is 'done'")
