@@ -165,7 +165,6 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     """The loop of ``shoal league``: metrics every iteration, checkpoints every ``checkpoint_every`` and last."""
     from orchestration.league_roles import progress_line
     from orchestration.metrics_log import MetricsLog
-
     from orchestration.run_loop import provenance
     from orchestration.run_state import config_to_dict
 

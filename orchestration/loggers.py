@@ -168,11 +168,11 @@ class WandbLogger:
     repeats after its checkpoint)."""
 
     def __init__(self, directory: Path, config: TrainConfig | None, ids: _RunIds) -> None:
-        from orchestration.run_state import config_to_dict  # the config without its secrets
+        from orchestration.run_state import secret_free  # the config without its secrets
 
         wandb = _require("wandb")
         self._run = wandb.init(project=_project(config), name=_run_name(directory), dir=str(directory),
-                               config=config_to_dict(config) if config else None, id=ids.get("wandb"),
+                               config=secret_free(config) if config else None, id=ids.get("wandb"),
                                resume="allow")
         ids.put("wandb", self._run.id)
 
@@ -197,9 +197,9 @@ class MlflowLogger:
         self.run_id = run.info.run_id
         ids.put("mlflow", self.run_id)
         if config is not None and not run_id:  # parameters are write-once in MLflow
-            from orchestration.run_state import config_to_dict  # the config without its secrets
+            from orchestration.run_state import secret_free  # the config without its secrets
 
-            params = sorted(_flatten(config_to_dict(config)).items())
+            params = sorted(_flatten(secret_free(config)).items())
             for at in range(0, len(params), 100):  # MLflow takes at most 100 parameters per call
                 mlflow.log_params(dict(params[at:at + 100]))
 

@@ -22,9 +22,14 @@ from orchestration.config import TrainConfig
 
 
 def config_to_dict(config) -> dict[str, Any]:
-    """A config dataclass as JSON-able dict (tuples become lists); an external-environment token is left out
-    (config files, checkpoints and run.json are not secrets; the run writes its token to its own 0600 file)."""
-    out = json.loads(json.dumps(dataclasses.asdict(config)))
+    """A config dataclass as JSON-able dict (tuples become lists), without its secrets (:func:`secret_free`)."""
+    return json.loads(json.dumps(secret_free(config)))
+
+
+def secret_free(config) -> dict[str, Any]:
+    """``dataclasses.asdict(config)`` with an external-environment token left out: config files, checkpoints,
+    run.json and experiment trackers are not secrets (the run writes its token to its own 0600 file)."""
+    out = dataclasses.asdict(config)
     if isinstance(out.get("external"), dict) and out["external"].get("token"):
         out["external"]["token"] = ""
     return out
@@ -204,5 +209,5 @@ def shape_detail(err: BaseException) -> str:
     return line.rstrip(".")  # it goes inside parentheses, before the sentence's own full stop
 
 
-__all__ = ["changed_settings", "config_to_dict", "load_config", "misfit", "restore_trainer_", "shape_detail",
-           "trainer_state"]
+__all__ = ["changed_settings", "config_to_dict", "load_config", "misfit", "restore_trainer_", "secret_free",
+           "shape_detail", "trainer_state"]

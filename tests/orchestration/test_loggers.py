@@ -82,8 +82,11 @@ def test_a_run_sends_every_iteration_to_wandb_and_mlflow_and_closes_them(tmp_pat
     from orchestration.run_loop import run_training
 
     wandb, mlflow = trackers
+    from orchestration.config import ExternalConfig
+
     config = dataclasses.replace(TINY, run_dir=str(tmp_path / "run"), loggers=("csv", "wandb", "mlflow"),
-                                 project="proj", mlflow_tracking_uri="sqlite:///x.db")
+                                 project="proj", mlflow_tracking_uri="sqlite:///x.db",
+                                 external=ExternalConfig(token="s3cret"))  # a secret never sent to a tracker
     run_training(build_trainer(config), config, resume=False, progress=False)
 
     rows = read_csv(tmp_path / "run" / "metrics.csv")
@@ -101,6 +104,7 @@ def test_a_run_sends_every_iteration_to_wandb_and_mlflow_and_closes_them(tmp_pat
                                 ("start_run", None, "run")]
     assert mlflow.calls[-1] == ("end_run",) and mlflow.active is None
     assert mlflow.params["rollout.num_envs"] == "4" and mlflow.params["loggers"] == "('csv', 'wandb', 'mlflow')"
+    assert mlflow.params["external.token"] == "" and run.kwargs["config"]["external"]["token"] == ""
     assert not (tmp_path / "run" / "tensorboard").exists()  # not named: not written
     assert json.loads((tmp_path / "run" / "loggers.json").read_text()) == {"wandb": "wandb-run-1",
                                                                              "mlflow": "mlflow-run-1"}
