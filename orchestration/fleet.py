@@ -35,6 +35,13 @@ from orchestration.statistics import EpisodeStatistics
 Weights = Mapping[str, tuple[int, Any]]
 
 
+
+def fragment_rounds(steps: int, fragment_steps: int, workers: int) -> int:
+    """Rounds of one fragment per worker that deliver at least ``steps`` env steps: the synchronous collection
+    rule of every fleet (each worker the same number of fragments, as a local run), and the top-up a Ray fleet
+    asks of its live workers after others died."""
+    return math.ceil(max(steps, 0) / (fragment_steps * workers))
+
 class CollectionInterrupted(Exception):
     """A collection given up on :meth:`Fleet.interrupt` (one that waited for data that did not come): the
     iteration did not happen and nothing is counted."""
@@ -127,8 +134,7 @@ class LocalFleet:
         """Every actor loads ``weights``, then rounds of one fragment per actor until ``target_steps``."""
         for actor in self.actors:
             self._load(actor, weights)
-        rounds = math.ceil(target_steps / (self.fragment_steps * len(self.actors)))
-        for _ in range(rounds):
+        for _ in range(fragment_rounds(target_steps, self.fragment_steps, len(self.actors))):
             for actor in self.actors:
                 self._produce(actor)
         return [self._report(actor) for actor in self.actors]
@@ -200,4 +206,4 @@ class LocalFleet:
                 close()
 
 
-__all__ = ["CollectionInterrupted", "Fleet", "LocalFleet", "Weights"]
+__all__ = ["CollectionInterrupted", "Fleet", "LocalFleet", "Weights", "fragment_rounds"]

@@ -194,7 +194,7 @@ class RoleLeague:
             finally:  # an interrupt: the players still training finish their iteration, and all that did count
                 running = [self.players[i].name for i, future in futures.items() if not future.done()]
                 if running:
-                    print(f"shoal league: interrupted; {', '.join(running)} finish their iteration first (their "
+                    print(f"shoal league: interrupted; finishing the iteration of {', '.join(running)} first (their "
                           f"games are kept)", file=sys.stderr, flush=True)
                     with deferred_interrupts():  # a second Ctrl-C would save them mid-iteration
                         wait(futures.values())

@@ -13,7 +13,6 @@ Central inference (``rollout.central_inference``): one threaded actor hosts an
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -23,6 +22,7 @@ from tensordict import TensorDictBase
 
 from orchestration.builder import stream_worker_ids, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
+from orchestration.fleet import fragment_rounds
 from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
 from orchestration.statistics import EpisodeStatistics
@@ -115,8 +115,7 @@ class RayFleet:
         weights = self._refs(weights)
         self._collecting = True  # stays set if this raises: the workers' states may be mid-fragment
         n = len(self.slots)
-        rounds = math.ceil(target_steps / (self.fragment_steps * n))
-        requests = dict.fromkeys(range(n), rounds)
+        requests = dict.fromkeys(range(n), fragment_rounds(target_steps, self.fragment_steps, n))
         reports: list[dict] = []
         for _ in range(self.ray_config.max_worker_restarts + 2):
             pending = {self.slots[i].handle.collect.remote(k, weights, self.env_ids[i]): i
@@ -135,8 +134,7 @@ class RayFleet:
             if missing <= 0:
                 self._collecting = False
                 return reports
-            share = math.ceil(math.ceil(missing / self.fragment_steps) / n)
-            requests = dict.fromkeys(range(n), share)
+            requests = dict.fromkeys(range(n), fragment_rounds(missing, self.fragment_steps, n))
         raise RuntimeError("could not collect a training batch")
 
     # -- asynchronous mode -------------------------------------------------------------------------------
