@@ -200,14 +200,18 @@ def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkey
 
 
 def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys):
-    """One command for a supervisor that restarts the run: the first start starts it, the next resumes it."""
+    """One command for a supervisor that restarts the run: the first start starts it, the next resumes it, also
+    when a kill fell between a checkpoint's rename and its ``latest`` pointer's (the checkpoint is there, its
+    pointer is not: chaos_runner met this window)."""
     from orchestration.cli import main
 
     monkeypatch.chdir(tmp_path)
-    for iterations in (1, 2):
+    for iterations in (1, 2, 3):
         main(["train", *ARGS, "--iterations", str(iterations), "--resume=auto", "--run-dir", str(tmp_path / "r")])
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["env_steps"] == iterations * 8 * 32
-    assert len(_rows(tmp_path / "r" / "metrics.csv")) == 2  # one row per iteration: none again, none lost
+        if iterations == 1:
+            (tmp_path / "r" / "checkpoints" / "latest").unlink()
+    assert len(_rows(tmp_path / "r" / "metrics.csv")) == 3  # one row per iteration: none again, none lost
 
 
 def test_zero_iterations_is_a_valid_run(tmp_path, monkeypatch):
