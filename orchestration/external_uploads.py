@@ -68,6 +68,8 @@ class LocalPolicyHandlers:
                 outputs = self._codec.parse_outputs(step, request, f"{what} step {i}")
                 episode.consequences(request)
                 episode.act(request, outputs, versions)
+                with self._lock:  # as each step is taken (kept even if a later one is refused): never fewer
+                    self.counters["uploaded_steps"] += 1  # than the steps recorded, whenever they are read
             end = message.get("end")
             if end is not None:
                 if not isinstance(end, dict) or end.get("outcome") not in ("terminated", "truncated"):
@@ -80,8 +82,6 @@ class LocalPolicyHandlers:
             error.request, error.episode = request_id, name
             self._episode_error(ws, error, episodes, name)
             return
-        with self._lock:
-            self.counters["uploaded_steps"] += len(steps)
         ws.send(encode({"type": "accepted", "id": request_id, "episode": name, "steps": len(steps)}))
 
 

@@ -344,6 +344,9 @@ def test_a_simulator_acting_with_its_own_policy_uploads_what_a_server_would_have
     from core.layout import ACTION, LOG_PROB, MASK, OBSERVATION
 
     server, lanes, out = served
+    read = []  # the counters as a fragment is delivered: in the middle of an upload of 5 steps (T=4)
+    lanes.deliver = lambda *item: (read.append((server.counters["uploaded_steps"], lanes.counters["steps_recorded"])),
+                                   out.append(item))
     with SimulatorClient(server.url, "secret", TREE, "robot") as client:
         local = LocalPolicy(client, TREE, seed=3, upload_every=5)
         assert local.versions == {"agents": 0}
@@ -362,8 +365,15 @@ def test_a_simulator_acting_with_its_own_policy_uploads_what_a_server_would_have
         with pytest.raises(ExternalError, match=r"log_prob 5.0 is above 0.*discrete"):
             client.upload("certain", {"agents": 0}, [{"agents": {"agents_0": {"observation": OBS, "action": 1,
                                                                               "log_prob": 5.0}}}])
+        # the steps before a refused one are kept (docs/external-protocol.md), so they count as uploaded: the
+        # first two recorded, the third, whose consequences never came, lost
+        with pytest.raises(ExternalError, match="outside its discrete space"):
+            client.upload("partly", {"agents": 0}, [*step * 3, {"agents": {"agents_0": {
+                "observation": OBS, "action": 7, "log_prob": -1.0}}}])
     _wait(lambda: lanes.counters["episodes_completed"] == 3)
-    assert server.counters["uploaded_steps"] == lanes.counters["steps_recorded"] >= 3
+    c = lanes.counters
+    assert c["steps_lost"] == 1 and server.counters["uploaded_steps"] == c["steps_recorded"] + 1 >= 3
+    assert read and all(uploaded >= recorded for uploaded, recorded in read), read
     assert out  # fragments of T=4 steps
     policy = local.policies["agents"]
     for fragment, meta, _ in out:
