@@ -150,11 +150,13 @@ class SimulatorLauncher:
                                        f"{self._last_words(i)}")
             self.counters["simulator_restarts"] += 1
             pause = self._pause(i, now)
-            if self._log is not None:
+            if self._log is not None and self._unconnected[i] <= 1:  # a wrong command: told once, not per restart
                 why = f"exited (code {proc.returncode})" if exited else f"did not connect in {self.start_timeout_s:g} s"
                 print(f"shoal: external simulator {self.sim_id(i)} {why}; restarting it"
                       + (f" in {pause:g} s" if pause else "") + f" (restart {self.counters['simulator_restarts']} "
-                      f"of {self.max_restarts}, --external.max-restarts)", file=self._log)
+                      f"of {self.max_restarts}, --external.max-restarts)"
+                      + ("; its next starts that end before connecting are counted, not told" * self._unconnected[i]),
+                      file=self._log)
             if pause:
                 self._procs[i], self._relaunch_at[i] = None, now + pause
                 self.counters["simulator_restart_pauses"] += 1

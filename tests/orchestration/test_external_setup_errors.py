@@ -60,6 +60,7 @@ def test_the_cli_tells_external_setup_mistakes_in_one_paragraph(tmp_path, capsys
     err = told("train", "--env", "external", "--external.command", crash, "--external.max-restarts",
                "2", "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "run"))  # exits, never connects
     assert "used all 2 restarts (--external.max-restarts); none of its last 3 starts connected" in err, err
+    assert err.count("restarting it") == 1 and "next starts that end before connecting are counted, not told" in err
     assert f"its output is in {tmp_path / 'run' / 'simulators'} (its last line: 'boom: cannot load level')" in err, err
 
     (tmp_path / "good.json").write_text(json.dumps(TREE))  # served, but no simulator ever connects
