@@ -257,8 +257,10 @@ def test_each_finding_names_the_message_that_showed_it(sim):
 
 
 def test_a_simulator_that_hangs_after_a_refused_token_fails(sim):
-    report = check(sim, "hang_on_bad_token", check_token=True, timeout_s=2.0)
-    assert "still running 2 s after a fatal bad_token error" in failures(report), report.format()
+    # 5 s, not less: the same limit is the wait for the simulator to start and connect, which a loaded CI
+    # machine (pytest -n 2 beside subprocesses) can stretch past 2 s
+    report = check(sim, "hang_on_bad_token", check_token=True, timeout_s=5.0)
+    assert "still running 5 s after a fatal bad_token error" in failures(report), report.format()
 
 
 @pytest.mark.parametrize("fault", ["reconnect_loop", "retry_twice"])
