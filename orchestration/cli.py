@@ -152,7 +152,7 @@ def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
 
     try:  # run_training wrote a checkpoint of what was trained before the error
         return run_training(trainer, config, resume, progress, command)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:
         if not is_users_mistake(err):
             raise
         print(f"shoal {command}: {err}", file=sys.stderr)
@@ -321,6 +321,10 @@ def plot(runs: tyro.conf.Positional[list[str]], out: str = "runs.png", metric: s
 
     summary = plot_runs(runs, out, y=metric)
     print_result(summary)
+    if len(set(summary["last_env_steps"])) > 1:
+        print(f"shoal plot: the runs end at different env steps ({min(summary['last_env_steps']):g} to "
+              f"{max(summary['last_env_steps']):g}); the curve and the finals stop at {summary['final_env_steps']:g}, "
+              f"where every run has values", file=sys.stderr)
     return summary
 
 

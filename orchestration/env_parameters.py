@@ -20,10 +20,19 @@ _ADAPTER_KEYWORDS = {"vmas": ("payoff", "seed"), "mpe2": ("payoff", "action_mask
                      "pettingzoo": ("payoff", "action_mask", "state", "aec")}
 
 
+_PAYOFFS = ("cooperative", "zero_sum", "general")  # core.specs.PAYOFFS, without importing torch here
+
+
 def factory_of(name: str):
     """The callable ``module:attr`` names, or None when ``attr`` is not an attribute of the module (then
     ``name`` is gymnasium's ``module:EnvId`` form: gymnasium imports the module and looks the id up)."""
     module_name, attr = name.split(":", 1)
+    if module_name.startswith(".") or "/" in module_name or module_name.endswith(".py"):  # a path, not a module
+        module = ".".join(p for p in module_name.removesuffix(".py").split("/") if p not in ("", ".", ".."))
+        module = module.lstrip(".") or "my_envs"
+        raise ValueError(f"env {name!r}: a custom env is given as package.module:factory, a module name with its "
+                         f"directory importable (e.g. on PYTHONPATH), not a file path or a relative import: "
+                         f"--env {module}:{attr}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -41,6 +50,13 @@ def check_values(name: str, kwargs: dict[str, Any]) -> None:
     left to the env."""
     from orchestration.config_kinds import PYTHON_WORDS, allows, describe
 
+    payoff = kwargs.get("payoff", "cooperative")
+    if isinstance(payoff, str) and payoff not in _PAYOFFS:  # the adapters' keyword; the tree would refuse it later
+        import difflib                                       # without naming the flag
+
+        near = difflib.get_close_matches(payoff, _PAYOFFS, n=1)
+        raise ValueError(f"env {name!r}: --env-kwargs payoff {payoff!r} is not a payoff"
+                         + (f" (did you mean {near[0]!r}?)" if near else f"; the payoffs are {', '.join(_PAYOFFS)}"))
     params = parameters(name) if kwargs else {}
     if name.startswith("vmas:") and params:
         from core.envsets.ids import hint  # imports torch: only on this path (the command's --help stays light)

@@ -177,7 +177,8 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
                  ", and envs that cannot save their state were reset (a new episode starts in every env)")
               + "; learners, optimizers, ratings and the payoff table are restored exactly.", file=sys.stderr)
     try:
-        log = MetricsLog(run_dir, config=config, resume=resume, upto_iteration=league.iteration if resume else None)
+        log = MetricsLog(run_dir, config=config, resume=resume, upto_iteration=league.iteration if resume else None,
+                         upto_env_steps=sum(t.env_steps for t in league.trainers) if resume else None)
         (run_dir / "config.json").write_text(json.dumps({"train": config_to_dict(config),
                                                          "league": dataclasses.asdict(league.league)},
                                                         indent=1, default=str))

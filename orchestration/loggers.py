@@ -64,7 +64,8 @@ def check_logger_names(names: Sequence[str]) -> None:
 
 
 def open_loggers(names: Sequence[str], directory: str | Path, *, config: TrainConfig | None = None,
-                 resume: bool = False, upto_iteration: int | None = None) -> list[Logger]:
+                 resume: bool = False, upto_iteration: int | None = None,
+                 upto_env_steps: int | None = None) -> list[Logger]:
     """The loggers ``names`` lists, writing under ``directory`` (``config`` gives the tracked run's project,
     name and hyper-parameters). On an error, the loggers opened so far are closed again.
 
@@ -81,7 +82,7 @@ def open_loggers(names: Sequence[str], directory: str | Path, *, config: TrainCo
             if name == "csv":
                 opened.append(CsvLogger(directory, resume=resume, upto_iteration=upto_iteration))
             elif name == "tensorboard":
-                opened.append(TensorboardLogger(directory))
+                opened.append(TensorboardLogger(directory, upto_env_steps if resume else None))
             elif name == "wandb":
                 opened.append(WandbLogger(directory, config, ids))
             else:
@@ -143,12 +144,17 @@ class CsvLogger:
 
 
 class TensorboardLogger:
-    """TensorBoard event files in ``DIR/tensorboard``, against env steps; non-finite values are left out."""
+    """TensorBoard event files in ``DIR/tensorboard``, against env steps; non-finite values are left out.
 
-    def __init__(self, directory: Path) -> None:
+    ``upto_env_steps`` (a resumed run: its checkpoint's env steps): the points an interrupted run logged after
+    its checkpoint are hidden (TensorBoard's ``purge_step``), so the iterations the resumed run trains again
+    appear once, as in ``metrics.csv``."""
+
+    def __init__(self, directory: Path, upto_env_steps: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(str(directory / "tensorboard"))
+        purge = None if upto_env_steps is None else upto_env_steps + 1  # points at or past it are hidden
+        self._writer = SummaryWriter(str(directory / "tensorboard"), purge_step=purge)
 
     def write(self, env_steps: int, iteration: int, metrics: Mapping[str, float]) -> None:
         for k, v in _finite(metrics).items():

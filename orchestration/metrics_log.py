@@ -23,7 +23,8 @@ class MetricsLog:
     """
 
     def __init__(self, directory: str | Path, *, loggers: Sequence[str] | None = None, tensorboard: bool = True,
-                 resume: bool = False, upto_iteration: int | None = None, config: TrainConfig | None = None) -> None:
+                 resume: bool = False, upto_iteration: int | None = None, upto_env_steps: int | None = None,
+                 config: TrainConfig | None = None) -> None:
         """Opens the loggers.
 
         Args:
@@ -34,6 +35,8 @@ class MetricsLog:
             resume: append to an existing CSV and continue the tracked runs of ``DIR/loggers.json``.
             upto_iteration: on resume, first drop the CSV's rows past that iteration (written after the
                 checkpoint a run resumes from, and about to be written again).
+            upto_env_steps: on resume, the env steps of that checkpoint: TensorBoard hides the points logged
+                past them (its ``purge_step``), which the resumed run logs again.
             config: the run's config: the tracked run's project and hyper-parameters.
 
         Raises:
@@ -48,7 +51,8 @@ class MetricsLog:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.directory / "metrics.csv"
         self.loggers = open_loggers([n for n in names if tensorboard or n != "tensorboard"], self.directory,
-                                    config=config, resume=resume, upto_iteration=upto_iteration)
+                                    config=config, resume=resume, upto_iteration=upto_iteration,
+                                    upto_env_steps=upto_env_steps)
         self._rows = 0
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -135,7 +139,8 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
     Each run's curve is interpolated onto a common grid of env steps where every run has values: from the
     latest first value to the earliest last one (a run never stands in with a value it did not reach yet, or
     any more). Returns the summary: runs, each run's value at the grid's last step (``final``, at
-    ``final_env_steps``: where the drawn curve ends), their mean with its 95% interval, and their IQM.
+    ``final_env_steps``: where the drawn curve ends; ``last_env_steps``: where each run ends), their mean with
+    its 95% interval, and their IQM. ``runs`` may also name a ``metrics.csv`` or a directory of runs (``seed_*``).
 
     Raises:
         ValueError: a run without ``metrics.csv``, without column ``y`` or without any value in it (named), or
@@ -149,14 +154,15 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
 
     if not runs:
         raise ValueError("name the run directories to draw, e.g. runs/A runs/B")
+    runs = [r for run in runs for r in _run_dirs(Path(run))]
     curves = []
     for run in runs:
         path = Path(run) / "metrics.csv"
-        if not path.exists():
-            raise ValueError(f"{run} has no metrics.csv (is it a run directory?)")
         data = read_csv(path)
         if y not in data:
-            raise ValueError(f"{path} has no column {y!r}; it has {sorted(data)}")
+            from core.envsets.ids import hint
+
+            raise ValueError(f"{path} has no column {y!r}{hint(y, sorted(data), rest_as='it has {}')}")
         xs, ys = np.asarray(data["env_steps"]), np.asarray(data[y])
         keep = np.isfinite(ys)
         if not keep.any():
@@ -185,9 +191,23 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
     finals = [float(v) for v in stacked[:, -1]]  # at ``end``, where the drawn curve ends
     final_half = _t95(n - 1) * float(np.std(finals, ddof=1)) / math.sqrt(n) if n > 1 else 0.0
     return {"runs": [str(r) for r in runs], "metric": y, "final": finals, "final_env_steps": end,
+            "last_env_steps": [float(xs[-1]) for xs, _ in curves],
             "final_mean": float(np.mean(finals)),
             "final_ci95": [float(np.mean(finals)) - final_half, float(np.mean(finals)) + final_half],
             "final_iqm": interquartile_mean(finals), "plot": str(png_path)}
+
+
+def _run_dirs(path: Path) -> list[Path]:
+    """The run directories ``path`` names: itself, the directory of a ``metrics.csv`` it names, or the runs
+    right under it (``seed_*`` of a ``--seeds`` run); a ValueError when none."""
+    if path.name == "metrics.csv" and path.is_file():
+        return [path.parent]
+    if (path / "metrics.csv").is_file():
+        return [path]
+    inside = sorted(p for p in path.iterdir() if (p / "metrics.csv").is_file()) if path.is_dir() else []
+    if inside:
+        return inside
+    raise ValueError(f"{path} has no metrics.csv, nor any run directory right under it (is it a run directory?)")
 
 
 __all__ = ["MetricsLog", "interquartile_mean", "plot_learning_curve", "plot_runs", "read_csv"]

@@ -68,7 +68,8 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
                   + "; learners, optimizers and schedules are restored exactly.",
                   file=sys.stderr)
     try:
-        log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None, config=config)
+        log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None,
+                         upto_env_steps=trainer.env_steps if resume else None, config=config)
     except BaseException as err:  # a tracker's missing package is a user error, told before training starts
         trainer.close()
         if not isinstance(err, ImportError):

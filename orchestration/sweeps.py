@@ -28,6 +28,7 @@ import difflib
 import json
 import math
 import numbers
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -130,7 +131,9 @@ def run_trial(config: TrainConfig, trial_dir: str, restored: str | None,
     try:
         if restored is not None:
             restore_trainer_(trainer, *load_checkpoint(restored))
-        log = MetricsLog(trial_dir, config=config, resume=restored is not None, upto_iteration=trainer.iteration)
+            _carry_rows(Path(restored), Path(trial_dir))
+        log = MetricsLog(trial_dir, config=config, resume=restored is not None, upto_iteration=trainer.iteration,
+                         upto_env_steps=trainer.env_steps)
         while trainer.iteration < config.iterations:
             metrics = {k: float(v) for k, v in trainer.train().items()}
             log.write(trainer.env_steps, metrics)
@@ -140,6 +143,7 @@ def run_trial(config: TrainConfig, trial_dir: str, restored: str | None,
                     weights, tensors, state = trainer_state(trainer)
                     save_checkpoint(directory, trainer.iteration, weights=weights, tensors=tensors, state=state,
                                     keep=1)
+                    shutil.copyfile(log.csv_path, Path(directory) / _ROWS)  # the rows so far, for a restore
                     report(metrics, directory)
             else:
                 report(metrics, None)
@@ -147,6 +151,19 @@ def run_trial(config: TrainConfig, trial_dir: str, restored: str | None,
         if log is not None:
             log.close()
         trainer.close()
+
+
+_ROWS = "metrics.csv"  # a trial's rows so far, in each checkpoint it reports
+
+
+def _carry_rows(checkpoint: Path, trial_dir: Path) -> None:
+    """Puts the rows a restored checkpoint carries into ``trial_dir`` unless it has its own: an experiment
+    restored by Tune runs its trials in new directories (a new Ray session's), whose ``metrics.csv`` would
+    otherwise start at the checkpoint's iteration and replace the whole one in the experiment's storage."""
+    rows, own = checkpoint / _ROWS, trial_dir / _ROWS
+    if rows.is_file() and not own.exists():
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(rows, own)
 
 
 SEARCH_KINDS = ("grid", "choice", "uniform", "loguniform")
@@ -228,21 +245,25 @@ def load_sweep(path: str) -> tuple[TrainConfig, dict[str, Any]]:
         raise KeyError(f"{path}: {err.args[0]}") from None
 
 
-def results_table(results, space_keys: list[str], metric: str) -> list[dict[str, Any]]:
+def results_table(results, space_keys: list[str], metric: str, iterations: int) -> list[dict[str, Any]]:
     """One row per trial of a Tune ResultGrid: its id, searched values, progress, the last value of ``metric`` it
-    reported (an evaluation's metric is not in every report), status."""
+    reported (an evaluation's metric is not in every report), status: ``ok`` once it trained all its
+    ``iterations`` (the base config's, unless searched), ``unfinished`` when an interrupt stopped it before
+    (or before it started: no config, no metrics yet), else ``error: <type>``."""
     rows = []
     for result in results:
-        m = dict(result.metrics or {})
+        m, params = dict(result.metrics or {}), dict(result.config or {})
         if m.get(metric) is None and result.metrics_dataframe is not None and metric in result.metrics_dataframe:
             values = result.metrics_dataframe[metric].dropna()
             m[metric] = float(values.iloc[-1]) if len(values) else None
+        done = m.get("iteration") is not None and int(m["iteration"]) >= int(params.get("iterations", iterations))
         rows.append({"trial": m.get("trial_id") or Path(result.path).name,
-                     **{k: result.config.get(k) for k in space_keys},
+                     **{k: params.get(k) for k in space_keys},
                      **{k: int(m[key]) if m.get(key) is not None else None
                         for k, key in (("iterations", "iteration"), ("env_steps", "env_steps"))},
                      metric: m.get(metric),
-                     "status": "ok" if result.error is None else f"error: {type(result.error).__name__}",
+                     "status": f"error: {type(result.error).__name__}" if result.error is not None
+                     else "ok" if done else "unfinished",
                      "checkpoint": result.checkpoint.path if result.checkpoint else None, "path": result.path})
     return sorted(rows, key=lambda r: r["trial"])
 
@@ -307,7 +328,7 @@ def main(argv: list[str]) -> int:
                        max_concurrent_trials=args.max_concurrent, cpus_per_trial=args.cpus_per_trial,
                        storage_path=str(storage), name=name, max_failures=args.max_failures,
                        restore=args.resume, verbose=args.verbose)
-    rows = results_table(results, list(space), args.metric)
+    rows = results_table(results, list(space), args.metric, base.iterations)
     out = storage / name
     _write(rows, out)
     print(_format(rows))
@@ -318,11 +339,17 @@ def main(argv: list[str]) -> int:
               f"{f' (did you mean {near[0]!r}?)' if near else f'; the trials reported {reported}'}; the results are "
               f"in {out}", file=sys.stderr)
         return 2
-    finite = [r for r in rows if isinstance(r[args.metric], (int, float)) and math.isfinite(r[args.metric])]
+    finite = [r for r in rows if r["status"] == "ok" and isinstance(r[args.metric], (int, float))
+              and math.isfinite(r[args.metric])]  # best among the trials that trained all their iterations
     best = (max if args.mode == "max" else min)(finite, key=lambda r: r[args.metric]) if finite else None
+    unfinished = sum(r["status"] == "unfinished" for r in rows)
     print_result({"experiment": str(out), "results": str(out / "results.csv"), "trials": len(rows),
-                  "failed": sum(r["status"] != "ok" for r in rows),
+                  "failed": sum(r["status"].startswith("error") for r in rows), "unfinished": unfinished,
                   "best": {k: best[k] for k in ("trial", *space, args.metric, "checkpoint")} if best else None})
+    if unfinished:
+        print(f"shoal tune: {unfinished} of {len(rows)} trials did not finish (interrupted); continue the sweep "
+              f"with: shoal tune --config-file {args.config_file} --storage {args.storage} --name {name} "
+              f"--resume", file=sys.stderr)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

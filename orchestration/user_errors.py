@@ -10,7 +10,8 @@ import sys
 def user_errors(command: str):
     """Turns a user's mistake found while setting a run up (a bad flag value, an unknown env id, agent or
     policy, a missing or refused checkpoint) into one paragraph on stderr and exit status 2, not a traceback.
-    Errors once training runs (an env that raises, a diverging update) keep their traceback."""
+    Errors once training runs (an env that raises, a diverging update) keep their traceback, except the
+    mistakes :func:`is_users_mistake` names."""
     try:
         yield
     except (ValueError, KeyError, LookupError, FileNotFoundError, ImportError, TimeoutError) as err:
@@ -33,9 +34,15 @@ class StalledRun(RuntimeError):
 def is_users_mistake(err: Exception, gymnasium: bool = False) -> bool:
     """Whether ``err`` is the user's whenever it happens: launched simulators that never connect (a wrong
     command template), external simulators that deliver nothing for ``external.wait_s``, a stalled asynchronous
-    run (:class:`StalledRun`), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
+    run (:class:`StalledRun`), env data that breaks its tree (``adapters.checking.EnvOutputError``: a wrong shape,
+    a value outside its space, a missing agent; the message names the env, agent and key, and Shoal's frames
+    would say nothing more), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
     from orchestration.external_launcher import NoSimulatorData, SimulatorsFailed  # light: no torch
 
+    if type(err).__name__ == "EnvOutputError":  # imported only when it is one (adapters.checking imports torch)
+        from adapters.checking import EnvOutputError
+
+        return isinstance(err, EnvOutputError)
     return (isinstance(err, (SimulatorsFailed, NoSimulatorData, StalledRun))
             or gymnasium and type(err).__module__.split(".")[0] == "gymnasium")
 

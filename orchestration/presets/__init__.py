@@ -81,6 +81,10 @@ def _check_keys(raw: dict, config: Any, prefix: str, where: str) -> None:
     """Refuses a key that is no field of ``config`` (a dataclass), naming it and its nearest valid spelling."""
     names = [f.name for f in dataclasses.fields(config)]
     for key, value in raw.items():
+        if key not in names and "." in str(key) and dataclasses.is_dataclass(getattr(config, key.split(".")[0], None)):
+            section, rest = key.split(".", 1)
+            raise ValueError(f"{where}: key '{prefix}{key}' is a dotted path; a config file nests its sections: "
+                             f"{section}: {{{rest}: ...}} (dotted keys are for a sweep's search section)")
         if key not in names:
             near = difflib.get_close_matches(key, names, n=1)
             raise ValueError(f"{where}: unknown key '{prefix}{key}'" + (f" (did you mean '{prefix}{near[0]}'?)"

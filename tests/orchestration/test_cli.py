@@ -182,6 +182,8 @@ def cartpole_run(tmp_path_factory):
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "N", "three"],
      "--env-kwargs N 'three' is a str, but N takes an int"),
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "max_cycle", "3"], "(did you mean 'max_cycles'?)"),
+    (["train", "mpe2:simple_spread_v3", "--env-kwargs", "payoff", "cooperativ"],
+     "--env-kwargs payoff 'cooperativ' is not a payoff (did you mean 'cooperative'?)"),
     (["train", "builtin:spred"], "unknown built-in env 'builtin:spred' (did you mean 'builtin:spread'?)"),
     (["plot", "--out", "x.png"], "shoal plot: name the run directories to draw"),
     (["plot", "nowhere"], "shoal plot: nowhere has no metrics.csv"),
@@ -241,6 +243,16 @@ def make_cartpole():
 
 def make_nothing():
     return 42
+
+
+class _Shorter(gymnasium.Wrapper):  # its steps (not its reset) drop the observation's last entry
+    def step(self, action):
+        obs, *rest = self.env.step(action)
+        return (obs[:-1], *rest)
+
+
+def make_wrong_shape():
+    return _Shorter(gymnasium.make("CartPole-v1"))
 '''
 
 
@@ -274,6 +286,26 @@ def test_a_factory_returning_something_else_is_named(tmp_path, monkeypatch, caps
     assert "module my_envs has no factory 'make_nothng' (did you mean 'make_nothing'?)" in capsys.readouterr().err
 
 
+def test_env_data_that_breaks_the_tree_mid_run_and_an_env_given_as_a_path_are_told_in_one_paragraph(
+        tmp_path, monkeypatch, capsys):
+    from orchestration.cli import main
+
+    (tmp_path / "my_envs.py").write_text(CUSTOM_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:  # found at the first step, once training runs: not a traceback
+        main(["train", "my_envs:make_wrong_shape", "--iterations", "1", "--rollout.num-envs", "2", "--no-progress",
+              "--run-dir", "run"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip() == ("shoal train: env 0, agent 'agent', key next/agent/observation: "
+                                                     "expected shape (4,), got (3,)"), err
+    for path in ("./my_envs.py", ".my_envs"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", f"{path}:make_cartpole", "--no-progress"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "not a file path or a relative import: --env my_envs:make_cartpole" in err
+
+
 def test_a_yaml_config_is_strict_and_reproduces_a_run(tmp_path, monkeypatch, capsys):
     from orchestration.cli import main
 
@@ -282,6 +314,11 @@ def test_a_yaml_config_is_strict_and_reproduces_a_run(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit):
         main(["train", "--config-file", "bad.yaml", "--no-progress"])
     assert "unknown key 'rollout.num_env' (did you mean 'rollout.num_envs'?)" in capsys.readouterr().err
+    (tmp_path / "dotted.yaml").write_text("env: builtin:cartpole\nrollout.num_envs: 4\n")
+    with pytest.raises(SystemExit):
+        main(["train", "--config-file", "dotted.yaml", "--no-progress"])
+    assert "key 'rollout.num_envs' is a dotted path; a config file nests its sections: rollout: {num_envs: ...}" \
+        in capsys.readouterr().err
     (tmp_path / "run.yaml").write_text("env: builtin:cartpole\niterations: 2\nseed: 5\n"
                                        "rollout: {num_envs: 4, fragment_length: 16}\nppo: {num_epochs: 2}\n")
     for name in ("a", "b"):

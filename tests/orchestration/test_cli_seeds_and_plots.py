@@ -74,6 +74,26 @@ def test_plot_draws_only_where_every_run_has_values_and_its_finals_are_where_the
         plot_runs([short, later], tmp_path / "c.png")
 
 
+def test_plot_takes_a_metrics_file_or_a_directory_of_runs_names_a_near_metric_and_says_when_runs_differ(
+        tmp_path, capsys):
+    from orchestration.cli import main
+
+    for name, last in (("seed_0", 400), ("seed_1", 300)):
+        (tmp_path / "seeds" / name).mkdir(parents=True)
+        rows = "\n".join(f"{s},{s / 100}" for s in range(100, last + 1, 100))
+        (tmp_path / "seeds" / name / "metrics.csv").write_text(f"env_steps,episode_return_mean\n{rows}\n")
+    main(["plot", str(tmp_path / "seeds"), "--out", str(tmp_path / "a.png")])  # the --run-dir of a --seeds run
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert [p.rsplit("/", 1)[1] for p in summary["runs"]] == ["seed_0", "seed_1"] and summary["final"] == [3.0, 3.0]
+    assert "the runs end at different env steps (300 to 400); the curve and the finals stop at 300" in captured.err
+    main(["plot", str(tmp_path / "seeds" / "seed_0" / "metrics.csv"), "--out", str(tmp_path / "b.png")])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"] == [4.0]
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path / "seeds"), "--metric", "episode_retrun_mean", "--out", str(tmp_path / "c.png")])
+    assert "has no column 'episode_retrun_mean' (did you mean 'episode_return_mean'?)" in capsys.readouterr().err
+
+
 def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     from core.losses import PPOConfig
     from core.policies import PolicyConfig

@@ -107,3 +107,25 @@ def test_an_evaluation_metric_without_evaluations_is_refused_before_any_trial(tm
     assert main(["--config-file", str(tmp_path / "sweep.yaml"), "--metric", "eval_return_mean"]) == 2
     assert "--metric eval_return_mean is reported by evaluations, and the config has eval_every 0" in \
         capsys.readouterr().err
+
+
+def test_the_results_table_tells_finished_trials_from_interrupted_and_pending_ones():
+    """After an interrupt Tune's grid holds trials that stopped early and trials that never started (no config,
+    no metrics): neither is "ok", and a pending one is a row, not a traceback."""
+    from types import SimpleNamespace
+
+    from orchestration.sweeps import results_table
+
+    def trial(name, iteration=None, lr=None, error=None, **params):
+        metrics = None if iteration is None else {"iteration": iteration, "env_steps": 64 * iteration,
+                                                  "episode_return_mean": 10.0 * iteration}
+        config = None if lr is None else {"lr": lr, **params}
+        return SimpleNamespace(metrics=metrics, config=config, metrics_dataframe=None, error=error, checkpoint=None,
+                               path=f"/tune/{name}")
+
+    rows = results_table([trial("a", 4, 1e-3), trial("b", 2, 3e-3), trial("c"), trial("d", 1, 1e-2, RuntimeError()),
+                          trial("e", 2, 1e-4, iterations=2)], ["lr"], "episode_return_mean", iterations=4)
+    assert [(r["trial"], r["status"], r["iterations"]) for r in rows] == [
+        ("a", "ok", 4), ("b", "unfinished", 2), ("c", "unfinished", None), ("d", "error: RuntimeError", 1),
+        ("e", "ok", 2)]  # e searched its own iterations
+    assert rows[2]["lr"] is None and rows[2]["episode_return_mean"] is None
