@@ -185,13 +185,17 @@ _SHAPING = ("env", "env_kwargs", "collection", "policy.", "policy_mapping", "fix
             "external.tree")
 """Settings a checkpoint's tensor shapes (or its set of learners and env states) depend on."""
 
+#: What torch says when a checkpoint's tensors do not fit: other shapes, or state a setting adds or takes away
+#: (observation statistics, a reward scaler, a recurrent cell)
+_MISFITS = ("size", "shape", "Unexpected key(s)", "Missing key(s)")
+
 
 def misfit(err: BaseException, saved, config) -> BaseException:
     """What a resume whose checkpoint does not fit raises: a ValueError naming each setting changed since the
     checkpoint (``saved``, a TrainConfig) and the mismatch torch found (a size or shape); ``err`` itself for
     another error, or when no setting changed."""
     text = str(err)
-    if ("size" not in text and "shape" not in text) or not (changed := changed_settings(saved, config)):
+    if not any(w in text for w in _MISFITS) or not (changed := changed_settings(saved, config)):
         return err  # another fault (a missing player checkpoint, say): not the changed settings' doing
     shaping = [c for c in changed if any(key == s or (s.endswith(".") and key.startswith(s)) for s in _SHAPING
                                          for key in [c.split()[0][2:].replace("-", "_")])]
@@ -205,7 +209,10 @@ def shape_detail(err: BaseException) -> str:
     """The line of a failed restore that names the mismatch (torch's "size mismatch for ...", also inside a Ray
     actor's error, whose first lines name the actor), without terminal colours."""
     lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
-    line = next((line for line in lines if "size" in line), lines[-1] if lines else type(err).__name__)
+    line = next((line for word in ("size", "key(s)") for line in lines if word in line),
+                lines[-1] if lines else type(err).__name__)
+    if len(line) > 240:  # a state dict's missing or unexpected keys: the first few say it
+        line = line[:240].rsplit(",", 1)[0] + ", ..."
     return line.rstrip(".")  # it goes inside parentheses, before the sentence's own full stop
 
 

@@ -326,6 +326,24 @@ def test_a_yaml_config_is_strict_and_reproduces_a_run(tmp_path, monkeypatch, cap
     assert _rows(tmp_path / "a/metrics.csv")[-1]["loss_value"] == _rows(tmp_path / "b/metrics.csv")[-1]["loss_value"]
 
 
+@pytest.mark.ray
+def test_a_ray_resume_that_takes_state_away_names_the_setting(tmp_path, monkeypatch, capsys, ray_session):
+    """On Ray the learner's load fails inside its actor: the same one paragraph as locally, not a traceback."""
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ray = ["--backend", "ray", "--ray.worker-num-cpus", "0", "--ray.learner-num-cpus", "0", "--loggers", "csv"]
+    main(["train", *ARGS, *ray, "--iterations", "1", "--run-dir", "r", "--policy.normalize-observations"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", *ray,
+              "--policy.no-normalize-observations"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert ("changes --policy.normalize-observations True -> False (Unexpected key(s) in state_dict: "
+            "\"actor_encoder.obs_") in err, err
+
+
 def test_a_yaml_config_takes_yaml_1_1_floats_and_an_inline_collection(tmp_path):
     from orchestration.cli import _config_from_file
 
@@ -347,7 +365,10 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
     main(["train", *ARGS, "--iterations", "1", "--run-dir", "r"])
     capsys.readouterr()
     for flags, named in ((["--policy.hidden-sizes", "32"], "--policy.hidden-sizes (64, 64) -> (32,) (size mismatch for"),
-                         (["--rollout.num-envs", "4"], "--rollout.num-envs 8 -> 4")):
+                         (["--rollout.num-envs", "4"], "--rollout.num-envs 8 -> 4"),
+                         # state a setting adds: the checkpoint lacks it (tensors of the same shapes otherwise)
+                         (["--policy.normalize-observations"], "--policy.normalize-observations False -> True "
+                                                               "(Missing key(s) in state_dict: \"actor_encoder.obs_")):
         with pytest.raises(SystemExit) as exit_:
             main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", *flags])
         err = capsys.readouterr().err
