@@ -38,6 +38,14 @@ def _probe_state(env) -> spaces.Space | None:
     return space
 
 
+def _unmaskable(agent: str, action_space: spaces.Space | None, where: str) -> str:
+    """Why the action mask an agent's ``where`` (observation or info) carries cannot be applied."""
+    action = f" (its action space is {action_space})" if action_space is not None else ""
+    return (f"agent {agent!r} has an {MASK_KEY!r} in its {where}, but Shoal applies a PettingZoo env's action mask "
+            f"to a Discrete action only{action}: it would train unmasked, its illegal actions chosen. Pass "
+            f"--env-kwargs action_mask none to train without the mask, or give the agent a Discrete action")
+
+
 def _split_mask(space: spaces.Space, action_mask: str) -> tuple[spaces.Space, bool]:
     """The observation space without its ``"action_mask"`` entry, and whether it had one."""
     if action_mask == "none" or not isinstance(space, spaces.Dict) or MASK_KEY not in space.spaces:
@@ -98,6 +106,9 @@ class _PettingZooBase(AdapterBase):
         self._int_groups = [self._slots[spec.agent_names[0]].int_act for spec in self._specs]
         self._checks = [[LeafCheck(c.leaf) for c in codec.leaves] for codec in self._group_codec]
         self._mask_n = [action_mask_size(spec) for spec in self._specs]
+        for agent, (_, act_space, in_obs) in parts.items():
+            if in_obs and self._mask_n[self._slots[agent].group] is None:
+                raise ValueError(_unmaskable(agent, act_space, "observation"))
         self._action_checks = [ActionCheck(spec, num_envs) for spec in self._specs]
         self._batch_shapes = [(num_envs, spec.capacity) for spec in self._specs]
         self._no_masks = [None] * len(self._specs)  # "every agent present", per group
@@ -208,7 +219,10 @@ class _PettingZooBase(AdapterBase):
             group = self._specs[gi].name
             key = (NEXT, group, OBSERVATION) if prefix == NEXT else (group, OBSERVATION)
             self._checker.report(EnvOutputError(problem[1], env_index=e, agent=slot.name, key=(*key, *problem[0])))
-        if mask is not None and root is not None and (n := self._mask_n[gi]) is not None:
+        if mask is not None and root is not None and self._mask_n[gi] is None:  # an info mask Shoal cannot apply
+            self._checker.report(EnvOutputError(_unmaskable(slot.name, None, "info"), env_index=e, agent=slot.name,
+                                                key=(self._specs[gi].name, ACTION_MASK)))
+        elif mask is not None and root is not None and (n := self._mask_n[gi]) is not None:
             mask = np.asarray(mask)
             if mask.shape != (n,):
                 self._checker.report(EnvOutputError(f"expected action mask shape ({n},), got {mask.shape}",

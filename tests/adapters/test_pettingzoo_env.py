@@ -184,6 +184,44 @@ def test_info_action_mask_forbids_actions():
     assert env.envs[0].received == []
 
 
+class MultiDiscreteMaskEnv(ParallelEnv):
+    """Two agents with MultiDiscrete([3, 4]) actions and the usual flat mask (7 entries), in a dict observation or
+    in ``infos``: a mask Shoal cannot apply, which must never be dropped in silence."""
+
+    metadata = {"name": "multi_discrete_mask_v0"}
+
+    def __init__(self, where: str) -> None:
+        self.possible_agents, self.where = ["p_0", "p_1"], where
+        box = spaces.Box(0, 1, (5,), np.float32)
+        self._obs_space = spaces.Dict(observation=box, action_mask=spaces.Box(0, 1, (7,), np.int8)) \
+            if where == "observation" else box
+
+    def observation_space(self, agent):
+        return self._obs_space
+
+    def action_space(self, agent):
+        return spaces.MultiDiscrete([3, 4])
+
+    def reset(self, seed=None, options=None):
+        self.agents = list(self.possible_agents)
+        mask, obs = np.array([0, 1, 1, 1, 0, 0, 0], np.int8), np.zeros(5, np.float32)
+        if self.where == "observation":
+            return {a: {"observation": obs, "action_mask": mask} for a in self.agents}, {a: {} for a in self.agents}
+        return {a: obs for a in self.agents}, {a: {"action_mask": mask} for a in self.agents}
+
+    def step(self, actions):
+        raise AssertionError("not reached")
+
+
+@pytest.mark.parametrize("where", ["observation", "info"])
+def test_an_action_mask_shoal_cannot_apply_is_refused_not_dropped(where):
+    with pytest.raises((ValueError, EnvOutputError), match=r"agent 'p_\d' has an 'action_mask' in its " + where +
+                       r", but Shoal applies a PettingZoo env's action mask to a Discrete action only"):
+        PettingZooParallelEnv(partial(MultiDiscreteMaskEnv, where), 1).reset(seed=0)
+    env = PettingZooParallelEnv(partial(MultiDiscreteMaskEnv, where), 1, action_mask="none")  # the user's choice
+    assert "action_mask" not in env.reset(seed=0)["p"].keys()
+
+
 @pytest.mark.parametrize("fault, agent, key", [
     ("unknown", "ghost_0", ("next", "observation")),
     ("vanish", "walker_1", ("next", "walker", "truncated")),
