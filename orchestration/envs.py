@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import pkgutil
 import re
 from functools import partial
@@ -241,7 +242,11 @@ def from_factory(name: str, factory, num_envs: int, *, check: str = "strict", kw
     import gymnasium
 
     kwargs = dict(kwargs or {})
-    adapter_kwargs = {k: kwargs.pop(k) for k in ("payoff", "action_mask", "state") if k in kwargs}
+    try:  # a keyword the factory takes itself is the factory's, even when an adapter has one of that name
+        own = set(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        own = set()
+    adapter_kwargs = {k: kwargs.pop(k) for k in ("payoff", "action_mask", "state") if k in kwargs and k not in own}
     make = partial(factory, **kwargs)
     probe = make()
     if isinstance(probe, gymnasium.Env):
@@ -250,6 +255,10 @@ def from_factory(name: str, factory, num_envs: int, *, check: str = "strict", kw
         from adapters.gymnasium_env import GymnasiumVectorEnv
 
         probe.close()
+        if adapter_kwargs:  # taken by no one: refused, not dropped
+            raise ValueError(f"env {name!r}: --env-kwargs {', '.join(adapter_kwargs)} configure the PettingZoo "
+                             f"adapter, and this factory returns a gymnasium env, which takes no such setting (nor "
+                             f"does the factory: it takes {sorted(own) or 'no keywords'})")
         return GymnasiumVectorEnv(SyncVectorEnv([make] * num_envs), check=check)
     from pettingzoo import AECEnv, ParallelEnv
 

@@ -272,6 +272,19 @@ def test_a_custom_env_factory_trains_from_the_cli(tmp_path, monkeypatch, factory
     assert (tmp_path / "run" / "checkpoints" / "latest").exists()
 
 
+def test_adapter_keywords_given_to_a_gymnasium_factory_are_refused_not_dropped(tmp_path, monkeypatch):
+    from orchestration.envs import make_env
+
+    # a module name of its own: other tests import my_envs (sys.modules keeps the first one)
+    (tmp_path / "keyword_envs.py").write_text(CUSTOM_ENVS + "\n\ndef make_stateful(state=1):\n    assert state == 7\n"
+                                              "    return gymnasium.make('CartPole-v1')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="--env-kwargs action_mask configure the PettingZoo adapter, and this factory "
+                                         "returns a gymnasium env"):
+        make_env("keyword_envs:make_cartpole", 2, kwargs={"action_mask": "info"})
+    assert make_env("keyword_envs:make_stateful", 2, kwargs={"state": 7}).num_envs == 2  # the factory's own
+
+
 def test_a_factory_returning_something_else_is_named(tmp_path, monkeypatch, capsys):
     from orchestration.cli import main
 
