@@ -38,7 +38,7 @@ import tyro
 
 from orchestration.config import TrainConfig
 from orchestration.result_line import print_result
-from orchestration.run_notes import note_past_selves, note_schedule, note_unused
+from orchestration.run_notes import note_past_selves, note_policy_fit, note_schedule, note_unused
 from orchestration.signals import Terminated, stop_on_sigterm
 from orchestration.user_errors import is_users_mistake, user_errors
 
@@ -222,6 +222,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     try:
         if config.past_selves != default.past_selves:  # flags set them (a preset's for self-play are not news)
             note_past_selves(command, config, trainer.tree)
+        note_policy_fit(command, config, trainer.tree)
         if resume:
             try:
                 restore_trainer_(trainer, *load_checkpoint(ckpt_root))

@@ -40,12 +40,40 @@ def note_unused(command: str, config: TrainConfig) -> None:
 
 
 def note_capped(command: str, config: TrainConfig) -> None:
-    """Says on stderr when a recurrent policy's ``--ppo.sequence-length`` exceeds the fragments it is cut from."""
-    length, fragment = config.ppo.sequence_length, config.rollout.fragment_length
+    """Says on stderr when a recurrent policy's ``--ppo.sequence-length`` exceeds the fragments it is cut from,
+    and when its ``--ppo.burn-in`` cannot act (sequences that are whole fragments have no earlier state)."""
+    length, fragment, burn_in = config.ppo.sequence_length, config.rollout.fragment_length, config.ppo.burn_in
     if config.policy.recurrent and length is not None and length > fragment:
         print(f"shoal {command}: --ppo.sequence-length {length} is longer than --rollout.fragment-length "
               f"{fragment}: sequences are whole fragments of {fragment} steps (a longer fragment makes longer "
               f"sequences)", file=sys.stderr)
+    if config.policy.recurrent and burn_in and (length is None or length >= fragment):
+        print(f"shoal {command}: --ppo.burn-in {burn_in} does nothing here: sequences are whole fragments (set "
+              f"--ppo.sequence-length below --rollout.fragment-length {fragment}), so none has steps before it to "
+              f"burn in from", file=sys.stderr)
+
+
+def note_policy_fit(command: str, config: TrainConfig, tree) -> None:
+    """Says on stderr when the policy settings given (unlike their defaults) find nothing to act on in the env's
+    observations: image encoder settings without an image leaf, normalisation without a float vector leaf."""
+    from core.policies import PolicyConfig
+    from core.policies.networks import image_layout
+    from core.specs import groups, iter_leaves
+
+    leaves = [leaf for g in groups(tree).values() for _, leaf in iter_leaves(g.agent.observation)]
+    images = [leaf for leaf in leaves if image_layout(leaf) is not None]
+    default, policy = PolicyConfig(), config.policy
+    given = [f"--policy.{f.replace('_', '-')}" for f in ("image_encoder", "image_features", "leaf_encoders")
+             if getattr(policy, f) != getattr(default, f)]
+    if given and not images:
+        print(f"shoal {command}: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to image "
+              f"observations (3-D boxes with 1, 3 or 4 channels first or last and sides >= 8), and {config.env} has "
+              f"none: every observation is flattened into the MLP", file=sys.stderr)
+    floats = [leaf for leaf in leaves if leaf.kind == "box" and leaf.dtype.is_floating_point and leaf not in images]
+    if policy.normalize_observations and not floats:
+        print(f"shoal {command}: --policy.normalize-observations standardises float vector observations, and "
+              f"{config.env} has none (images and discrete values are left as they are): it does nothing here",
+              file=sys.stderr)
 
 
 def note_schedule(command: str, config: TrainConfig, resume: bool) -> None:
@@ -66,4 +94,4 @@ def note_past_selves(command: str, config: TrainConfig, tree) -> None:
               f"alone (feed-forward, learning), and this run has none: no past self plays", file=sys.stderr)
 
 
-__all__ = ["note_capped", "note_past_selves", "note_schedule", "note_unused"]
+__all__ = ["note_capped", "note_past_selves", "note_policy_fit", "note_schedule", "note_unused"]

@@ -106,6 +106,9 @@ class PolicyConfig:
             isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
             and pair[1] in ("nature", "impala", "flatten") for pair in self.leaf_encoders), "leaf_encoders",
             "(leaf, 'nature'|'impala'|'flatten') pairs", self.leaf_encoders)
+        leaves = [pair[0] for pair in self.leaf_encoders]
+        _check(len(set(leaves)) == len(leaves), "leaf_encoders", "pairs naming each leaf once",
+               self.leaf_encoders)
         _check(isinstance(self.normalize_observations, bool), "normalize_observations", "a bool",
                self.normalize_observations)
         _check(isinstance(self.scale_rewards, bool), "scale_rewards", "a bool", self.scale_rewards)

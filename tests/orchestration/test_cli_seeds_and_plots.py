@@ -134,6 +134,37 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
         in capsys.readouterr().err
 
 
+def test_policy_settings_with_nothing_to_act_on_are_named(capsys):
+    """Image encoder settings without an image observation, normalisation without a float vector, a burn-in
+    without shorter sequences: each said, not ignored in silence; the same settings where they act say nothing."""
+    from core.losses import PPOConfig
+    from core.policies import PolicyConfig
+    from orchestration.config import RolloutConfig, TrainConfig
+    from orchestration.envs import make_env
+    from orchestration.run_notes import note_capped, note_policy_fit
+
+    cartpole, spot = make_env("builtin:cartpole", 1).tree, make_env("builtin:spot", 1).tree
+    note_policy_fit("train", TrainConfig(env="builtin:cartpole", policy=PolicyConfig(image_encoder="impala",
+                                                                         image_features=32)), cartpole)
+    assert ("--policy.image-encoder, --policy.image-features apply to image observations (3-D boxes with 1, 3 or 4 "
+            "channels first or last and sides >= 8), and builtin:cartpole has none") in capsys.readouterr().err
+    note_policy_fit("train", TrainConfig(env="builtin:spot", policy=PolicyConfig(normalize_observations=True)), spot)
+    assert "--policy.normalize-observations standardises float vector observations, and builtin:spot has none" \
+        in capsys.readouterr().err
+    note_policy_fit("train", TrainConfig(env="builtin:spot", policy=PolicyConfig(image_encoder="impala")), spot)
+    note_policy_fit("train", TrainConfig(policy=PolicyConfig(normalize_observations=True)), cartpole)
+    assert capsys.readouterr().err == ""
+    recurrent = PolicyConfig(recurrent=True)
+    note_capped("train", TrainConfig(policy=recurrent, ppo=PPOConfig(burn_in=3),
+                                     rollout=RolloutConfig(fragment_length=10)))
+    assert "--ppo.burn-in 3 does nothing here: sequences are whole fragments" in capsys.readouterr().err
+    note_capped("train", TrainConfig(policy=recurrent, ppo=PPOConfig(burn_in=3, sequence_length=5),
+                                     rollout=RolloutConfig(fragment_length=10)))
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="leaf_encoders must be pairs naming each leaf once"):
+        PolicyConfig(leaf_encoders=(("observation", "impala"), ("observation", "flatten")))
+
+
 def test_a_seed_named_twice_is_refused_before_any_run_and_a_dropped_seed_is_said(tmp_path, capsys):
     from orchestration.cli import _seeds, main
 
