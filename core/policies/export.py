@@ -20,6 +20,8 @@ Critic and eval-only leaves are not part of it (notes/tensordict-hot-paths.md se
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
@@ -110,7 +112,9 @@ def export_policy(policy: GroupPolicy, example_batch) -> ExportedProgram:
     batch = Dim("batch", min=1)
     dynamic_shapes = {"observation": tuple({0: batch} for _ in args),
                       **{k: _map(lambda _: {0: batch}, v) for k, v in kwargs.items()}}
-    module = deployable(policy).eval()
+    # a copy whose parameters need no gradient: the program's outputs then need none either (a caller's
+    # ``action.numpy()`` works without ``torch.no_grad()``), and the live policy keeps training
+    module = copy.deepcopy(deployable(policy)).eval().requires_grad_(False)
     with torch.no_grad():
         return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
 

@@ -89,6 +89,17 @@ def test_loaded_program_matches_deterministic_act(exported, batch):
     assert len({tuple(a.tolist()) for a in got[0].flatten(1)}) > 1 or batch == 1  # not a constant output
 
 
+def test_a_loaded_programs_outputs_need_no_gradient_and_the_policy_still_trains(exported):
+    """``program(obs).numpy()`` works as the docs write it (no ``torch.no_grad()``): a float action of a program
+    whose parameters required grad could not be read that way. The live policy's parameters still train."""
+    tree, policy, program = exported
+    args, kwargs = deployment_inputs(policy, _step(tree, 3, seed=4))
+    for out in _flat_actions(program.module()(*args, **kwargs)):
+        assert not out.requires_grad
+        out.numpy()
+    assert all(p.requires_grad for p in policy.parameters())
+
+
 def test_inputs_exclude_eval_only_leaves_in_documented_order(exported):
     tree, policy, _ = exported
     module = deployable(policy)
