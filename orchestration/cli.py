@@ -315,20 +315,6 @@ def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list
     return export_programs(checkpoint, out)
 
 
-def plot(runs: tyro.conf.Positional[list[str]], out: str = "runs.png", metric: str = "episode_return_mean") -> dict:
-    """Draws ``metric`` against env steps for several runs (seeds): their mean and 95% interval, into ``out``;
-    prints the final values, their mean with its 95% interval and their interquartile mean (IQM)."""
-    from orchestration.metrics_log import plot_runs
-
-    summary = plot_runs(runs, out, y=metric)
-    print_result(summary)
-    if len(set(summary["last_env_steps"])) > 1:
-        print(f"shoal plot: the runs end at different env steps ({min(summary['last_env_steps']):g} to "
-              f"{max(summary['last_env_steps']):g}); the curve and the finals stop at {summary['final_env_steps']:g}, "
-              f"where every run has values", file=sys.stderr)
-    return summary
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``shoal`` command (torch is imported by the commands that use it, after parsing)."""
     command_line = argv is None  # the console command: this process ends when main returns
@@ -374,6 +360,8 @@ def _dispatch(command: str, rest: list[str]) -> None:
             tyro.cli(export, args=rest, prog="shoal export")
     elif command == "plot":
         with user_errors("plot"):
+            from orchestration.plot_cli import plot
+
             tyro.cli(plot, args=rest, prog="shoal plot")
     elif command == "league":  # an AlphaStar-style league of learners (orchestration.league_cli)
         from orchestration.league_cli import run as league

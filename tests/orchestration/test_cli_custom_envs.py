@@ -1,0 +1,101 @@
+"""A user's own env module from the command line: factories of each kind train; what is not an env, a file path
+for a module, keywords no one takes, and env data that breaks its tree mid-run are each told in one paragraph."""
+
+from __future__ import annotations
+
+import pytest
+
+
+CUSTOM_ENVS = '''
+import gymnasium
+from mpe2 import simple_spread_v3
+
+
+def make_spread(max_cycles=10):
+    return simple_spread_v3.parallel_env(max_cycles=max_cycles)
+
+
+def make_spread_aec():
+    return simple_spread_v3.env(max_cycles=10)
+
+
+def make_cartpole():
+    return gymnasium.make("CartPole-v1")
+
+
+def make_nothing():
+    return 42
+
+
+class _Shorter(gymnasium.Wrapper):  # its steps (not its reset) drop the observation's last entry
+    def step(self, action):
+        obs, *rest = self.env.step(action)
+        return (obs[:-1], *rest)
+
+
+def make_wrong_shape():
+    return _Shorter(gymnasium.make("CartPole-v1"))
+'''
+
+
+@pytest.mark.parametrize("factory, kind", [("make_spread", "PettingZooParallelEnv"),
+                                           ("make_spread_aec", "PettingZooAECEnv"),
+                                           ("make_cartpole", "GymnasiumVectorEnv")])
+def test_a_custom_env_factory_trains_from_the_cli(tmp_path, monkeypatch, factory, kind):
+    from orchestration.cli import main
+    from orchestration.envs import make_env
+
+    (tmp_path / "my_envs.py").write_text(CUSTOM_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert type(make_env(f"my_envs:{factory}", 2)).__name__ == kind
+    main(["train", f"my_envs:{factory}", "--iterations", "1", "--rollout.num-envs", "2",
+          "--rollout.fragment-length", "16", "--no-progress", "--run-dir", "run"])
+    assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+def test_adapter_keywords_given_to_a_gymnasium_factory_are_refused_not_dropped(tmp_path, monkeypatch):
+    from orchestration.envs import make_env
+
+    # a module name of its own: other tests import my_envs (sys.modules keeps the first one)
+    (tmp_path / "keyword_envs.py").write_text(CUSTOM_ENVS + "\n\ndef make_stateful(state=1):\n    assert state == 7\n"
+                                              "    return gymnasium.make('CartPole-v1')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="--env-kwargs action_mask configure the PettingZoo adapter, and this factory "
+                                         "returns a gymnasium env"):
+        make_env("keyword_envs:make_cartpole", 2, kwargs={"action_mask": "info"})
+    assert make_env("keyword_envs:make_stateful", 2, kwargs={"state": 7}).num_envs == 2  # the factory's own
+
+
+def test_a_factory_returning_something_else_is_named(tmp_path, monkeypatch, capsys):
+    from orchestration.cli import main
+
+    (tmp_path / "my_envs.py").write_text(CUSTOM_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["train", "my_envs:make_nothing", "--no-progress"])
+    assert "returned int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a misspelled factory: gymnasium would only say its id does not exist
+        main(["train", "my_envs:make_nothng", "--no-progress"])
+    assert "module my_envs has no factory 'make_nothng' (did you mean 'make_nothing'?)" in capsys.readouterr().err
+
+
+def test_env_data_that_breaks_the_tree_mid_run_and_an_env_given_as_a_path_are_told_in_one_paragraph(
+        tmp_path, monkeypatch, capsys):
+    from orchestration.cli import main
+
+    (tmp_path / "my_envs.py").write_text(CUSTOM_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:  # found at the first step, once training runs: not a traceback
+        main(["train", "my_envs:make_wrong_shape", "--iterations", "1", "--rollout.num-envs", "2", "--no-progress",
+              "--run-dir", "run"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip() == ("shoal train: env 0, agent 'agent', key next/agent/observation: "
+                                                     "expected shape (4,), got (3,)"), err
+    for path in ("./my_envs.py", ".my_envs"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", f"{path}:make_cartpole", "--no-progress"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "not a file path or a relative import: --env my_envs:make_cartpole" in err
