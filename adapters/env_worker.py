@@ -46,6 +46,7 @@ from core.layout import ACTION, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, T
 from core.specs import Tree, from_json, groups, zeros
 from core.tensordicts import clone_td
 
+from .checking import EnvOutputError
 from .env_process import EnvWorkerConfig, step_template
 from .env_process import WorkerProcess as _Worker
 from .env_process import collect_replies as _collect, command as _command
@@ -57,7 +58,14 @@ _OWN_COUNTERS = ("env_restarts", "episodes_lost", "step_timeouts", "worker_crash
 
 
 class EnvWorkerFault(RuntimeError):
-    """A worker hung, died or raised, and the pool was told not to restart it (``EnvWorkerConfig.restart``)."""
+    """A worker hung, died or raised, and the pool was told not to restart it (``EnvWorkerConfig.restart``).
+
+    Attributes:
+        env_output: the worker's env returned data that breaks its tree (an ``EnvOutputError`` raised in the
+            worker: the env's author's to mend, as in one process), else False.
+    """
+
+    env_output: bool = False
 
 
 class EnvWorkerPool:
@@ -334,8 +342,10 @@ class EnvWorkerPool:
             kind, f"raised {last[0]}")
         first, n = self.offsets[i], self._sizes[i]
         self.close()
-        raise EnvWorkerFault(f"env worker {i} (envs {first}..{first + n - 1} of the batch) {what}. Strict mode stops "
-                             f"here; rollout.check='lenient' restarts the worker and counts the lost episodes")
+        fault = EnvWorkerFault(f"env worker {i} (envs {first}..{first + n - 1} of the batch) {what}. Strict mode stops "
+                               f"here; rollout.check='lenient' restarts the worker and counts the lost episodes")
+        fault.env_output = kind == "error" and last[0].startswith(f"{EnvOutputError.__module__}.EnvOutputError:")
+        raise fault
 
     def _handshake(self, w: _Worker) -> tuple[str, int]:
         kind, *payload = _collect([w], self.config.start_timeout_s)[w.index]

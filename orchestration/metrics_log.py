@@ -155,6 +155,10 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
     if not runs:
         raise ValueError("name the run directories to draw, e.g. runs/A runs/B")
     runs = [r for run in runs for r in _run_dirs(Path(run))]
+    twice = sorted({str(r) for r in runs if sum(r.resolve() == o.resolve() for o in runs) > 1})
+    if twice:  # counted twice, a run would narrow the interval and move the IQM
+        raise ValueError(f"{', '.join(twice)} named twice (as a directory, its metrics.csv or a run under a directory "
+                         f"named too): name each run once")
     curves = []
     for run in runs:
         path = Path(run) / "metrics.csv"

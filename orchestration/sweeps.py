@@ -313,6 +313,10 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_failures' else 1}")
         if args.resume and not args.name:
             raise ValueError("--resume continues an experiment: name it with --name (a directory under --storage)")
+        if args.resume and not (Path(args.storage) / args.name / "tuner.pkl").is_file():
+            kept = sorted(p.parent.name for p in Path(args.storage).glob("*/tuner.pkl"))
+            raise ValueError(f"--resume: no experiment {args.name!r} under --storage {args.storage}"
+                             + (f" (it has {', '.join(kept)})" if kept else " (it has none)"))
         space = check_search(base, search)
         if args.metric.startswith("eval_") and not base.eval_every and "eval_every" not in space:
             raise ValueError(f"--metric {args.metric} is reported by evaluations, and the config has eval_every 0: set "

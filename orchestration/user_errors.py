@@ -43,6 +43,10 @@ def is_users_mistake(err: Exception, gymnasium: bool = False) -> bool:
         from adapters.checking import EnvOutputError
 
         return isinstance(err, EnvOutputError)
+    if type(err).__name__ == "EnvWorkerFault":  # the same, found in an env process (--rollout.env-processes)
+        from adapters.env_worker import EnvWorkerFault
+
+        return isinstance(err, EnvWorkerFault) and err.env_output
     return (isinstance(err, (SimulatorsFailed, NoSimulatorData, StalledRun))
             or gymnasium and type(err).__module__.split(".")[0] == "gymnasium")
 

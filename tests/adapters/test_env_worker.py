@@ -188,7 +188,9 @@ def test_hung_or_failing_worker_is_restarted(pool_factory, tmp_path, mode, count
     start = time.monotonic()
     out = pool.step(cartpole_actions(8, generator))
     elapsed = time.monotonic() - start
-    assert (elapsed >= 1.0) == (mode == "hang") and elapsed < 20
+    # a raising worker is not waited for as a hung one: told by the counters, not the clock (its restart alone
+    # can take a second on a loaded machine)
+    assert (elapsed >= 1.0 if mode == "hang" else pool.counters["step_timeouts"] == 0) and elapsed < 20
     failed = out.get((NEXT, TRUNCATED)).squeeze(1)
     assert failed.tolist() == [False] * 4 + [True] * 4  # exactly the faulty worker's envs
     assert pool.counters[counter] == 1 and pool.counters["env_restarts"] == 1 and pool.counters["episodes_lost"] == 4

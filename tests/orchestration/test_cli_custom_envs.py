@@ -94,6 +94,12 @@ def test_env_data_that_breaks_the_tree_mid_run_and_an_env_given_as_a_path_are_to
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.strip() == ("shoal train: env 0, agent 'agent', key next/agent/observation: "
                                                      "expected shape (4,), got (3,)"), err
+    with pytest.raises(SystemExit) as exit_:  # the same, found in an env process
+        main(["train", "my_envs:make_wrong_shape", "--iterations", "1", "--rollout.num-envs", "2", "--no-progress",
+              "--rollout.env-processes", "2", "--run-dir", "run2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "raised adapters.checking.EnvOutputError: env 0, agent 'agent', key " \
+        "next/agent/observation: expected shape (4,), got (3,). Strict mode stops here" in err and "Traceback" not in err
     for path in ("./my_envs.py", ".my_envs"):
         with pytest.raises(SystemExit) as exit_:
             main(["train", f"{path}:make_cartpole", "--no-progress"])

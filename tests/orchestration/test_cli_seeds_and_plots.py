@@ -92,6 +92,9 @@ def test_plot_takes_a_metrics_file_or_a_directory_of_runs_names_a_near_metric_an
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path / "seeds"), "--metric", "episode_retrun_mean", "--out", str(tmp_path / "c.png")])
     assert "has no column 'episode_retrun_mean' (did you mean 'episode_return_mean'?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a run named as a file and again under its directory: counted once, never twice
+        main(["plot", str(tmp_path / "seeds" / "seed_0" / "metrics.csv"), str(tmp_path / "seeds")])
+    assert "seed_0 named twice" in capsys.readouterr().err
 
 
 def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):

@@ -129,3 +129,14 @@ def test_the_results_table_tells_finished_trials_from_interrupted_and_pending_on
         ("a", "ok", 4), ("b", "unfinished", 2), ("c", "unfinished", None), ("d", "error: RuntimeError", 1),
         ("e", "ok", 2)]  # e searched its own iterations
     assert rows[2]["lr"] is None and rows[2]["episode_return_mean"] is None
+
+
+def test_resuming_an_experiment_that_is_not_there_names_those_that_are(tmp_path, capsys):
+    from orchestration.sweeps import main
+
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    (tmp_path / "tune" / "seeds").mkdir(parents=True)
+    (tmp_path / "tune" / "seeds" / "tuner.pkl").write_bytes(b"")  # an experiment Tune wrote (never read here)
+    code = main(["--config-file", str(tmp_path / "sweep.yaml"), "--storage", str(tmp_path / "tune"), "--name", "seds",
+                 "--resume"])
+    assert code == 2 and "--resume: no experiment 'seds' under --storage" in capsys.readouterr().err
