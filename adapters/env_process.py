@@ -188,4 +188,16 @@ def kill_all(workers: list[WorkerProcess]) -> None:
             w.proc.kill()
 
 
-__all__ = ["EnvWorkerConfig", "WorkerProcess", "collect_replies", "command", "kill_all", "step_template", "worker_main"]
+class EnvWorkerFault(RuntimeError):
+    """A worker hung, died or raised, and the pool was told not to restart it (``EnvWorkerConfig.restart``).
+
+    Attributes:
+        env_output: the worker's env returned data that breaks its tree (an ``EnvOutputError`` raised in the
+            worker: the env's author's to mend, as in one process), else False.
+    """
+
+    env_output: bool = False
+
+
+__all__ = ["EnvWorkerConfig", "EnvWorkerFault", "WorkerProcess", "collect_replies", "command", "kill_all",
+           "step_template", "worker_main"]

@@ -47,7 +47,7 @@ from core.specs import Tree, from_json, groups, zeros
 from core.tensordicts import clone_td
 
 from .checking import EnvOutputError
-from .env_process import EnvWorkerConfig, step_template
+from .env_process import EnvWorkerConfig, EnvWorkerFault, step_template
 from .env_process import WorkerProcess as _Worker
 from .env_process import collect_replies as _collect, command as _command
 from .env_process import kill_all as _kill_all
@@ -55,17 +55,6 @@ from .protocol import BatchedEnv
 
 
 _OWN_COUNTERS = ("env_restarts", "episodes_lost", "step_timeouts", "worker_crashes", "worker_errors")
-
-
-class EnvWorkerFault(RuntimeError):
-    """A worker hung, died or raised, and the pool was told not to restart it (``EnvWorkerConfig.restart``).
-
-    Attributes:
-        env_output: the worker's env returned data that breaks its tree (an ``EnvOutputError`` raised in the
-            worker: the env's author's to mend, as in one process), else False.
-    """
-
-    env_output: bool = False
 
 
 class EnvWorkerPool:
@@ -407,4 +396,4 @@ class EnvWorkerPool:
         nxt.get(DONE)[sl] = True
 
 
-__all__ = ["EnvWorkerConfig", "EnvWorkerPool", "step_template"]
+__all__ = ["EnvWorkerConfig", "EnvWorkerFault", "EnvWorkerPool", "step_template"]
