@@ -57,7 +57,7 @@ def note_policy_fit(command: str, config: TrainConfig, tree) -> None:
     """Says on stderr when the policy settings given (unlike their defaults) find nothing to act on in the env's
     observations: image encoder settings without an image leaf, normalisation without a float vector leaf."""
     from core.policies import PolicyConfig
-    from core.policies.networks import image_layout
+    from core.policies.networks import image_layout, normalizes
     from core.specs import groups, iter_leaves
 
     leaves = [leaf for g in groups(tree).values() for _, leaf in iter_leaves(g.agent.observation)]
@@ -69,8 +69,8 @@ def note_policy_fit(command: str, config: TrainConfig, tree) -> None:
         print(f"shoal {command}: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to image "
               f"observations (3-D boxes with 1, 3 or 4 channels first or last and sides >= 8), and {config.env} has "
               f"none: every observation is flattened into the MLP", file=sys.stderr)
-    floats = [leaf for leaf in leaves if leaf.kind == "box" and leaf.dtype.is_floating_point and leaf not in images]
-    if policy.normalize_observations and not floats:
+    cnn = policy.image_encoder != "flatten"  # (per-leaf overrides aside) images a CNN reads are not standardised
+    if policy.normalize_observations and not any(normalizes(leaf, cnn and leaf in images) for leaf in leaves):
         print(f"shoal {command}: --policy.normalize-observations standardises float vector observations, and "
               f"{config.env} has none (images and discrete values are left as they are): it does nothing here",
               file=sys.stderr)

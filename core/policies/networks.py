@@ -66,6 +66,11 @@ def _leaf_width(leaf: Leaf) -> int:
     return math.prod(leaf.shape)
 
 
+def normalizes(leaf: Leaf, encoded_as_image: bool) -> bool:
+    """Whether ``normalize_observations`` standardises ``leaf``: a float vector box, not read by a CNN."""
+    return leaf.kind == "box" and leaf.dtype.is_floating_point and not encoded_as_image
+
+
 def image_layout(leaf: Leaf) -> str | None:
     """``"chw"`` or ``"hwc"`` when ``leaf`` is an image: a 3-D box with 1, 3 or 4 channels first or last and both
     spatial sides >= 8 (channels last wins a tie, as gymnasium and PettingZoo images come); else None."""
@@ -162,8 +167,8 @@ class ObservationEncoder(nn.Module):
         self.out_features = sum(self.images[str(i)].out_features if str(i) in self.images else _leaf_width(leaf)
                                 for i, leaf in enumerate(self.leaves))
         #: leaf indices standardised with running statistics (float vector boxes, not images)
-        self.normalized = [i for i, leaf in enumerate(self.leaves) if normalize and leaf.kind == "box"
-                           and leaf.dtype.is_floating_point and str(i) not in self.images]
+        self.normalized = [i for i, leaf in enumerate(self.leaves)
+                           if normalize and normalizes(leaf, str(i) in self.images)]
         for i in self.normalized:  # persistent buffers: saved with the weights, travel with them, exported
             shape = self.leaves[i].shape
             self.register_buffer(f"obs_mean{i}", torch.zeros(shape, dtype=torch.float64))
@@ -286,4 +291,5 @@ class SharedEncoder(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
-__all__ = ["ObservationEncoder", "SharedEncoder", "check_leaf_names", "init_linear_", "mlp", "read_path"]
+__all__ = ["ObservationEncoder", "SharedEncoder", "check_leaf_names", "init_linear_", "mlp", "normalizes",
+           "read_path"]
