@@ -323,7 +323,7 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
                               assignment, slot=i) for i, env in enumerate(envs)]
         critic = build_team_critic(config, tree, teams)  # one more receiver of every fragment
         receivers = {pid: lrn for pid, lrn in learners.items() if lrn.learns}
-        fleet = LocalFleet(actors, receivers if critic is None else {**receivers, TEAM_CRITIC: critic})
+        fleet = LocalFleet(config, actors, receivers if critic is None else {**receivers, TEAM_CRITIC: critic})
     make_evaluator = partial(build_evaluator, config, policies, assignment, fixed, trusted_collection=True)
     return Trainer(config, fleet, learners, make_evaluator() if config.eval_every else None, tree, on_close=close,
                    team_critic=critic, make_evaluator=make_evaluator)

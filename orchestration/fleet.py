@@ -29,6 +29,7 @@ from tensordict import TensorDictBase
 
 from orchestration.actor import Actor
 from orchestration.collection_env import switch_member_, tag_fragment
+from orchestration.config import TrainConfig
 from orchestration.statistics import EpisodeStatistics
 
 #: policy id -> (version, weights in the fleet's transport form)
@@ -41,6 +42,43 @@ def fragment_rounds(steps: int, fragment_steps: int, workers: int) -> int:
     rule of every fleet (each worker the same number of fragments, as a local run), and the top-up a Ray fleet
     asks of its live workers after others died."""
     return math.ceil(max(steps, 0) / (fragment_steps * workers))
+
+
+def collect_in_rounds(target_steps: int, fragment_steps: int, workers: int,
+                      run_rounds: Callable[[dict[int, int]], list[dict]], fresh_steps: Callable[[], int] | None,
+                      attempts: int = 1) -> list[dict]:
+    """Every fleet's synchronous collection: :func:`fragment_rounds` of one fragment per worker for
+    ``target_steps``; ``run_rounds({worker index: rounds})`` has the workers collect them and returns their
+    reports. What dead workers lost (a fleet that re-creates them) is topped up: while ``fresh_steps()`` (the
+    steps the learners hold; None: nothing learns, nothing to top up) is short of the target, every worker adds
+    the rounds the shortfall needs, up to ``attempts`` collections in all.
+
+    Raises:
+        RuntimeError: the target was still short after ``attempts`` collections.
+    """
+    reports: list[dict] = []
+    missing = target_steps
+    for _ in range(attempts):
+        reports += run_rounds(dict.fromkeys(range(workers), fragment_rounds(missing, fragment_steps, workers)))
+        missing = target_steps - fresh_steps() if fresh_steps is not None else 0
+        if missing <= 0:
+            return reports
+    raise RuntimeError(f"could not collect a training batch: {missing} env steps short after {attempts} tries")
+
+
+def resumes_exactly(config: TrainConfig, envs_save_state: bool, restarts: int) -> bool:
+    """Whether a run resumed from a checkpoint of this fleet continues bit for bit: synchronous mode, envs
+    that save their state, no re-created worker (its stream cannot go on under a fresh fleet's ids) and no
+    central inference (the service's sampling stream is not saved)."""
+    return config.mode == "sync" and envs_save_state and not restarts and not config.rollout.central_inference
+
+
+def worker_states_saved(config: TrainConfig, restarts: int, collecting: bool) -> bool:
+    """Whether a fleet's worker states may go in a checkpoint: not in asynchronous mode nor after a collection
+    that failed (a worker may be mid-fragment), nor after a worker was re-created (see :func:`resumes_exactly`);
+    a resumed run then restarts its envs and counts."""
+    return config.mode == "sync" and not restarts and not collecting
+
 
 class CollectionInterrupted(Exception):
     """A collection given up on :meth:`Fleet.interrupt` (one that waited for data that did not come): the
@@ -92,6 +130,7 @@ class LocalFleet:
     produced before a training step reaches the learner after it, as on a real asynchronous fleet.
 
     Args:
+        config: the run's config (its mode and central inference say whether a resume is exact).
         actors: the training actors (one per worker; worker id = index).
         learners: policy id -> learner that receives every fragment (the learning ones).
         stats: where completed episodes go (a fresh :class:`EpisodeStatistics` when None).
@@ -99,9 +138,9 @@ class LocalFleet:
 
     restarts = 0
 
-    def __init__(self, actors: Sequence[Actor], learners: Mapping[str, Any],
+    def __init__(self, config: TrainConfig, actors: Sequence[Actor], learners: Mapping[str, Any],
                  stats: EpisodeStatistics | None = None) -> None:
-        self.actors, self.learners = list(actors), dict(learners)
+        self.config, self.actors, self.learners = config, list(actors), dict(learners)
         self.stats = stats or EpisodeStatistics()
         first = self.actors[0]
         streams = len(first.sequences())  # a polling actor: one fragment stream per env process, equal sizes
@@ -134,10 +173,14 @@ class LocalFleet:
         """Every actor loads ``weights``, then rounds of one fragment per actor until ``target_steps``."""
         for actor in self.actors:
             self._load(actor, weights)
-        for _ in range(fragment_rounds(target_steps, self.fragment_steps, len(self.actors))):
-            for actor in self.actors:
-                self._produce(actor)
-        return [self._report(actor) for actor in self.actors]
+
+        def run_rounds(rounds: dict[int, int]) -> list[dict]:  # nobody dies here: every actor the same rounds
+            for _ in range(max(rounds.values())):
+                for actor in self.actors:
+                    self._produce(actor)
+            return [self._report(actor) for actor in self.actors]
+
+        return collect_in_rounds(target_steps, self.fragment_steps, len(self.actors), run_rounds, None)
 
     # -- asynchronous mode -------------------------------------------------------------------------------
     def start(self, weights: Weights) -> None:
@@ -189,8 +232,8 @@ class LocalFleet:
 
     @property
     def resume_exact(self) -> bool:
-        """Whether every env can save its state (a resumed run then continues bit for bit)."""
-        return all(hasattr(actor.env, "state_dict") for actor in self.actors)
+        """Whether a resumed run continues bit for bit (:func:`resumes_exactly`)."""
+        return resumes_exactly(self.config, all(hasattr(actor.env, "state_dict") for actor in self.actors), 0)
 
     def interrupt(self) -> None:
         """Nothing to give up: a local collection ends by itself."""
@@ -206,4 +249,5 @@ class LocalFleet:
                 close()
 
 
-__all__ = ["CollectionInterrupted", "Fleet", "LocalFleet", "Weights", "fragment_rounds"]
+__all__ = ["CollectionInterrupted", "Fleet", "LocalFleet", "Weights", "collect_in_rounds", "fragment_rounds",
+           "resumes_exactly", "worker_states_saved"]

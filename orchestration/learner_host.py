@@ -14,7 +14,7 @@ hosts it on Ray (``ray.put``/``ray.get``) and adds restarts and the data-paralle
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
@@ -23,6 +23,7 @@ from core.specs import from_json
 from orchestration.allocator import keep_freed_memory
 from orchestration.builder import assignment_for, build_learner, policy_module
 from orchestration.config import TrainConfig
+from orchestration.data_parallel import data_parallel_, init_process_group, shard_by_rows
 from orchestration.learner_probes import LearnerProbes
 from orchestration.wire import from_wire, to_wire
 
@@ -91,6 +92,37 @@ class LearnerHost(LearnerProbes):
             result["weights"] = [self._weights]
             result["time_learn"] += time.perf_counter() - start  # the weights' way out is the learner's time too
         return result
+
+    # -- a data-parallel group (rank 0 here), a restart -------------------------------------------------
+    def join_group(self, peers: Sequence[Any], address: str, port: int,
+                   send: Callable[[Any, TensorDict, float, float], Any], wait: Callable[[list], Any]) -> None:
+        """Becomes rank 0 of a group with ``peers`` (:class:`orchestration.data_parallel.DataParallelRank`s
+        joining concurrently). Every batch is then split by env rows into one equal shard per rank: each peer
+        gets its own through ``send(peer, shard, progress, lr)``, rank 0 trains the first, and ``wait`` (the
+        list of what ``send`` returned) returns once every rank ran the same number of averaged steps."""
+        init_process_group(0, len(peers) + 1, address, port, self.learner.device)
+        data_parallel_(self.learner)
+        self._peers = list(peers)
+
+        def train_shards(fragments: list, progress: float, team: Any = None) -> dict:  # a team critic never
+            shards = shard_by_rows(fragments, len(self._peers) + 1, self.policy_id)   # runs with these (config)
+            lr = self.learner.optimizer.param_groups[0]["lr"]
+            sent = [send(peer, shard, progress, lr) for peer, shard in zip(self._peers, shards[1:])]
+            metrics = self.learner.update_([shards[0]], progress)
+            wait(sent)
+            self.learner.counters["env_steps_trained"] += sum(s.batch_size.numel() for s in shards[1:])
+            return metrics
+
+        self.learner.update_through = train_shards
+
+    def resume_from(self, restarts: int, state: Mapping[str, Any] | None, version: int) -> None:
+        """A re-started host: its restart count, the last state registered for it (None: none was) and the newest
+        version it had published; its versions go on rising past both (a worker never sees one twice)."""
+        self.restarts = int(restarts)
+        if state is not None:
+            self.learner.load_state_(state)
+            self.restored_version = self.learner.version
+        self.learner.publish_as(max(self.learner.version, int(version)) + 1)
 
     # -- weights out, state ------------------------------------------------------------------------------
     def publish(self) -> None:

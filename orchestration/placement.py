@@ -43,6 +43,18 @@ def gpu_holders(ray_config: RayConfig, num_learners: int, critics: int = 0) -> i
     return num_learners * ray_config.learners_per_policy + critics
 
 
+def learner_processes(config: TrainConfig, learning: int) -> int:
+    """Learner actors a Ray run of ``config`` with ``learning`` learning policies places (and reserves CPUs for):
+    one per policy, and a team critic, which is placed as a learner."""
+    return learning + int(config.team_critic.enabled)
+
+
+def learner_restarts(ray_config: RayConfig) -> int:
+    """Ray restarts of a learner actor: ``max_learner_restarts``, but none in a data-parallel group (the death of
+    its rank 0 takes the group down: its peers cannot join a restarted one)."""
+    return ray_config.max_learner_restarts if ray_config.learners_per_policy == 1 else 0
+
+
 def gpu_problem(config: TrainConfig, ray_config: RayConfig, holders: int, have: float) -> str | None:
     """Why ``holders`` learner processes of ``config`` cannot get their GPUs in a cluster of ``have`` (some would
     wait for ever, or a CUDA learner would get none), naming the flags at fault; None when they can."""
@@ -65,4 +77,5 @@ def inference_gpus(ray_config: RayConfig, cluster_gpus: float, num_learners: int
     return min(1.0, left) if left >= 0.1 else 0.0
 
 
-__all__ = ["cpus_needed", "gpu_holders", "gpu_problem", "inference_gpus", "learner_gpus", "reservation_problem"]
+__all__ = ["cpus_needed", "gpu_holders", "gpu_problem", "inference_gpus", "learner_gpus", "learner_processes",
+           "learner_restarts", "reservation_problem"]

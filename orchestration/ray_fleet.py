@@ -22,7 +22,7 @@ from tensordict import TensorDictBase
 
 from orchestration.builder import stream_worker_ids, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
-from orchestration.fleet import fragment_rounds
+from orchestration.fleet import collect_in_rounds, resumes_exactly, worker_states_saved
 from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
 from orchestration.statistics import EpisodeStatistics
@@ -106,36 +106,30 @@ class RayFleet:
 
     # -- synchronous mode --------------------------------------------------------------------------------
     def collect(self, target_steps: int, weights: Weights, new_steps: Callable[[], int] | None) -> list[dict]:
-        """Has the workers deliver at least ``target_steps`` env steps acting with ``weights``; their reports.
-
-        Every worker collects the same number of fragments (rounds of one per worker, as the local fleet);
-        if workers died, ``new_steps()`` (fresh steps the learners hold) tells what the live ones must add
-        (None: nothing learns, nothing to top up).
-        """
+        """Has the workers deliver at least ``target_steps`` env steps acting with ``weights``; their reports
+        (:func:`orchestration.fleet.collect_in_rounds`: a dead worker is re-created, what it lost topped up)."""
         weights = self._refs(weights)
         self._collecting = True  # stays set if this raises: the workers' states may be mid-fragment
-        n = len(self.slots)
-        requests = dict.fromkeys(range(n), fragment_rounds(target_steps, self.fragment_steps, n))
-        reports: list[dict] = []
-        for _ in range(self.ray_config.max_worker_restarts + 2):
+
+        def run_rounds(requests: dict[int, int]) -> list[dict]:
             pending = {self.slots[i].handle.collect.remote(k, weights, self.env_ids[i]): i
                        for i, k in requests.items() if k}
+            reports = []
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1)
                 index = pending.pop(done[0])
                 try:
-                    report = ray.get(done[0])
+                    reports.append(ray.get(done[0]))
                 except ray.exceptions.RayError as err:
                     self.restart(index, weights, err)
                     continue
-                self._record(report)
-                reports.append(report)
-            missing = target_steps - new_steps() if new_steps is not None else 0
-            if missing <= 0:
-                self._collecting = False
-                return reports
-            requests = dict.fromkeys(range(n), fragment_rounds(missing, self.fragment_steps, n))
-        raise RuntimeError("could not collect a training batch")
+                self._record(reports[-1])
+            return reports
+
+        reports = collect_in_rounds(target_steps, self.fragment_steps, len(self.slots), run_rounds, new_steps,
+                                    attempts=self.ray_config.max_worker_restarts + 2)
+        self._collecting = False
+        return reports
 
     # -- asynchronous mode -------------------------------------------------------------------------------
     def start(self, weights: Weights) -> None:
@@ -195,20 +189,13 @@ class RayFleet:
 
     @property
     def resume_exact(self) -> bool:
-        """Synchronous mode, envs that save their state, no re-created worker and no central inference (the
-        server's sampling stream is not saved): a resumed run continues exactly, as a local one does."""
-        return (self.config.mode == "sync" and self._env_state and not self.restarts
-                and not self.config.rollout.central_inference)
-
-    def _checkpointable(self) -> bool:
-        # asynchronous mode, or a collect that failed: the workers may be mid-fragment; a re-created worker's
-        # stream cannot go on under the ids of a fresh fleet: a resumed run then restarts envs and counts
-        return self.config.mode == "sync" and not self.restarts and not self._collecting
+        """Whether a resumed run continues bit for bit (:func:`orchestration.fleet.resumes_exactly`)."""
+        return resumes_exactly(self.config, self._env_state, self.restarts)
 
     def state(self) -> list[dict]:
-        """Every worker's actor state (taken between collects), or ``[]`` (see :meth:`_checkpointable`, and
-        when a worker does not answer: the checkpoint is still written, without them)."""
-        if not self._checkpointable():
+        """Every worker's actor state (taken between collects), or ``[]`` (:func:`orchestration.fleet.
+        worker_states_saved`, and when a worker does not answer: the checkpoint is still written, without them)."""
+        if not worker_states_saved(self.config, self.restarts, self._collecting):
             return []
         try:
             return ray.get([s.handle.state.remote() for s in self.slots])
@@ -217,7 +204,7 @@ class RayFleet:
 
     def load_state_(self, states) -> None:
         """Inverse of :meth:`state`; the produced-fragment counts follow the workers' sequence numbers."""
-        if states and self._checkpointable():
+        if states and worker_states_saved(self.config, self.restarts, self._collecting):
             for counts in ray.get([s.handle.load_state_.remote(st) for s, st in zip(self.slots, states)]):
                 self.reported.update(counts)
 

@@ -27,7 +27,7 @@ from tensordict import TensorDict
 
 from core.specs import from_json
 from orchestration.config import TrainConfig
-from orchestration.data_parallel import DataParallelRank, data_parallel_, free_port, init_process_group, shard_by_rows
+from orchestration.data_parallel import DataParallelRank, free_port
 from orchestration.learner_checkpoints import LearnerCheckpoints
 from orchestration.learner_host import LearnerHost, take_pushed
 from orchestration.ray_session import kill_actor
@@ -48,44 +48,24 @@ class LearnerServer(LearnerHost):
         super().__init__(policy_id, config, tree_json, initial_weights, num_threads=num_threads, put=ray.put)
         self.resolve_timeout_s, self._checkpoints = resolve_timeout_s, checkpoints
         if checkpoints is not None and _reconstructed():
-            self._resume(ray.get(checkpoints.resume.remote(policy_id)))
+            info = ray.get(checkpoints.resume.remote(policy_id))
+            self.resume_from(info["restarts"], None if info["refs"] is None else ray.get(info["refs"][0]),
+                             info["version"])
         self.publish()
-
-    def _resume(self, info: Mapping[str, Any]) -> None:
-        self.restarts = int(info["restarts"])
-        if info["refs"] is not None:
-            self.learner.load_state_(ray.get(info["refs"][0]))
-            self.restored_version = self.learner.version
-        self.learner.publish_as(max(self.learner.version, int(info["version"])) + 1)
 
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> int:
         """Takes one fragment: ``meta`` + ``[ref]`` of its wire message, nested so that Ray does not resolve it
         before the call (a re-delivery is never fetched; a ref that cannot be read is counted lost)."""
         return super().push(meta, lambda: ray.get(refs[0], timeout=self.resolve_timeout_s))
 
-    def _train_shards(self, fragments: list, progress: float, team: Any = None) -> dict:
-        """Splits the batch by env rows into one equal shard per rank; rank 0 (here) trains the first (a team
-        critic never runs with data-parallel learners: the config refuses it)."""
-        shards = shard_by_rows(fragments, len(self._peers) + 1, self.policy_id)
-        lr = self.learner.optimizer.param_groups[0]["lr"]
-        futures = [peer.train.remote(ray.put(to_wire(shard)), progress=progress, lr=lr)
-                   for peer, shard in zip(self._peers, shards[1:])]
-        metrics = self.learner.update_([shards[0]], progress)
-        ray.get(futures)  # every rank ran the same number of averaged steps
-        self.learner.counters["env_steps_trained"] += sum(s.batch_size.numel() for s in shards[1:])
-        return metrics
-
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port, where the data-parallel group of this policy meets."""
         return ray.util.get_node_ip_address(), free_port()
 
     def join_data_parallel(self, peers: Sequence[Any], address: str, port: int) -> None:
-        """Becomes rank 0 of a group with ``peers`` (:class:`DataParallelRank` actors joining concurrently); every
-        batch is then split over the group (:meth:`_train_shards`)."""
-        init_process_group(0, len(peers) + 1, address, port, self.learner.device)
-        data_parallel_(self.learner)
-        self._peers = list(peers)
-        self.learner.update_through = self._train_shards
+        """Rank 0 of a group with ``peers`` (:meth:`LearnerHost.join_group`; shards go out through the object store)."""
+        self.join_group(peers, address, port, wait=ray.get, send=lambda peer, shard, progress, lr: peer.train.remote(
+            ray.put(to_wire(shard)), progress=progress, lr=lr))
 
     def publish(self) -> None:
         super().publish()

@@ -28,7 +28,7 @@ from core.specs import Tree, to_json
 from orchestration.addresses import check_reachable
 from orchestration.config import RayConfig, TrainConfig
 from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
-                                    reservation_problem)
+                                    learner_processes, learner_restarts, reservation_problem)
 from orchestration.signals import kept_sigterm
 from orchestration.sweeps import config_from_params, run_trial
 
@@ -128,7 +128,7 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
 
     rc = config.ray
     trained = [pid for pid in policies if pid not in fixed]
-    placed = len(trained) + int(config.team_critic.enabled)  # a team critic is placed as a learner
+    placed = learner_processes(config, len(trained))
     owns_ray = init_ray(config, rc, cpus_needed(config, rc, placed))
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
     check_resources(config, rc, placed, strict=owns_ray and not joined)
@@ -144,8 +144,7 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     registry = RemoteLearnerCheckpoints.options(name=registry_name, max_restarts=-1, **near_driver).remote()
     for pid, refs in initial.items():  # the learners read them there (see LearnerServer)
         registry.set_initial.remote(pid, refs)
-    restarts = rc.max_learner_restarts if rc.learners_per_policy == 1 else 0  # a rank 0 takes its group down
-    handles = {pid: RemoteLearner.options(max_restarts=restarts, **options).remote(
+    handles = {pid: RemoteLearner.options(max_restarts=learner_restarts(rc), **options).remote(
         pid, config, to_json(tree), None, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads,
         checkpoints=registry_name) for pid in trained}
     peers: dict[str, list] = {pid: [] for pid in trained}

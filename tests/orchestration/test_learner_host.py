@@ -70,3 +70,27 @@ def test_a_re_delivery_is_never_fetched_and_an_unreadable_one_is_counted_lost():
             [first.get("fragment_id")[0, 0]]  # only the first was filed
     finally:
         trainer.close()
+
+
+def test_a_restarted_host_resumes_the_registered_state_and_its_versions_go_on_rising():
+    trainer, actor, local, host, puts = _setup()
+    try:
+        fragment = actor.collect()
+        meta = actor.fragment_meta(fragment)
+        host.push(meta, lambda: to_wire(fragment, meta))
+        host.train(take_all=True)
+        saved = host.state()  # what the driver registered, at version 1
+        host.push(meta := actor.fragment_meta(second := actor.collect()), lambda: to_wire(second, meta))
+        host.train(take_all=True)  # version 2, published and then lost with the process
+
+        again = LearnerHost(local.policy_id, trainer.config, to_json(trainer.tree), to_wire(local.published()[1]))
+        again.resume_from(restarts=1, state=saved, version=2)
+        assert again.restored_version == 1 and again.learner.version == 3  # past what any worker saw
+        assert (TensorDict.from_module(again.learner.policy) == from_wire(puts[1])).all()  # version 1's weights
+        assert again.report()["restarts"] == 1
+
+        fresh = LearnerHost(local.policy_id, trainer.config, to_json(trainer.tree), to_wire(local.published()[1]))
+        fresh.resume_from(restarts=2, state=None, version=5)  # died before its first registration
+        assert fresh.restored_version is None and fresh.learner.version == 6
+    finally:
+        trainer.close()

@@ -72,6 +72,7 @@ def test_central_inference_on_the_local_backend_acts_with_the_learners_weights()
         assert all((w[k] == handed[k]).all() for w in served for k in handed.keys(True, True))
         assert metrics["fragments_accepted"] == metrics["fragments_produced"] == 3 * 2
         assert metrics["trained_max_lag"] == 0
+        assert not trainer.resume_exact  # the service's sampling stream is not in a checkpoint, as on Ray
     finally:
         trainer.close()
 
@@ -88,5 +89,6 @@ def test_central_inference_on_the_ray_backend(ray_session):
             assert all((served[k] == handed[k]).all() for k in handed.keys(True, True))
         assert ray_session.get(trainer.fleet.inference.stats.remote())["served"] >= 3 * 2 * 32
         assert metrics["fragments_accepted"] == metrics["fragments_produced"]
+        assert not trainer.resume_exact
     finally:
         trainer.close()
