@@ -5,19 +5,22 @@
    checking against the tree, one inference-service forward, recording the step). Reference, in the same run:
    a bare ``websockets`` echo server sent the same ``act`` frame and echoing it back. Small observations (the
    example simulator's 4 floats) and image-sized ones (84x84x3 uint8, a flattening policy). p50 and p99 over
-   interleaved rounds. Target (issue 13): p50 within 2x of the echo. Also timed in the same rounds: the served
+   interleaved rounds. Target (issue 13): p50 within 2x of the echo. Also timed in the same run: the served
    policy's bare forward for one request (its ``act_step`` on one row: ``*_forward_p50_us``), and
    ``*_floor_vs_echo`` = (echo + bare forward) / echo: what a server costing nothing but the forward would
    reach, the bound on ``*_p50_vs_echo`` with this policy on this transport and machine. And ``*_bare_p50_us``:
-   the same client against a bare protocol server in the same rounds (a ``websockets`` handler that decodes
+   the same client against a bare protocol server in the same rounds, interleaved (a ``websockets`` handler that decodes
    the ``act``, parses it against the tree, runs the policy's ``act_step`` and answers: no inference service,
    no recording, no counters, no checks of episode state): what the protocol in Python costs before anything
-   Shoal's server adds; ``*_bare_vs_echo`` is its ratio to the echo.
+   Shoal's server adds; ``*_bare_vs_echo`` is its ratio to the echo. The simulator side (one client each for
+   ours, the bare server and the echo) runs in a process of its own, as a simulator does (``--client thread``:
+   in a thread of the servers' process, sharing their interpreter's lock; it measures slower).
 2. ``simulators``: 16 copies of the example simulator (``examples/external_sim.py``'s episode loop) as threads,
    through the server on loopback, against the same 16 loops in this process asking the same inference
    service directly (no sockets, no protocol, no recording): env steps per second, and their ratio.
 
-    python benchmarks/external_round_trip.py [--requests 300] [--rounds 3] [--simulators 16] [--seconds 3]
+    python benchmarks/external_round_trip.py [--requests 300] [--rounds 3] [--simulators 16] [--seconds 3] \\
+        [--client process|thread]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import sys
 import threading
 import time
@@ -142,30 +146,50 @@ def time_forward(policy, device: torch.device, tree_doc: dict, obs: np.ndarray, 
     return out
 
 
-def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds: int) -> dict:
-    server, service, policy = start_server(tree_doc, max_bytes=1 << 22)
-    policy = policy.to(service.device)  # the service acts with its own copy on its device: time the same
-    echo = echo_server()
-    client = SimulatorClient(server.url, "bench", tree_doc, "bench")
-    ws = connect(f"ws://127.0.0.1:{echo.socket.getsockname()[1]}", compression=None, max_size=None, proxy=None,
-                 legacy=True)
-    bare_protocol = bare_server(tree_doc, policy, service.device)
-    bare_client = SimulatorClient(f"ws://127.0.0.1:{bare_protocol.socket.getsockname()[1]}", "bench", tree_doc, "bare")
+def client_rounds(urls: dict[str, str], tree_doc: dict, obs: np.ndarray, requests: int, rounds: int,
+                  out=None) -> tuple[list, list, list]:
+    """The simulator's side: ``requests`` act exchanges with our server, the bare protocol server and the echo,
+    interleaved over ``rounds``; the latencies ``(ours, bare, echo)``, also put on ``out`` (a process's queue)."""
+    client = SimulatorClient(urls["ours"], "bench", tree_doc, "bench")
+    bare_client = SimulatorClient(urls["bare"], "bench", tree_doc, "bare")
+    ws = connect(urls["echo"], compression=None, max_size=None, proxy=None, legacy=True)
     frame = encode({"type": "act", "id": 0, "episode": "e", "agents": {"agents_0": {"observation": obs}}})
-    ours, ref, bare, floor = [], [], [], []
+    ours, bare, ref = [], [], []
     time_ours(client, obs, 20, "warm")
     time_ours(bare_client, obs, 20, "warm")
     time_echo(ws, frame, 20)
-    time_forward(policy, service.device, tree_doc, obs, 20)
     for r in range(rounds):
         ours += time_ours(client, obs, requests, f"e{r}")
-        floor += time_ours(bare_client, obs, requests, f"e{r}")
+        bare += time_ours(bare_client, obs, requests, f"e{r}")
         ref += time_echo(ws, frame, requests)
-        bare += time_forward(policy, service.device, tree_doc, obs, requests)
     client.close()
     bare_client.close()
-    bare_protocol.shutdown()
     ws.close()
+    if out is not None:
+        out.put((ours, bare, ref))
+    return ours, bare, ref
+
+
+def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds: int, client_process: bool) -> dict:
+    server, service, policy = start_server(tree_doc, max_bytes=1 << 22)
+    policy = policy.to(service.device)  # the service acts with its own copy on its device: time the same
+    echo = echo_server()
+    bare_protocol = bare_server(tree_doc, policy, service.device)
+    urls = {"ours": server.url, "bare": f"ws://127.0.0.1:{bare_protocol.socket.getsockname()[1]}",
+            "echo": f"ws://127.0.0.1:{echo.socket.getsockname()[1]}"}
+    if client_process:  # a simulator is a process of its own: it does not share the server's interpreter
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        child = context.Process(target=client_rounds, args=(urls, tree_doc, obs, requests, rounds, queue))
+        child.start()
+        ours, floor, ref = queue.get(timeout=600)
+        child.join(30)
+    else:
+        ours, floor, ref = client_rounds(urls, tree_doc, obs, requests, rounds)
+    time_forward(policy, service.device, tree_doc, obs, 20)
+    bare = time_forward(policy, service.device, tree_doc, obs, requests * rounds)
+    frame = encode({"type": "act", "id": 0, "episode": "e", "agents": {"agents_0": {"observation": obs}}})
+    bare_protocol.shutdown()
     echo.shutdown()
     server.close()
     service.close()
@@ -246,15 +270,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--simulators", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--client", choices=("process", "thread"), default="process",
+                        help="where the round trips' simulator runs: a process of its own (as a simulator does), "
+                             "or a thread of this one (sharing the servers' interpreter)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     small = np.zeros(4, np.float32)
     image = np.random.default_rng(0).integers(0, 255, (84, 84, 3), dtype=np.uint8)
     small_tree = json.loads(json.dumps(external_sim.TREE))
     small_tree["tree"]["array"]["capacity"] = 1
-    result = {"benchmark": "external_round_trip"}
-    result.update(round_trip("small", small_tree, small, args.requests, args.rounds))
-    result.update(round_trip("image", image_tree(), image, args.requests // 3, args.rounds))
+    result = {"benchmark": "external_round_trip", "client": args.client}
+    result.update(round_trip("small", small_tree, small, args.requests, args.rounds, args.client == "process"))
+    result.update(round_trip("image", image_tree(), image, args.requests // 3, args.rounds, args.client == "process"))
     if args.simulators:
         result.update(simulators(args.simulators, args.seconds))
     result["target_p50_vs_echo"] = 2.0
