@@ -198,6 +198,21 @@ def with_past_selves(config: TrainConfig, tree: Tree, policies: Mapping[str, Any
     return out
 
 
+def check_polling(config: TrainConfig, tree: Tree, assignment: Mapping[str, GroupAssignment],
+                  policies: Mapping[str, Any]) -> None:
+    """Refuses ``rollout.env_polling`` where past selves would play (a polling actor acts for a changing set of
+    env rows at each step, and past selves draw their seats per env row at episode starts): they are not
+    dropped in silence."""
+    if not config.rollout.env_polling or config.past_selves.fraction == 0.0:
+        return
+    players = past_self_players(config, tree, assignment, policies)
+    if players:
+        raise ValueError(f"--rollout.env-polling: a polling actor does not seat past selves, which play for "
+                         f"{', '.join(map(repr, players))} here (--past-selves.fraction "
+                         f"{config.past_selves.fraction:g}, on by default in zero-sum self-play); set "
+                         f"--past-selves.fraction 0 to self-play without them, or drop --rollout.env-polling")
+
+
 def past_self_players(config: TrainConfig, tree: Tree, assignment: Mapping[str, GroupAssignment],
                       policies: Mapping[str, Any] | None = None) -> list[str]:
     """The policies past selves can stand in for (:func:`with_past_selves`), whatever ``config.past_selves``:
@@ -291,6 +306,7 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
         teams = teams_for(config, tree, assignment, set(policies) - fixed)  # refuses what it cannot do, first
+        check_polling(config, tree, assignment, policies)
         if pretrain:
             pretrain_policies_(config, tree, assignment, policies, fixed)
         from orchestration.ray_session import build_ray_parts
@@ -304,6 +320,7 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
         policies, fixed = build_policies(config, tree, assignment)
         try:
             teams = teams_for(config, tree, assignment, set(policies) - fixed)
+            check_polling(config, tree, assignment, policies)
             if pretrain:
                 pretrain_policies_(config, tree, assignment, policies, fixed)
         except BaseException:
@@ -330,5 +347,5 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
 
 
 __all__ = ["assignment_for", "build_actor", "build_evaluator", "build_learner", "build_learners", "build_policies",
-           "build_trainer", "fixed_policy_ids", "is_fixed", "policy_module", "pretrain_policies_", "stream_worker_ids",
-           "worker_id_of", "worker_seed"]
+           "build_trainer", "check_polling", "fixed_policy_ids", "is_fixed", "policy_module", "pretrain_policies_",
+           "stream_worker_ids", "worker_id_of", "worker_seed"]

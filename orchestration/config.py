@@ -40,8 +40,8 @@ class RolloutConfig:
     runs the envs in subprocesses (one unless ``env_processes`` says more); 0: the pool's default (30 s)."""
     central_inference: bool = False
     """Actors hold no policy copy: every step asks one batched inference service (in this process locally, a
-    Ray actor on Ray, on the GPU when there is one), which answers all actors' requests in shared forward
-    passes (``orchestration.service_policy``)."""
+    Ray actor on Ray, on a GPU the learners leave when there is one and ``--device`` is not ``cpu``), which
+    answers all actors' requests in shared forward passes (``orchestration.service_policy``)."""
     env_polling: bool = False
     """With ``env_processes`` >= 2: act for whichever env processes are ready instead of waiting for all of them
     (``orchestration.polling_actor``), so a slow or hung process holds back only its own envs. Each process is

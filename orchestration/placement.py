@@ -29,11 +29,16 @@ def reservation_problem(config: TrainConfig, ray_config: RayConfig, num_learners
             f" or raise --ray.num-cpus")
 
 
-def learner_gpus(num_gpus: float | str, cluster_gpus: float, holders: int) -> float:
+def on_cpu(device: str) -> bool:
+    """Whether ``--device`` asks for the CPU (then ``"auto"`` GPU reservations take none: they would sit idle)."""
+    return device.split(":")[0] == "cpu"
+
+
+def learner_gpus(num_gpus: float | str, cluster_gpus: float, holders: int, device: str = "auto") -> float:
     """GPUs of one learner process: ``"auto"`` shares the cluster's GPUs (at most one each) among ``holders``
-    processes (every learner's data-parallel ranks, team critics) when it has any."""
+    processes (every learner's data-parallel ranks, team critics) when it has any and ``device`` is not the CPU."""
     if num_gpus == "auto":
-        return min(1.0, cluster_gpus / holders) if cluster_gpus else 0.0
+        return min(1.0, cluster_gpus / holders) if cluster_gpus and not on_cpu(device) else 0.0
     return float(num_gpus)
 
 
@@ -58,7 +63,7 @@ def learner_restarts(ray_config: RayConfig) -> int:
 def gpu_problem(config: TrainConfig, ray_config: RayConfig, holders: int, have: float) -> str | None:
     """Why ``holders`` learner processes of ``config`` cannot get their GPUs in a cluster of ``have`` (some would
     wait for ever, or a CUDA learner would get none), naming the flags at fault; None when they can."""
-    gpus = learner_gpus(ray_config.learner_num_gpus, have, holders)
+    gpus = learner_gpus(ray_config.learner_num_gpus, have, holders, config.device)
     if gpus * holders > have + 1e-9:
         ranks = f" ({holders} learner processes)" if holders > 1 else ""
         return (f"--ray.learner-num-gpus {ray_config.learner_num_gpus:g} asks for {gpus * holders:g} GPUs{ranks} but "
@@ -69,13 +74,14 @@ def gpu_problem(config: TrainConfig, ray_config: RayConfig, holders: int, have: 
     return None
 
 
-def inference_gpus(ray_config: RayConfig, cluster_gpus: float, num_learners: int, critics: int = 0) -> float:
+def inference_gpus(ray_config: RayConfig, cluster_gpus: float, num_learners: int, critics: int = 0,
+                   device: str = "auto") -> float:
     """GPUs of the central inference server: what the learners (each with its data-parallel ranks) and ``critics``
-    team critics (placed as learners) leave, at most one; else none (the CPU)."""
+    team critics (placed as learners) leave, at most one; else none (the CPU), as with ``--device cpu``."""
     holders = gpu_holders(ray_config, num_learners, critics)
-    left = cluster_gpus - learner_gpus(ray_config.learner_num_gpus, cluster_gpus, holders) * holders
-    return min(1.0, left) if left >= 0.1 else 0.0
+    left = cluster_gpus - learner_gpus(ray_config.learner_num_gpus, cluster_gpus, holders, device) * holders
+    return min(1.0, left) if left >= 0.1 and not on_cpu(device) else 0.0
 
 
 __all__ = ["cpus_needed", "gpu_holders", "gpu_problem", "inference_gpus", "learner_gpus", "learner_processes",
-           "learner_restarts", "reservation_problem"]
+           "learner_restarts", "on_cpu", "reservation_problem"]

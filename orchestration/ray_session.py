@@ -105,9 +105,9 @@ def kill_actor(handle) -> None:
 
 
 def learner_options(num_cpus: float, num_gpus: float | str, holders: int,
-                    resources: Mapping[str, float] | None = None) -> dict[str, Any]:
+                    resources: Mapping[str, float] | None = None, device: str = "auto") -> dict[str, Any]:
     """Ray resources of one of ``holders`` learner processes (:func:`orchestration.placement.learner_gpus`)."""
-    gpus = learner_gpus(num_gpus, ray.cluster_resources().get("GPU", 0.0), holders)
+    gpus = learner_gpus(num_gpus, ray.cluster_resources().get("GPU", 0.0), holders, device)
     return {"num_cpus": num_cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
 
 
@@ -133,7 +133,8 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
     check_resources(config, rc, placed, strict=owns_ray and not joined)
     holders = gpu_holders(rc, len(trained), critics=int(config.team_critic.enabled))
-    options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, holders, dict(rc.learner_resources))
+    options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, holders, dict(rc.learner_resources),
+                              config.device)
     initial = {pid: [ray.put(to_wire(TensorDict.from_module(policies[pid]).detach()))] for pid in trained}
     # The checkpoint registry stays near the driver (it reserves nothing, so it never competes with the
     # learners for pinned resources); statistics live beside the learners when they are pinned.
@@ -161,7 +162,7 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
                 peers[pid] = [RemoteRank.options(**options).remote(
                     policies[pid], groups_of(assignment, pid), ppo=config.ppo, lr=config.lr,
                     batch_steps=config.steps_per_iteration // world, seed=config.seed,
-                    device="cuda" if options.get("num_gpus") else "cpu") for _ in range(world - 1)]
+                    device=config.device) for _ in range(world - 1)]  # resolved as rank 0's is, in its process
                 address, port = ray.get(server.rendezvous.remote())
                 ray.get([server.join_data_parallel.remote(peers[pid], address, port)]
                         + [peer.join.remote(r, world, address, port) for r, peer in enumerate(peers[pid], 1)])
@@ -217,7 +218,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         from orchestration.team_critic import TEAM_CRITIC
 
         options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, gpu_holders(rc, len(learners), critics=1),
-                                  dict(rc.learner_resources))
+                                  dict(rc.learner_resources), config.device)
         critic = RayTeamCritic(RemoteTeamCritic.options(max_restarts=0, **options).remote(
             config, to_json(tree), teams, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads),
             [p for t in teams for p in t.policies])
@@ -230,7 +231,8 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         from orchestration.inference import InferenceConfig
         from orchestration.ray_fleet import RemoteInferenceServer
 
-        gpus = inference_gpus(rc, ray.cluster_resources().get("GPU", 0.0), len(learners), critics=int(critic is not None))
+        gpus = inference_gpus(rc, ray.cluster_resources().get("GPU", 0.0), len(learners), int(critic is not None),
+                              config.device)
         inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
     others = [*([critic.handle] if critic else [])]

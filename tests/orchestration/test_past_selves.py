@@ -103,8 +103,8 @@ def test_state_round_trip_continues_with_the_same_seats_pool_and_draws():
 
 
 def _connect_four(**fields) -> TrainConfig:
-    return TrainConfig(env="pettingzoo:classic.connect_four_v3", seed=0, iterations=2, lr=2.5e-3, loggers=(),
-                       rollout=RolloutConfig(num_envs=8, fragment_length=32), **fields)
+    fields.setdefault("rollout", RolloutConfig(num_envs=8, fragment_length=32))
+    return TrainConfig(env="pettingzoo:classic.connect_four_v3", seed=0, iterations=2, lr=2.5e-3, loggers=(), **fields)
 
 
 def test_plain_self_play_games_get_past_selves_by_default_and_train_only_the_current_seats():
@@ -230,6 +230,21 @@ def test_past_selves_set_by_flags_where_none_can_play_are_said_not_dropped(tmp_p
                               ["--preset", "connect_four", "--policy-mapping", "player_1", "random"])):  # the preset's
         main(["train", *args, *small, "--run-dir", str(tmp_path / f"yes{i}")])
         assert said not in capsys.readouterr().err
+
+
+def test_env_polling_where_past_selves_would_play_is_refused_naming_both_flags():
+    """A polling actor seats no past selves: a zero-sum self-play run with --rollout.env-polling is refused before
+    any env process starts (it trained without them, in silence); with --past-selves.fraction 0 it runs."""
+    from orchestration.builder import build_trainer
+
+    polling = RolloutConfig(num_envs=4, fragment_length=8, env_processes=2, env_polling=True)
+    for backend in ("local", "ray"):
+        with pytest.raises(ValueError, match=r"^--rollout.env-polling: a polling actor does not seat past selves, "
+                                             r"which play for 'player' here \(--past-selves.fraction 0.5, .*set "
+                                             r"--past-selves.fraction 0 to self-play without them"):
+            build_trainer(_connect_four(rollout=polling, backend=backend))  # refused before Ray is joined
+    trainer = build_trainer(_connect_four(rollout=polling, past_selves=PastSelvesConfig(fraction=0.0)))
+    trainer.close()
 
 
 def test_a_past_selves_setting_out_of_range_is_named_as_its_flag():

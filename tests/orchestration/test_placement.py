@@ -106,3 +106,12 @@ def test_a_cuda_learner_without_a_gpu_is_named_with_the_device_flag():
 def test_negative_learner_gpus_are_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--ray.learner-num-gpus must be auto or >= 0, got -1"):
         RayConfig(learner_num_gpus=-1)
+
+
+def test_a_cpu_device_takes_no_gpu_for_learners_or_inference_unless_asked():
+    """--device cpu on a GPU cluster: "auto" reserves nothing (a learner or the inference server would hold a GPU
+    it never uses, and the server would act on CUDA against the flag); an explicit count is still honoured."""
+    assert learner_gpus("auto", 2.0, 2, device="cpu") == 0.0
+    assert learner_gpus("auto", 2.0, 2, device="auto") == 1.0 and learner_gpus(0.5, 2.0, 2, device="cpu") == 0.5
+    assert inference_gpus(RayConfig(), 4.0, 1, device="cpu") == 0.0
+    assert inference_gpus(RayConfig(), 4.0, 1, device="cuda:0") == 1.0

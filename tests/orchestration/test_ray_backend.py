@@ -20,6 +20,7 @@ import ray
 import torch
 from tensordict import TensorDict
 
+from core.losses import PPOConfig
 from core.policies import PolicyConfig
 from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 from orchestration.wire import from_wire, to_wire
@@ -52,7 +53,18 @@ SPLIT = {"env": "builtin:spread", "policy_mapping": (("agents_1", "other"), ("ag
          "eval_every": 2, "eval_episodes": 2, "policy": PolicyConfig(critic="joint")}
 
 
-@pytest.mark.parametrize("overrides", [{}, SPLIT], ids=["cartpole", "spread_3_policies"])
+# What the policies bring (seed 001's policies issue), on an image task and a memory task: an image encoder with
+# reward scaling; an LSTM trained on sequences with a burn-in, its observations normalised (the statistics are
+# part of the weights the workers get); MAPPO's central critic (every agent's critic sees the whole state).
+IMAGES = {"env": "builtin:spot", "policy": PolicyConfig(image_encoder="impala", image_features=32, scale_rewards=True)}
+MEMORY = {"env": "builtin:recall", "ppo": PPOConfig(sequence_length=8, burn_in=4, minibatch_size=32),
+          "policy": PolicyConfig(recurrent=True, recurrent_cell="lstm", normalize_observations=True)}
+CENTRAL = {"env": "builtin:spread", "policy": PolicyConfig(critic="central", normalize_observations=True)}
+
+
+@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL],
+                         ids=["cartpole", "spread_3_policies", "images_scaled_rewards", "lstm_burn_in_normalised",
+                              "central_critic"])
 def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overrides):
     from orchestration.builder import build_trainer
 
@@ -87,7 +99,7 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
         _assert_same_checkpoint(local, remote)
         if not overrides:
             _assert_resumes_exactly(config, local, remote)
-        prefix = "" if not overrides else "other/"
+        prefix = "other/" if overrides is SPLIT else ""  # several trained policies: metrics per policy
         assert ray_metrics[f"{prefix}fragments_in_flight"] == 0
         assert ray_metrics[f"{prefix}weights_serializations"] == version + 1  # one put per version
         if not overrides:

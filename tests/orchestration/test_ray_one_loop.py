@@ -188,7 +188,7 @@ def _registries_back(ray, before: set[str]) -> bool:
 
 class _FailingRank:
     def __init__(self, *args, **kwargs) -> None:
-        raise ValueError("this rank cannot start")
+        raise ValueError(f"this rank cannot start (device {kwargs['device']!r})")
 
     def join(self, *args) -> None:
         pass
@@ -206,7 +206,8 @@ def test_a_data_parallel_rank_that_fails_to_start_leaves_no_actor_behind(ray_ses
     config = TrainConfig(env="builtin:cartpole", iterations=1, backend="ray", train_batch_size=16,
                          ray=RayConfig(worker_num_cpus=0.5, learner_num_cpus=0.5, learners_per_policy=2),
                          rollout=RolloutConfig(num_envs=2, fragment_length=8, num_workers=1))
-    with pytest.raises(ray.exceptions.RayActorError, match="this rank cannot start") as raised:
+    # the peers get the run's --device, resolved in their process as rank 0's is (they had "cuda" on any GPU)
+    with pytest.raises(ray.exceptions.RayActorError, match="this rank cannot start \\(device 'auto'\\)") as raised:
         build_trainer(config)
     # checked while the error (whose traceback holds the build's handles) is alive, as a caller that keeps it
     assert _cpus_back(ray, free), "the rank-0 learner actor still holds its CPUs"
