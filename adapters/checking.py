@@ -61,6 +61,17 @@ class EnvOutputError(ValueError):
         super().__init__(f"{', '.join(w for w in where if w)}: {message}")
         self.env_index, self.agent, self.key = env_index, agent, tuple(key)
 
+    def __reduce__(self):  # picklable as it is (its keywords): a Ray worker's error reaches the driver whole
+        return _restored, (type(self), str(self), self.env_index, self.agent, self.key)
+
+
+def _restored(cls: type, text: str, env_index: int | None, agent: str | None, key: tuple[str, ...]) -> EnvOutputError:
+    """An :class:`EnvOutputError` (or subclass) as pickled: its text as it was, its attributes."""
+    error = cls.__new__(cls)
+    ValueError.__init__(error, text)
+    error.env_index, error.agent, error.key = env_index, agent, key
+    return error
+
 
 class IllegalActionError(EnvOutputError):
     """An action of our policy that must not reach the env (out of range, NaN, masked); raised in every mode."""

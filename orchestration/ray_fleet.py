@@ -26,6 +26,7 @@ from orchestration.fleet import collect_in_rounds, resumes_exactly, worker_state
 from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
 from orchestration.statistics import EpisodeStatistics
+from orchestration.user_errors import users_mistake_within
 from orchestration.ray_worker import RemoteRolloutWorker, RolloutWorker, Weights  # noqa: F401 - re-exported
 from orchestration.service_policy import InferenceServer
 from orchestration.wire import from_wire, to_wire
@@ -80,7 +81,10 @@ class RayFleet:
         return _Slot(slot, incarnation, handle)
 
     def restart(self, index: int, weights: Weights, cause: BaseException | None = None) -> None:
-        """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``."""
+        """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``; raises the user's
+        mistake that ended it instead (:func:`orchestration.user_errors.users_mistake_within`)."""
+        if (mistake := users_mistake_within(cause)) is not None:
+            raise mistake from None
         old = self.slots[index]
         self.dead.update(stream_worker_ids(self.config, old.slot, old.incarnation))
         kill_actor(old.handle)
@@ -121,7 +125,7 @@ class RayFleet:
                 try:
                     reports.append(ray.get(done[0]))
                 except ray.exceptions.RayError as err:
-                    self.restart(index, weights, err)
+                    self.restart(index, weights, err)  # raises the user's mistake instead
                     continue
                 self._record(reports[-1])
             return reports

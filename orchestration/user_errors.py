@@ -51,4 +51,12 @@ def is_users_mistake(err: Exception, gymnasium: bool = False) -> bool:
             or gymnasium and type(err).__module__.split(".")[0] == "gymnasium")
 
 
-__all__ = ["StalledRun", "is_users_mistake", "user_errors"]
+def users_mistake_within(err: BaseException) -> Exception | None:
+    """The user's mistake (:func:`is_users_mistake`) that an error from another process carries as its cause (a
+    Ray task error of a rollout worker: env data that breaks the tree there), else None. A fleet raises it as it
+    is instead of re-creating the worker, whose new envs would fail alike."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, Exception) and is_users_mistake(cause) else None
+
+
+__all__ = ["StalledRun", "is_users_mistake", "user_errors", "users_mistake_within"]

@@ -331,3 +331,18 @@ def test_an_error_of_the_whole_batch_names_its_key_without_a_none_env_or_agent()
     assert str(EnvOutputError("action missing", env_index=None, agent=None, key=("blue", "action"))) == \
         "key blue/action: action missing"
     assert str(EnvOutputError("bad", env_index=2, agent=None, key=("next", "shared"))) == "env 2, key next/shared: bad"
+
+
+def test_an_env_output_error_pickles_as_it_is():
+    """It crosses processes (a Ray rollout worker's error reaches the driver) with its text and attributes: its
+    keyword-only constructor made it unpicklable, and Ray sent an UnserializableException in its place."""
+    import pickle
+
+    from adapters.checking import EnvOutputError, IllegalActionError
+
+    for cls in (EnvOutputError, IllegalActionError):
+        error = cls("expected shape (4,), got (3,)", env_index=0, agent="agent", key=("next", "agent", "observation"))
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is cls and str(back) == str(error) == ("env 0, agent 'agent', key next/agent/observation: "
+                                                                 "expected shape (4,), got (3,)")
+        assert (back.env_index, back.agent, back.key) == (0, "agent", ("next", "agent", "observation"))

@@ -105,3 +105,27 @@ def test_env_data_that_breaks_the_tree_mid_run_and_an_env_given_as_a_path_are_to
             main(["train", f"{path}:make_cartpole", "--no-progress"])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "not a file path or a relative import: --env my_envs:make_cartpole" in err
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("processes", [0, 2], ids=["in_worker", "env_processes"])
+def test_env_data_that_breaks_the_tree_in_a_ray_worker_is_the_same_error_as_locally(ray_session, processes):
+    """On Ray the error reaches the driver as itself (the CLI's one paragraph, exit 2), not as a worker death that
+    is restarted until the restarts run out (a traceback after 100 new workers failed alike)."""
+    from adapters.checking import EnvOutputError
+    from adapters.env_process import EnvWorkerFault
+    from orchestration.builder import build_trainer
+    from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+    from orchestration.user_errors import is_users_mistake
+
+    config = TrainConfig(env="tests.orchestration.faulty_env_factories:make_wrong_shape", backend="ray",
+                         iterations=1, rollout=RolloutConfig(num_envs=2, fragment_length=8, env_processes=processes),
+                         ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0, max_worker_restarts=1))
+    trainer = build_trainer(config)
+    try:
+        with pytest.raises((EnvOutputError, EnvWorkerFault)) as raised:
+            trainer.train()
+        assert is_users_mistake(raised.value) and trainer.fleet.restarts == 0
+        assert "env 0, agent 'agent', key next/agent/observation: expected shape (4,), got (3,)" in str(raised.value)
+    finally:
+        trainer.close()
