@@ -60,11 +60,12 @@ IMAGES = {"env": "builtin:spot", "policy": PolicyConfig(image_encoder="impala", 
 MEMORY = {"env": "builtin:recall", "ppo": PPOConfig(sequence_length=8, burn_in=4, minibatch_size=32),
           "policy": PolicyConfig(recurrent=True, recurrent_cell="lstm", normalize_observations=True)}
 CENTRAL = {"env": "builtin:spread", "policy": PolicyConfig(critic="central", normalize_observations=True)}
+CONTINUOUS = {"env": "Pendulum-v1"}  # a Gaussian head on a bounded box action (gymnasium's vector env)
 
 
-@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL],
+@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS],
                          ids=["cartpole", "spread_3_policies", "images_scaled_rewards", "lstm_burn_in_normalised",
-                              "central_critic"])
+                              "central_critic", "continuous_actions"])
 def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overrides):
     from orchestration.builder import build_trainer
 
