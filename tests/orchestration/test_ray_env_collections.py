@@ -1,16 +1,19 @@
 """Environment collections on the Ray backend (issue 14): rollout workers get their member with each call,
-every fragment names its env id, per-env metrics and curriculum promotion come out as locally."""
+every fragment names its env id, per-env metrics and curriculum promotion come out as locally, and so do an
+adversarial set's draws, a prior's parameters and a split's evaluation."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 
 import pytest
 
 from orchestration.builder import build_trainer
 from orchestration.config import RayConfig
 from orchestration.wire import wire_meta
-from tests.orchestration.test_env_collections import config, curriculum, run
+from tests.orchestration.test_env_collections import FORMAT, cartpole, config, curriculum, prior, run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -36,3 +39,32 @@ def test_a_collection_on_ray_produces_fragments_with_env_ids_and_per_env_metrics
         assert metrics["collection/unlocked/env:hard"] == 1.0
     finally:
         trainer.close()
+
+
+ADVERSARIAL = {"format": FORMAT, "members": {"short": cartpole(5), "long": cartpole(500)},
+               "structure": {"kind": "adversarial", "ids": ["short", "long"], "temperature": 0.25}}
+SPLIT = {"format": FORMAT, "members": {"a": cartpole(40), "b": cartpole(60), "test": cartpole(100)},
+         "structure": {"kind": "split", "train": ["a", "b"], "test": ["test"]}}
+
+
+@pytest.mark.parametrize("which", ["adversarial", "prior", "split"])
+def test_the_other_structures_on_ray_draw_measure_and_evaluate_as_locally(ray_session, which):
+    """An adversarial set (its draws follow the returns the workers report), a prior (parameters drawn per episode
+    in the workers' envs) and a split (evaluation on the test envs only): a synchronous Ray run's per-env metrics
+    and members equal the local run's, iteration by iteration."""
+    doc = {"adversarial": json.dumps(ADVERSARIAL), "prior": prior(), "split": json.dumps(SPLIT)}[which]
+    cfg = config(doc, backend="ray", ray=RAY, eval_every=2 if which == "split" else 0, eval_episodes=2)
+    local, remote = run(dataclasses.replace(cfg, backend="local"), 3), []
+    trainer = build_trainer(cfg)
+    try:
+        for _ in range(3):
+            remote.append((trainer.train(), list(trainer.envsets.assigned)))
+    finally:
+        trainer.close()
+    for (expected, members, _), (got, assigned) in zip(local, remote, strict=True):
+        assert assigned == members
+        keys = [k for k in expected if "env:" in k or k.startswith(("collection/", "eval_return_mean"))]
+        assert keys and any(k.startswith({"adversarial": "collection/prob/", "prior": "collection/param/",
+                                          "split": "episodes/env:test"}[which]) for k in keys)
+        for key in keys:
+            assert got[key] == expected[key] or (math.isnan(got[key]) and math.isnan(expected[key])), key
