@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import gymnasium
 
 
@@ -16,3 +19,46 @@ class _Shorter(gymnasium.Wrapper):
 
 def make_wrong_shape():
     return _Shorter(gymnasium.make("CartPole-v1"))
+
+
+class _Faulty(gymnasium.Wrapper):
+    """Fails at its 40th step with the first fault of ``faults`` that no env of the run has had yet (claimed with
+    a file beside ``marker``), unless another env of its process claimed one: each fault happens once per run,
+    whichever env, process or restart reaches it (``tests.orchestration.test_faulty_envs_cli``'s env, with the
+    marker as a keyword, since an env process inside a Ray worker does not see the test's environment)."""
+
+    claimed: list = []  # per process (and per restart): the fault this one claimed
+
+    def __init__(self, env, faults: list[str], marker: str) -> None:
+        super().__init__(env)
+        self.faults, self.marker, self.steps = faults, marker, 0
+
+    def step(self, action):
+        self.steps += 1
+        fault = self._claim() if self.steps == 40 else None
+        if fault == "hang":
+            time.sleep(3600)
+        elif fault == "crash":
+            os._exit(9)
+        elif fault == "shape":
+            obs, *rest = self.env.step(action)
+            return (obs[:2], *rest)  # 2 numbers where the space says 4
+        elif fault == "raise":
+            raise RuntimeError("the simulator raised")
+        return self.env.step(action)
+
+    def _claim(self):
+        if _Faulty.claimed:
+            return None
+        for fault in self.faults:
+            try:
+                os.close(os.open(f"{self.marker}-{fault}", os.O_CREAT | os.O_EXCL))  # atomic: one env of all wins
+            except FileExistsError:
+                continue
+            _Faulty.claimed.append(fault)
+            return fault
+        return None
+
+
+def make_faulty(fault: str = "hang", marker: str = ""):
+    return _Faulty(gymnasium.make("CartPole-v1"), fault.split(","), marker)

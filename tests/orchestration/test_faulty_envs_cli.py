@@ -110,3 +110,30 @@ def test_in_strict_mode_a_faulty_env_stops_the_run_with_a_named_error_and_a_chec
     assert re.search(r"env worker \d \(envs \d\.\.\d of the batch\) raised RuntimeError: the simulator raised",
                      out.stderr), out.stderr[-2000:]
     assert ckpt.load_checkpoint(run / "checkpoints")[2]["iteration"] == 1  # the iteration before the fault survives
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_faulty_envs_in_ray_workers_are_restarted_and_counted_as_locally(ray_session, tmp_path):
+    """The run of ``test_faulty_envs_from_the_cli_are_restarted_counted_and_the_run_finishes`` on the Ray backend:
+    the env processes live in a rollout worker, which restarts them; the driver's metrics count each fault once."""
+    from orchestration.builder import build_trainer
+    from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+
+    config = TrainConfig(env="tests.orchestration.faulty_env_factories:make_faulty", backend="ray", iterations=4,
+                         env_kwargs=(("fault", "hang,crash,raise,shape"), ("marker", str(tmp_path / "fault"))),
+                         rollout=RolloutConfig(num_envs=4, fragment_length=32, env_processes=2, env_timeout_s=2.0,
+                                               check="lenient"),
+                         ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0))
+    trainer = build_trainer(config)
+    try:
+        for _ in range(4):
+            metrics = trainer.train()
+    finally:
+        trainer.close()
+    assert all((tmp_path / f"fault-{fault}").exists() for fault in ("hang", "crash", "raise", "shape"))
+    counts = {k: metrics[f"env/{k}"] for k in ("step_timeouts", "worker_crashes", "worker_errors", "env_restarts",
+                                               "episodes_lost")}
+    assert counts == {"step_timeouts": 1, "worker_crashes": 1, "worker_errors": 2, "env_restarts": 4,
+                      "episodes_lost": 8}
+    assert metrics["workers_restarted"] == 0  # the rollout worker restarted its env processes, not Ray it
