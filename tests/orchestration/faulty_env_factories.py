@@ -1,5 +1,5 @@
-"""Env factories whose data breaks their tree, importable by name from any process (a Ray rollout worker imports
-``tests.orchestration.faulty_env_factories:make_wrong_shape`` as a user's ``package.module:factory``)."""
+"""Faulty env factories, importable by name from any process (a ``shoal`` run, an env process, a Ray rollout worker
+imports ``tests.orchestration.faulty_env_factories:make_faulty`` as a user's ``package.module:factory``)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def make_wrong_shape():
 class _Faulty(gymnasium.Wrapper):
     """Fails at its 40th step with the first fault of ``faults`` that no env of the run has had yet (claimed with
     a file beside ``marker``), unless another env of its process claimed one: each fault happens once per run,
-    whichever env, process or restart reaches it (``tests.orchestration.test_faulty_envs_cli``'s env, with the
-    marker as a keyword, since an env process inside a Ray worker does not see the test's environment)."""
+    whichever env, process or restart reaches it, and every fault restarts its process. ``hang`` sleeps, ``crash``
+    ends the process, ``raise`` raises, ``shape`` returns 2 numbers where the space says 4."""
 
     claimed: list = []  # per process (and per restart): the fault this one claimed
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import os
 import re
-import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -15,66 +15,23 @@ from orchestration import checkpoint as ckpt
 from tests.orchestration.test_crash_safety import _shoal
 
 
-FAULTY_ENV = textwrap.dedent("""
-    import os, time
-    import gymnasium as gym
-    from gymnasium.envs.classic_control import CartPoleEnv
-
-    MARKER = os.environ["SHOAL_TEST_MARKER"]
-    CLAIMED = []  # the fault this process (this incarnation) claimed
-
-    class FaultyCartPole(CartPoleEnv):
-        \"\"\"Fails at its 40th step with the first fault of ``fault`` (a comma-separated list) that no env of the
-        run has had yet, unless another env of its process has one: each fault happens once per run, whichever
-        env and process (or restart) reaches it, and every fault restarts its process.\"\"\"
-
-        def __init__(self, fault="hang", **kw):
-            super().__init__(**kw)
-            self.faults, self.steps = fault.split(","), 0
-
-        def step(self, action):
-            self.steps += 1
-            fault = self._claim() if self.steps == 40 else None
-            if fault == "hang":
-                time.sleep(3600)
-            elif fault == "crash":
-                os._exit(9)
-            elif fault == "shape":
-                obs, reward, terminated, truncated, info = super().step(action)
-                return obs[:2], reward, terminated, truncated, info  # 2 numbers where the space says 4
-            elif fault == "raise":
-                raise RuntimeError("the simulator raised")
-            return super().step(action)
-
-        def _claim(self):
-            if CLAIMED:  # one fault per process: a wrong shape is only found after every env of it stepped
-                return None
-            for fault in self.faults:
-                try:
-                    os.close(os.open(f"{MARKER}-{fault}", os.O_CREAT | os.O_EXCL))  # atomic: one env of all wins
-                    CLAIMED.append(fault)
-                    return fault
-                except FileExistsError:
-                    continue
-            return None
-
-    gym.register("FaultyCartPole-v0", entry_point=FaultyCartPole, max_episode_steps=500)
-""")
+FAULTY = "tests.orchestration.faulty_env_factories:make_faulty"  # fails at its 40th step: see that module
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _faulty_env(tmp_path) -> dict:
-    """Writes the faulty env module into ``tmp_path``; the environment variables a ``shoal`` run needs to use it."""
-    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
-    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "SHOAL_TEST_MARKER": str(tmp_path / "fault-happened")}
+def _faulty_env(tmp_path) -> tuple[list[str], dict]:
+    """The ``--env-kwargs`` marker of a run's faults (a file per fault, beside ``tmp_path/fault-happened``) and
+    the environment variables a ``shoal`` run needs to import the faulty env from the tests package."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return ["marker", str(tmp_path / "fault-happened")], env
 
 
 @pytest.mark.slow
 def test_faulty_envs_from_the_cli_are_restarted_counted_and_the_run_finishes(tmp_path):
     """One run meets a hang, a crash, a raise and a wrong shape (two at step 40, two at step 40 of the restarted
     envs): each fault restarts its process, and each is counted once, under its own counter."""
-    run, env = tmp_path / "run", _faulty_env(tmp_path)
-    _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", "hang,crash,raise,shape",
+    run, (marker, env) = tmp_path / "run", _faulty_env(tmp_path)
+    _shoal("train", FAULTY, "--env-kwargs", "fault", "hang,crash,raise,shape", *marker,
            "--rollout.num-envs", "4", "--rollout.fragment-length", "32", "--rollout.env-processes", "2",
            "--rollout.env-timeout-s", "2", "--rollout.check", "lenient", "--iterations", "4", "--no-progress",
            "--run-dir", str(run), cwd=tmp_path, env=env)
@@ -91,8 +48,8 @@ def test_faulty_envs_from_the_cli_are_restarted_counted_and_the_run_finishes(tmp
 @pytest.mark.slow
 def test_lenient_mode_alone_restarts_an_env_that_raises_or_returns_a_wrong_shape(tmp_path):
     """No process or timeout flag: lenient mode keeps the envs in a subprocess by itself."""
-    run, env = tmp_path / "run", _faulty_env(tmp_path)
-    _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", "shape,raise", "--rollout.num-envs", "2",
+    run, (marker, env) = tmp_path / "run", _faulty_env(tmp_path)
+    _shoal("train", FAULTY, "--env-kwargs", "fault", "shape,raise", *marker, "--rollout.num-envs", "2",
            "--rollout.fragment-length", "32", "--rollout.check", "lenient", "--iterations", "3", "--no-progress",
            "--run-dir", str(run), cwd=tmp_path, env=env)
     with open(run / "metrics.csv") as f:
@@ -102,8 +59,8 @@ def test_lenient_mode_alone_restarts_an_env_that_raises_or_returns_a_wrong_shape
 
 @pytest.mark.slow
 def test_in_strict_mode_a_faulty_env_stops_the_run_with_a_named_error_and_a_checkpoint(tmp_path):
-    run, env = tmp_path / "run", _faulty_env(tmp_path)
-    out = _shoal("train", "faulty_env:FaultyCartPole-v0", "--env-kwargs", "fault", "raise", "--rollout.num-envs", "4",
+    run, (marker, env) = tmp_path / "run", _faulty_env(tmp_path)
+    out = _shoal("train", FAULTY, "--env-kwargs", "fault", "raise", *marker, "--rollout.num-envs", "4",
                  "--rollout.fragment-length", "32", "--rollout.env-processes", "2", "--iterations", "3",
                  "--no-progress", "--run-dir", str(run), cwd=tmp_path, env=env, check=False)
     assert out.returncode != 0
@@ -120,7 +77,7 @@ def test_faulty_envs_in_ray_workers_are_restarted_and_counted_as_locally(ray_ses
     from orchestration.builder import build_trainer
     from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 
-    config = TrainConfig(env="tests.orchestration.faulty_env_factories:make_faulty", backend="ray", iterations=4,
+    config = TrainConfig(env=FAULTY, backend="ray", iterations=4,
                          env_kwargs=(("fault", "hang,crash,raise,shape"), ("marker", str(tmp_path / "fault"))),
                          rollout=RolloutConfig(num_envs=4, fragment_length=32, env_processes=2, env_timeout_s=2.0,
                                                check="lenient"),
