@@ -318,10 +318,11 @@ class Trainer:
 
     @property
     def resume_exact(self) -> bool:
-        """Whether a run resumed from :meth:`state` continues bit for bit: synchronous mode (nothing waits in a
-        learner's pool between iterations) and every env saves its state (and, after a restore, the checkpoint
-        held the actors' states: a Ray run saved after a worker was re-created holds none)."""
-        return self.config.mode == "sync" and bool(self.fleet.resume_exact) and self._actors_restored is not False
+        """Whether a run resumed from :meth:`state` continues bit for bit: the fleet's rule
+        (:func:`orchestration.fleet.resumes_exactly`: synchronous mode, as nothing then waits in a learner's pool
+        between iterations; envs that save their state; ...) and, after a restore, the checkpoint held the
+        actors' states (a Ray run saved after a worker was re-created holds none)."""
+        return bool(self.fleet.resume_exact) and self._actors_restored is not False
 
     def state(self) -> dict[str, Any]:
         """Counters, episode history, every learner's state, the fleet's actors' states and, with a
