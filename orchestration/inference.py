@@ -20,13 +20,20 @@ Usage loop::
     service.stats()                      # batches, rows per batch, drops, weight swaps
     service.close()                      # serves what is queued, then refuses (ServiceClosed)
 
-Shapes of requests, batches and results: :mod:`orchestration.inference_requests`.
+Shapes of requests, batches and results: :mod:`orchestration.inference_requests`; weights swapped between
+batches: :mod:`orchestration.inference_weights`.
 
 Batching rule (Sample Factory's): take whoever is queued, in arrival order, up to ``max_batch_rows`` rows
 (a request that does not fit opens the next batch). Wait -- at most ``max_wait_s`` -- only while the batch
 holds fewer than three quarters of the rows of the largest of the last few batches ("nearly empty"): callers
 just answered usually come straight back, while a lone caller is never kept waiting for company, and when
 callers leave the threshold follows within a few batches. Never a barrier over all callers.
+
+Hand-off order: the service thread hands back a batch's answers only once it has formed (concatenated) the
+next batch from whoever is queued, without waiting for company, just before its forward: the woken callers'
+Python then runs while that forward's matrix products release the GIL, instead of stalling the concatenation
+(each torch call gives the GIL away, and the serving thread queues behind every woken caller to get it back).
+With nothing queued, it hands them back at once and the batching rule applies.
 
 Callers help (leader/follower): :meth:`InferenceService.act`, and any caller that calls
 :meth:`InferenceService.serve_queued` before it waits, serves one batch of whatever is queued in its own thread
@@ -46,7 +53,6 @@ requests (the mode: masked argmax, Gaussian mean) are.
 
 from __future__ import annotations
 
-import copy
 import queue
 import threading
 import time
@@ -56,12 +62,14 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch import Tensor
 
 from core.policies import GroupPolicy
 from orchestration.inference_requests import (InferenceConfig, InferenceResult, Request, RequestExpired, ServiceClosed,
-                                              check_weights, forward, get_within, make_request, refuse_all)
+                                              answer_group, get_within, hand_back, make_request, refuse_all,
+                                              try_prepare)
+from orchestration.inference_weights import StagedWeights
 from orchestration.devices import resolve_device
 
 #: Batches whose size sets the "nearly empty" threshold (three quarters of the largest of them).
@@ -83,20 +91,14 @@ class InferenceService:
                  versions: Mapping[str, int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config = config or InferenceConfig()
         self.device = resolve_device(config.device)
-        self._policies = {pid: copy.deepcopy(p).to(self.device).eval() for pid, p in policies.items()}
-        self._templates = {pid: TensorDict.from_module(p) for pid, p in self._policies.items()}
-        unknown = set(versions or {}) - set(self._policies)
-        if unknown:
-            raise KeyError(f"versions of unknown policy ids {sorted(unknown)}: "
-                           f"the service serves {sorted(self._policies)}")
-        self._versions = {pid: int((versions or {}).get(pid, 0)) for pid in self._policies}
+        self._weights = StagedWeights(policies, versions or {}, self.device)
+        self._policies, self._versions = self._weights.policies, self._weights.versions  # updated in place
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._clock = clock
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: a put costs the caller ~0.2 µs
         self._carry: Request | None = None  # taken but did not fit: opens the next batch
-        self._lock = threading.Lock()  # orders submit against close, and guards _pending
+        self._lock = threading.Lock()  # orders submit against close
         self._serving = threading.Lock()  # one batch at a time: the service thread's or a waiting caller's
-        self._pending: dict[str, tuple[int, TensorDictBase]] = {}
         self._recent: deque[int] = deque(maxlen=_RECENT_BATCHES)
         self._enough = 1  # rows a batch needs to be served without waiting (the batching rule)
         self._queued_rows = 0  # rows of the requests in the queue (approximate: read without the lock)
@@ -157,7 +159,7 @@ class InferenceService:
             if request.rows < self._enough or self._queued_rows or not self._queue.empty():
                 return None  # others are queued, or callers come in company: batching serves them better
             with torch.inference_mode():
-                self._serve_locked([request])
+                hand_back(self._serve_locked([request], []))
             return request.future
         finally:
             self._serving.release()
@@ -188,7 +190,7 @@ class InferenceService:
                     rows += item.rows
             if batch:
                 with torch.no_grad():
-                    self._serve_locked(batch)
+                    hand_back(self._serve_locked(batch, []))
             return bool(batch)
         finally:
             self._serving.release()
@@ -197,24 +199,17 @@ class InferenceService:
     def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
         """Stages ``weights`` (``TensorDict.from_module`` layout) as ``version`` of ``policy_id``; the service
         loads them before its next batch, so no batch mixes versions. A later call before that wins."""
-        check_weights(policy_id, self._template(policy_id), weights)
-        staged = weights.detach().to(self.device).clone()  # ours: the caller may reuse its tensors at once
-        with self._lock:
-            self._pending[policy_id] = (int(version), staged)
+        self._weights.stage(policy_id, version, weights)
 
     def weights(self, policy_id: str) -> TensorDictBase:
         """A copy of the weights the service acts with for ``policy_id`` (CPU)."""
-        return self._template(policy_id).detach().cpu().clone()
+        return self._weights.current(policy_id)
 
     def latest(self, policy_id: str, weights: bool = True) -> tuple[int, TensorDictBase | None]:
         """``(version, weights)`` of ``policy_id``: the newest staged by :meth:`set_weights` (what the next batch
         acts with), else the current ones; ``weights=False``: None for them, no copy (a check of a version). For
         callers that act elsewhere with a copy (local policies)."""
-        with self._lock:
-            pending = self._pending.get(policy_id)
-        if pending is not None:
-            return pending[0], pending[1].detach().cpu().clone() if weights else None
-        return self._versions[policy_id], self.weights(policy_id) if weights else None
+        return self._weights.latest(policy_id, weights)
 
     @property
     def versions(self) -> dict[str, int]:
@@ -261,36 +256,54 @@ class InferenceService:
 
     # -- the service thread ------------------------------------------------------------------------------
     def _run(self) -> None:
+        answers: list = []  # the last batch's, handed back once the next one is formed (module docstring)
         with torch.no_grad():  # grad mode is per thread
             while True:
-                batch, stop = self._gather()
-                if batch:
-                    with self._serving:
-                        self._serve_locked(batch)
+                batch, stop = [], False
+                queued = self._queued_rows or self._carry is not None
+                if answers and queued and self._serving.acquire(blocking=False):
+                    try:  # whoever is queued, without waiting for company, unless a caller is serving a batch
+                        batch, stop = self._gather(wait=False)
+                        if batch:
+                            answers = self._serve_locked(batch, answers)
+                    finally:
+                        self._serving.release()
+                if not batch and not stop:
+                    hand_back(answers)
+                    batch, stop = self._gather()
+                    if batch:
+                        with self._serving:
+                            answers = self._serve_locked(batch, answers)
                 if stop:
+                    hand_back(answers)
                     return
 
-    def _serve_locked(self, batch: list[Request]) -> None:
-        """One batch (the caller holds ``_serving``): new weights first, so it sees one version per policy."""
+    def _serve_locked(self, batch: list[Request], previous: list) -> list:
+        """One batch (the caller holds ``_serving``; new weights first: one version per policy); hands back
+        ``previous`` (the last batch's answers) once it is formed, and returns its own, for ``hand_back``."""
+        answers: list = []
         try:
-            self._swap_weights()
-            self._serve_batch(batch)
+            self._counts["weight_swaps"] += self._weights.swap()
+            self._serve_batch(batch, previous, answers)
         except Exception as error:  # noqa: BLE001 - a bug here must not leave callers waiting forever
+            hand_back(previous)
+            hand_back(answers)
             for r in batch:
                 if not r.future.done():
                     self._counts["failed"] += 1
                     r.future.set_exception(error)
+        return answers
 
-    def _gather(self) -> tuple[list[Request], bool]:
-        """Takes queued requests (the batching rule of the module docstring); ``(batch, stop after it)``."""
-        limit = self.config.max_batch_rows
-        enough = self._enough
+    def _gather(self, wait: bool = True) -> tuple[list[Request], bool]:
+        """Takes queued requests (the batching rule of the module docstring); ``(batch, stop after it)``.
+        ``wait=False``: only what is queued now, never blocking."""
+        limit, enough = self.config.max_batch_rows, self._enough
         batch: list[Request] = []
         rows, wait_until = 0, None
         while rows < limit:
-            item = self._take(block=not batch)
+            item = self._take(block=wait and not batch)
             if item is None:  # the queue is empty
-                if rows >= enough:
+                if rows >= enough or not wait:
                     break
                 if wait_until is None:
                     wait_until = self._clock() + self.config.max_wait_s
@@ -339,15 +352,7 @@ class InferenceService:
             return False
         return True
 
-    def _swap_weights(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for pid, (version, weights) in pending.items():
-            self._templates[pid].update_(weights)  # copies into the module's own parameters
-            self._versions[pid] = version
-            self._counts["weight_swaps"] += 1
-
-    def _serve_batch(self, batch: list[Request]) -> None:
+    def _serve_batch(self, batch: list[Request], previous: list, answers: list) -> None:
         c = self._counts
         index = c["batches"]
         rows = sum(r.rows for r in batch)
@@ -359,39 +364,22 @@ class InferenceService:
         groups: dict[tuple[str, bool], list[Request]] = {}
         for r in batch:
             groups.setdefault((r.policy_id, r.deterministic), []).append(r)
-        for (pid, deterministic), requests in groups.items():
-            self._serve(pid, deterministic, requests, index)
-
-    def _serve(self, pid: str, deterministic: bool, requests: list[Request], index: int) -> None:
-        """One forward for ``requests``; on an error each is retried alone so that only the culprit fails."""
-        try:
-            results = self._forward(pid, deterministic, requests, index)
-        except Exception as error:  # noqa: BLE001 - the callers get it, the service keeps serving
-            if len(requests) > 1:
-                for r in requests:
-                    self._serve(pid, deterministic, [r], index)
-                return
-            self._counts["failed"] += 1
-            requests[0].future.set_exception(error)
-            return
-        self._counts["served"] += len(requests)
-        for r, result in zip(requests, results):
-            r.future.set_result(result)
-
-    def _forward(self, pid: str, deterministic: bool, requests: list[Request], index: int) -> list[InferenceResult]:
-        self._counts["forwards"] += 1
-        return forward(self._policies[pid], requests, self._generator, deterministic, self.device,
-                       self._versions[pid], index)
+        formed = [(pid, deterministic, requests, try_prepare(self._policies[pid], requests, self.device))
+                  for (pid, deterministic), requests in groups.items()]
+        hand_back(previous)  # woken now, their callers run while this batch's forward releases the GIL
+        for pid, deterministic, requests, prepared in formed:
+            got, forwards = answer_group(self._policies[pid], requests, prepared, self._generator, deterministic,
+                                         self.device, self._versions[pid], index)
+            failed = sum(isinstance(value, BaseException) for _, value in got)
+            c["forwards"] += forwards
+            c["failed"] += failed
+            c["served"] += len(got) - failed
+            answers.extend(got)
 
     # -- request validation (in the caller's thread: a malformed request never reaches a batch) -----------
-    def _template(self, policy_id: str) -> TensorDictBase:
-        if policy_id not in self._policies:
-            raise KeyError(f"unknown policy id {policy_id!r}: this service serves {sorted(self._policies)}")
-        return self._templates[policy_id]
-
     def _request(self, pid, obs, *, shared=None, timeout_s=10.0, deterministic=False, recurrent_state=None,
                  episode_start=None, answer: bool) -> Request:
-        self._template(pid)  # a known policy id
+        self._weights.template(pid)  # a known policy id
         return make_request(pid, self._policies[pid], obs, shared, recurrent_state, episode_start,
                             max_rows=self.config.max_batch_rows, now=self._clock(), timeout_s=timeout_s,
                             deterministic=deterministic, answer=answer)

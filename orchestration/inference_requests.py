@@ -216,6 +216,16 @@ def refuse_all(items: list, waiting: queue.SimpleQueue) -> None:
             r.future.set_exception(ServiceClosed(f"policy {r.policy_id!r}: the service closed first"))
 
 
+def hand_back(answers: list) -> None:
+    """Resolves the futures of ``answers`` (``(future, result or error)`` pairs), emptying it."""
+    for future, value in answers:
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+    answers.clear()
+
+
 def _expect(pid: str, path: str, t: Any, lead: tuple[int, ...], ndim: int | None) -> None:
     """Raises unless ``t`` is a tensor whose shape starts with ``lead`` (and has ``ndim`` dims, if given)."""
     if not isinstance(t, Tensor):
@@ -299,17 +309,53 @@ def _cat(parts: list):
     return {k: _cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def forward(policy: GroupPolicy, requests: list[Request], generator: torch.Generator, deterministic: bool,
-            device: torch.device, version: int, index: int) -> list[InferenceResult]:
-    """ONE ``act_step`` of ``policy`` (on ``device``) for ``requests`` concatenated; each caller's share back
-    on the CPU, labelled with the weights ``version`` and the batch ``index``."""
+def prepare(policy: GroupPolicy, requests: list[Request], device: torch.device) -> tuple:
+    """``(inputs, shared, state, start)`` of ``requests`` as ONE batch on ``device`` (:func:`concatenate`; a lone
+    request's own tensors). Separate from :func:`forward` so that a server can form the next batch before it
+    wakes the callers of the last one (:mod:`orchestration.inference` says why)."""
     if len(requests) == 1:  # a lone caller: nothing to concatenate or split
         r = requests[0]
-        inputs, shared, state, start = r.inputs, r.shared, r.state, r.start
+        prepared = r.inputs, r.shared, r.state, r.start
     else:
-        inputs, shared, state, start = concatenate(requests, policy)
+        prepared = concatenate(requests, policy)
     if device.type != "cpu":
-        inputs, shared, state, start = (to_device(x, device) for x in (inputs, shared, state, start))
+        prepared = tuple(to_device(x, device) for x in prepared)
+    return prepared
+
+
+def try_prepare(policy: GroupPolicy, requests: list[Request], device: torch.device) -> tuple | None:
+    """:func:`prepare`, or None where ``requests`` do not concatenate (:func:`answer_group` then finds the culprit)."""
+    try:
+        return prepare(policy, requests, device)
+    except Exception:  # noqa: BLE001 - one of them is malformed: answered one by one
+        return None
+
+
+def answer_group(policy: GroupPolicy, requests: list[Request], prepared: tuple | None, generator: torch.Generator,
+           deterministic: bool, device: torch.device, version: int, index: int) -> tuple[list, int]:
+    """ONE :func:`forward` for ``requests`` (``prepared``: their batch, None to form it here): ``(answers,
+    forwards run)``, answers ``(future, InferenceResult)`` in request order. On an error each request is retried
+    alone, so that only the culprit's answer is ``(future, error)``."""
+    try:
+        if prepared is None:
+            prepared = prepare(policy, requests, device)
+        results = forward(policy, requests, prepared, generator, deterministic, device, version, index)
+    except Exception as error:  # noqa: BLE001 - the callers get it, the service keeps serving
+        if len(requests) == 1:
+            return [(requests[0].future, error)], 1
+        answers, forwards = [], 1
+        for r in requests:
+            got, n = answer_group(policy, [r], None, generator, deterministic, device, version, index)
+            answers, forwards = answers + got, forwards + n
+        return answers, forwards
+    return list(zip([r.future for r in requests], results)), 1
+
+
+def forward(policy: GroupPolicy, requests: list[Request], prepared: tuple, generator: torch.Generator,
+            deterministic: bool, device: torch.device, version: int, index: int) -> list[InferenceResult]:
+    """ONE ``act_step`` of ``policy`` (on ``device``) for ``requests`` (``prepared`` by :func:`prepare`); each
+    caller's share back on the CPU, labelled with the weights ``version`` and the batch ``index``."""
+    inputs, shared, state, start = prepared
     out = policy.act_step(inputs, shared, generator, deterministic, state, start, with_value=False, with_log_prob=True)
     if device.type != "cpu":
         out = to_device(out, torch.device("cpu"))  # blocking: the callers read it at once
@@ -324,4 +370,5 @@ def forward(policy: GroupPolicy, requests: list[Request], generator: torch.Gener
 
 
 __all__ = ["Answer", "InferenceConfig", "InferenceResult", "Request", "RequestExpired", "ServiceClosed",
-           "check_weights", "concatenate", "forward", "get_within", "make_request", "refuse_all", "split", "to_device"]
+           "answer_group", "check_weights", "concatenate", "forward", "get_within", "hand_back", "make_request",
+           "prepare", "refuse_all", "split", "to_device", "try_prepare"]

@@ -1,4 +1,5 @@
-"""The inference service's wait for more requests (orchestration.inference_requests.get_within)."""
+"""The inference service's queue: the wait for more requests (orchestration.inference_requests.get_within),
+and the order of the service thread's work when the next batch is queued already."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import threading
 import time
 
 import pytest
+import torch
 
+import orchestration.inference as inference
+from core.policies import GroupPolicy, PolicyConfig, make_policies
+from orchestration.envs import make_env
+from orchestration.inference import InferenceConfig, InferenceService
 from orchestration.inference_requests import get_within
 
 
@@ -42,3 +48,32 @@ def test_a_timed_wait_returns_an_item_that_comes_in_time():
     assert get_within(waiting, 5.0) == "request"
     with pytest.raises(queue.Empty):
         get_within(waiting, 0.001)
+
+
+def test_the_next_queued_batch_is_formed_before_the_last_ones_callers_are_woken(monkeypatch):
+    """Nine one-row requests, all queued before the service starts: batches of four, four and one. The service
+    thread concatenates batch k+1 before it hands back batch k's answers (woken then, their callers run while
+    batch k+1's forward releases the GIL instead of holding up its concatenation), and hands them back before
+    that forward: no answer waits for a forward after its own. The last batch is one row, below the "nearly
+    empty" threshold (3 rows after a batch of 4): whoever is queued is served, not kept waiting for company
+    while others' answers are held. Counts of answered requests at each step tell."""
+    env = make_env("builtin:cartpole", 1)
+    policy = make_policies(env.tree, PolicyConfig())["agent"]
+    env.close()
+    service = InferenceService({"p": policy}, InferenceConfig(max_batch_rows=4, max_wait_s=0.05, device="cpu"))
+    futures = [service.submit("p", {"observation": torch.randn(1, 1, 4)}, timeout_s=120.0) for _ in range(9)]
+    seen: list[tuple[str, int]] = []
+    prepare, act_step = inference.try_prepare, GroupPolicy.act_step
+
+    def recording(step, real):
+        def call(*args, **kwargs):
+            seen.append((step, sum(f.done() for f in futures)))
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(inference, "try_prepare", recording("form", prepare))
+    monkeypatch.setattr(GroupPolicy, "act_step", recording("forward", act_step))
+    service.start()
+    assert [f.result().batch for f in futures] == [0] * 4 + [1] * 4 + [2]
+    service.close()
+    assert seen == [("form", 0), ("forward", 0), ("form", 0), ("forward", 4), ("form", 4), ("forward", 8)]
