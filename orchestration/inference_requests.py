@@ -332,7 +332,7 @@ def try_prepare(policy: GroupPolicy, requests: list[Request], device: torch.devi
 
 
 def answer_group(policy: GroupPolicy, requests: list[Request], prepared: tuple | None, generator: torch.Generator,
-           deterministic: bool, device: torch.device, version: int, index: int) -> tuple[list, int]:
+                 deterministic: bool, device: torch.device, version: int, index: int) -> tuple[list, int]:
     """ONE :func:`forward` for ``requests`` (``prepared``: their batch, None to form it here): ``(answers,
     forwards run)``, answers ``(future, InferenceResult)`` in request order. On an error each request is retried
     alone, so that only the culprit's answer is ``(future, error)``."""
