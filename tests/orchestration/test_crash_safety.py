@@ -176,11 +176,16 @@ def test_a_checkpoint_naming_a_module_env_imports_nothing(tmp_path):
 
 # -- interrupted and failing runs ----------------------------------------------------------------------------
 @pytest.mark.slow
-def test_sigint_ends_the_run_with_a_checkpoint_that_resumes(tmp_path):
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_sigint_ends_the_run_with_a_checkpoint_that_resumes(tmp_path, backend):
+    """Ctrl-C: exit 130, the line that continues the run, a checkpoint of the last finished iteration. On Ray
+    too (its own instance: ``ray.init`` installs signal handlers of its own); the resume itself is the same
+    checkpoint, resumed on Ray in test_cli, so it runs here on the local backend only."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "train", *ARGS, "--iterations", "100000",
-                             "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    ray = ["--backend", "ray", "--ray.num-cpus", "2", "--rollout.num-workers", "1"] if backend == "ray" else []
+    proc = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "train", *ARGS, *ray, "--iterations",
+                             "100000", "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     csv_path = run / "metrics.csv"
     deadline = time.monotonic() + 120
     while (not csv_path.exists() or len(_iterations(csv_path)) < 2) and time.monotonic() < deadline:
@@ -190,6 +195,8 @@ def test_sigint_ends_the_run_with_a_checkpoint_that_resumes(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT and "continue with: shoal train --resume" in err, err[-2000:]
     state = ckpt.load_checkpoint(run / "checkpoints")[2]
     assert state["iteration"] == _iterations(csv_path)[-1] >= 2
+    if backend == "ray":
+        return
     _shoal("train", "--resume", "--run-dir", str(run), "--iterations", str(state["iteration"] + 1), "--no-progress",
            cwd=tmp_path)
     assert _iterations(csv_path) == list(range(1, state["iteration"] + 2))
