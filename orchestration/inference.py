@@ -279,11 +279,10 @@ class InferenceService:
                     return
 
     def _serve_locked(self, batch: list[Request], previous: list) -> list:
-        """One batch (the caller holds ``_serving``; new weights first: one version per policy); hands back
-        ``previous`` (the last batch's answers) once it is formed, and returns its own, for ``hand_back``."""
+        """One batch (the caller holds ``_serving``); hands back ``previous`` (the last batch's answers) once it is
+        formed, and returns the answers of its last forward, for ``hand_back``."""
         answers: list = []
         try:
-            self._counts["weight_swaps"] += self._weights.swap()
             self._serve_batch(batch, previous, answers)
         except Exception as error:  # noqa: BLE001 - a bug here must not leave callers waiting forever
             hand_back(previous)
@@ -367,7 +366,9 @@ class InferenceService:
         formed = [(pid, deterministic, requests, try_prepare(self._policies[pid], requests, self.device))
                   for (pid, deterministic), requests in groups.items()]
         hand_back(previous)  # woken now, their callers run while this batch's forward releases the GIL
+        c["weight_swaps"] += self._weights.swap()  # between forwards: the whole batch acts with one version
         for pid, deterministic, requests, prepared in formed:
+            hand_back(answers)  # an earlier group's: no answer waits for a forward after its own
             got, forwards = answer_group(self._policies[pid], requests, prepared, self._generator, deterministic,
                                          self.device, self._versions[pid], index)
             failed = sum(isinstance(value, BaseException) for _, value in got)

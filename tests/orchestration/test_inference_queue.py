@@ -74,6 +74,28 @@ def test_the_next_queued_batch_is_formed_before_the_last_ones_callers_are_woken(
     monkeypatch.setattr(inference, "try_prepare", recording("form", prepare))
     monkeypatch.setattr(GroupPolicy, "act_step", recording("forward", act_step))
     service.start()
-    assert [f.result().batch for f in futures] == [0] * 4 + [1] * 4 + [2]
+    assert [f.result(timeout=60).batch for f in futures] == [0] * 4 + [1] * 4 + [2]
     service.close()
     assert seen == [("form", 0), ("forward", 0), ("form", 0), ("forward", 4), ("form", 4), ("forward", 8)]
+
+
+def test_a_batch_of_two_policies_answers_the_first_before_the_second_forward(monkeypatch):
+    """One batch, two policies: one forward each. The first policy's callers are answered before the second
+    forward runs, not held with the second's for the next batch."""
+    env = make_env("builtin:cartpole", 1)
+    policy = make_policies(env.tree, PolicyConfig())["agent"]
+    env.close()
+    service = InferenceService({"a": policy, "b": policy}, InferenceConfig(max_batch_rows=4, device="cpu"))
+    futures = [service.submit(pid, {"observation": torch.randn(1, 1, 4)}, timeout_s=120.0) for pid in "aabb"]
+    answered: list[int] = []
+    act_step = GroupPolicy.act_step
+
+    def recording(*args, **kwargs):
+        answered.append(sum(f.done() for f in futures))
+        return act_step(*args, **kwargs)
+
+    monkeypatch.setattr(GroupPolicy, "act_step", recording)
+    service.start()
+    assert [f.result(timeout=60).batch for f in futures] == [0, 0, 0, 0]
+    service.close()
+    assert answered == [0, 2]
