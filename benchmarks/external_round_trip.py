@@ -29,6 +29,7 @@ import argparse
 import io
 import json
 import multiprocessing
+import queue as queues
 import sys
 import threading
 import time
@@ -170,6 +171,22 @@ def client_rounds(urls: dict[str, str], tree_doc: dict, obs: np.ndarray, request
     return ours, bare, ref
 
 
+def _result_of(child, results, timeout_s: float = 600.0):
+    """The client process's result, failing at once if it dies first (not after the whole timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queues.Empty:
+            if not child.is_alive():
+                try:  # it may have put its result just before it ended
+                    return results.get(timeout=1.0)
+                except queues.Empty:
+                    pass
+                raise RuntimeError(f"the client process died (exit code {child.exitcode}) before its result") from None
+    raise TimeoutError(f"the client process gave no result within {timeout_s:.0f} s")
+
+
 def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds: int, client_process: bool) -> dict:
     server, service, policy = start_server(tree_doc, max_bytes=1 << 22)
     policy = policy.to(service.device)  # the service acts with its own copy on its device: time the same
@@ -182,7 +199,7 @@ def round_trip(name: str, tree_doc: dict, obs: np.ndarray, requests: int, rounds
         queue = context.Queue()
         child = context.Process(target=client_rounds, args=(urls, tree_doc, obs, requests, rounds, queue))
         child.start()
-        ours, floor, ref = queue.get(timeout=600)
+        ours, floor, ref = _result_of(child, queue)
         child.join(30)
     else:
         ours, floor, ref = client_rounds(urls, tree_doc, obs, requests, rounds)

@@ -333,17 +333,19 @@ def try_prepare(policy: GroupPolicy, requests: list[Request], device: torch.devi
 
 def answer_group(policy: GroupPolicy, requests: list[Request], prepared: tuple | None, generator: torch.Generator,
                  deterministic: bool, device: torch.device, version: int, index: int) -> tuple[list, int]:
-    """ONE :func:`forward` for ``requests`` (``prepared``: their batch, None to form it here): ``(answers,
-    forwards run)``, answers ``(future, InferenceResult)`` in request order. On an error each request is retried
-    alone, so that only the culprit's answer is ``(future, error)``."""
+    """ONE :func:`forward` for ``requests`` (``prepared``: their batch by :func:`try_prepare`, None where they did
+    not concatenate): ``(answers, forwards run)``, answers ``(future, InferenceResult)`` in request order. On an
+    error each request is retried alone, so that only the culprit's answer is ``(future, error)``."""
     try:
         if prepared is None:
+            if len(requests) > 1:
+                raise ValueError("the requests do not concatenate")  # answered one by one below
             prepared = prepare(policy, requests, device)
         results = forward(policy, requests, prepared, generator, deterministic, device, version, index)
     except Exception as error:  # noqa: BLE001 - the callers get it, the service keeps serving
         if len(requests) == 1:
             return [(requests[0].future, error)], 1
-        answers, forwards = [], 1
+        answers, forwards = [], int(prepared is not None)
         for r in requests:
             got, n = answer_group(policy, [r], None, generator, deterministic, device, version, index)
             answers, forwards = answers + got, forwards + n

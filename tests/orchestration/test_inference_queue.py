@@ -1,5 +1,6 @@
 """The inference service's queue: the wait for more requests (orchestration.inference_requests.get_within),
-and the order of the service thread's work when the next batch is queued already."""
+the order of the service thread's work when the next batch is queued already, and how a batch that does not
+form is served."""
 
 from __future__ import annotations
 
@@ -99,3 +100,19 @@ def test_a_batch_of_two_policies_answers_the_first_before_the_second_forward(mon
     assert [f.result(timeout=60).batch for f in futures] == [0, 0, 0, 0]
     service.close()
     assert answered == [0, 2]
+
+
+def test_a_group_that_does_not_concatenate_is_answered_one_by_one_without_a_forward_of_the_whole():
+    """Three requests of one policy and mode, one with the wrong feature width: they cannot form one batch, so
+    each is answered alone (three forwards, not a fourth try of the whole group); only the culprit fails."""
+    env = make_env("builtin:cartpole", 1)
+    policy = make_policies(env.tree, PolicyConfig())["agent"]
+    env.close()
+    service = InferenceService({"p": policy}, InferenceConfig(device="cpu"))
+    widths = [4, 7, 4]
+    futures = [service.submit("p", {"observation": torch.randn(1, 1, w)}, timeout_s=120.0) for w in widths]
+    with service:
+        failed = [f.exception(timeout=60) is not None for f in futures]
+    assert failed == [False, True, False]
+    stats = service.stats()
+    assert (stats["batches"], stats["forwards"], stats["served"], stats["failed"]) == (1, 3, 2, 1)
