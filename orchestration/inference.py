@@ -67,8 +67,8 @@ from torch import Tensor
 
 from core.policies import GroupPolicy
 from orchestration.inference_requests import (InferenceConfig, InferenceResult, Request, RequestExpired, ServiceClosed,
-                                              answer_group, get_within, hand_back, make_request, refuse_all,
-                                              try_prepare)
+                                              answer_group, make_request, refuse_all, try_prepare)
+from orchestration.inference_waits import get_within, hand_back
 from orchestration.inference_weights import StagedWeights
 from orchestration.devices import resolve_device
 

@@ -18,8 +18,6 @@ Shapes (``n`` rows of one request, ``A`` agents of the policy's group, ``N`` row
 from __future__ import annotations
 
 import queue
-import threading
-import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from torch import Tensor
 from core.layout import ACTION, ACTION_MASK, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE
 from core.policies import GroupPolicy
 from orchestration.config_kinds import check_fields
+from orchestration.inference_waits import Answer
 
 _KEYS = frozenset({OBSERVATION, ACTION_MASK, MASK})
 
@@ -84,42 +83,6 @@ class ServiceClosed(RuntimeError):
     """The service was closed before it served the request."""
 
 
-class Answer:
-    """A one-shot answer for a caller that waits at once (:meth:`InferenceService.act`): the part of the
-    ``Future`` API the service uses, on a lock taken at creation and released by the answer. A ``Future``
-    waits on a condition variable, which costs every answer a second lock and a notify."""
-
-    __slots__ = ("_lock", "_value", "_error")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def set_running_or_notify_cancel(self) -> bool:
-        return True  # nobody can cancel it: its caller is waiting for it
-
-    def set_result(self, value: Any) -> None:
-        self._value = value
-        self._lock.release()
-
-    def set_exception(self, error: BaseException) -> None:
-        self._error = error
-        self._lock.release()
-
-    def done(self) -> bool:
-        return not self._lock.locked()
-
-    def result(self, timeout: float | None = None) -> Any:
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise TimeoutError("no answer from the inference service in time")
-        self._lock.release()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 @dataclass(slots=True, eq=False)
 class Request:
     """One caller's request, checked (:func:`make_request`); the service resolves ``future``."""
@@ -144,6 +107,12 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
     Raises:
         ValueError / TypeError: naming the policy id and the entry at fault.
     """
+    if type(obs) is dict and shared is None and state is None and start is None \
+            and type(timeout_s) in (float, int) and timeout_s >= 0:
+        n = _plain_rows(obs, policy.num_agents, max_rows)  # the common request, checked in a few comparisons
+        if n is not None:
+            return Request(pid, dict(obs), None, None, None, n, now + timeout_s, bool(deterministic),
+                           Answer() if answer else Future())
     if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
         raise ValueError(f"policy {pid!r}: timeout_s must be a number >= 0 (every request has a deadline), "
                          f"got {timeout_s!r}")
@@ -159,6 +128,8 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
         inputs[OBSERVATION] = x = _as_tree(x)
         leaves = list(_leaves(x, OBSERVATION))
     first = leaves[0][1] if leaves else None
+    if first is not None and not isinstance(first, Tensor):
+        _expect(pid, leaves[0][0], first, (), None)  # a TypeError naming the entry
     if first is None or first.dim() < 2:
         raise ValueError(f"policy {pid!r}: {OBSERVATION!r} must be [n, {a}, ...]")
     n = first.shape[0]
@@ -188,20 +159,26 @@ def make_request(pid: str, policy: GroupPolicy, obs: Mapping, shared: Any, state
     return Request(pid, inputs, shared, state, start, n, now + timeout_s, bool(deterministic), waiter)
 
 
-def get_within(waiting: queue.SimpleQueue, seconds: float, poll_s: float = 50e-6):
-    """The next item of ``waiting`` within ``seconds`` (real time), by short sleeps between non-blocking gets;
-    raises ``queue.Empty`` after that. Never ``SimpleQueue.get(timeout=...)`` where other threads consume too:
-    in CPython it blocks for good when another consumer takes the item whose put woke it and the deadline
-    passes before the woken thread runs again (its remaining time turns negative, read as "no timeout")."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return waiting.get_nowait()
-        except queue.Empty:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-            time.sleep(min(left, poll_s))
+def _plain_rows(obs: dict, agents: int, max_rows: int) -> int | None:
+    """Rows ``n`` of a request that is plain tensors of the right shapes (``observation`` ``[n, A, ...]``, with
+    1 <= n <= ``max_rows``; optional ``action_mask`` ``[n, A, k]`` and ``mask`` ``[n, A]``, nothing else); None
+    for anything else, which :func:`make_request` then accepts or refuses with its named error."""
+    x = obs.get(OBSERVATION)
+    if type(x) is not Tensor:
+        return None
+    shape = x.shape
+    if len(shape) < 2 or shape[1] != agents or not 1 <= (n := shape[0]) <= max_rows:
+        return None
+    if len(obs) > 1:
+        legal, mask = obs.get(ACTION_MASK), obs.get(MASK)
+        if len(obs) != 1 + (legal is not None) + (mask is not None):
+            return None  # an unknown entry
+        if legal is not None and (type(legal) is not Tensor or legal.dim() != 3 or legal.shape[0] != n
+                                  or legal.shape[1] != agents):
+            return None
+        if mask is not None and (type(mask) is not Tensor or mask.shape != (n, agents)):
+            return None
+    return n
 
 
 def refuse_all(items: list, waiting: queue.SimpleQueue) -> None:
@@ -214,16 +191,6 @@ def refuse_all(items: list, waiting: queue.SimpleQueue) -> None:
     for r in items:
         if isinstance(r, Request) and r.future.set_running_or_notify_cancel():
             r.future.set_exception(ServiceClosed(f"policy {r.policy_id!r}: the service closed first"))
-
-
-def hand_back(answers: list) -> None:
-    """Resolves the futures of ``answers`` (``(future, result or error)`` pairs), emptying it."""
-    for future, value in answers:
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-    answers.clear()
 
 
 def _expect(pid: str, path: str, t: Any, lead: tuple[int, ...], ndim: int | None) -> None:
@@ -371,6 +338,6 @@ def forward(policy: GroupPolicy, requests: list[Request], prepared: tuple, gener
     return [InferenceResult(a, lp, version, index, u, s) for a, lp, u, s in zip(actions, log_probs, used, nxt)]
 
 
-__all__ = ["Answer", "InferenceConfig", "InferenceResult", "Request", "RequestExpired", "ServiceClosed",
-           "answer_group", "check_weights", "concatenate", "forward", "get_within", "hand_back", "make_request",
-           "prepare", "refuse_all", "split", "to_device", "try_prepare"]
+__all__ = ["InferenceConfig", "InferenceResult", "Request", "RequestExpired", "ServiceClosed",
+           "answer_group", "check_weights", "concatenate", "forward", "make_request", "prepare", "refuse_all", "split",
+           "to_device", "try_prepare"]

@@ -1,4 +1,4 @@
-"""The inference service's queue: the wait for more requests (orchestration.inference_requests.get_within),
+"""The inference service's queue: the wait for more requests (orchestration.inference_waits.get_within),
 the order of the service thread's work when the next batch is queued already, and how a batch that does not
 form is served."""
 
@@ -15,7 +15,7 @@ import orchestration.inference as inference
 from core.policies import GroupPolicy, PolicyConfig, make_policies
 from orchestration.envs import make_env
 from orchestration.inference import InferenceConfig, InferenceService
-from orchestration.inference_requests import get_within
+from orchestration.inference_waits import get_within
 
 
 def test_a_timed_wait_ends_when_another_consumer_takes_its_wake_up():
