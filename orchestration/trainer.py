@@ -192,16 +192,17 @@ class Trainer:
                 last_progress = time.perf_counter()
             if not pending and not retry:
                 break
-            if sum(self.fleet.reported.values()) != arrived:  # fragments keep coming: a big batch fills, slowly
-                arrived, last_progress = sum(self.fleet.reported.values()), time.perf_counter()
-            if time.perf_counter() - last_progress > self.config.ray.iteration_timeout_s:
-                self._stalled(sorted([*pending, *retry]))
             try:
                 self.fleet.pump(self.weights)  # local: one round of fragments; Ray: replace dead workers, wait a moment
             except CollectionInterrupted:
                 if not metrics:
                     raise
                 break  # some learners trained in this iteration: it counts (the others train in the next)
+            # after the pump: the fleet has had its chance (timed before it, a slow start-up counted as a stall)
+            if sum(self.fleet.reported.values()) != arrived:  # fragments keep coming: a big batch fills, slowly
+                arrived, last_progress = sum(self.fleet.reported.values()), time.perf_counter()
+            if time.perf_counter() - last_progress > self.config.ray.iteration_timeout_s:
+                self._stalled(sorted([*pending, *retry]))
             for pid in retry:
                 pending[pid] = self.trainable[pid].submit(progress, lr)
         wall = time.perf_counter() - start

@@ -146,13 +146,19 @@ def test_values_of_a_large_batch_are_computed_in_chunks_with_the_same_result(mon
 def test_async_iteration_timeout_counts_only_time_without_data(monkeypatch):
     """A batch larger than what arrives within ``--ray.iteration-timeout-s`` fills while fragments keep coming (it
     failed: the timer ran from the last training step); a run where nothing arrives stops with the user-facing
-    StalledRun naming the flag and the batch in hand, not a bare TimeoutError."""
+    StalledRun naming the flag and the batch in hand, not a bare TimeoutError. A learner slower to answer than the
+    timeout is not a stall either: the time is counted from after the fleet's pump (it failed on a loaded CI
+    machine, timed from before the first pump)."""
+    import time
+
     from orchestration.config import RayConfig
     from orchestration.user_errors import StalledRun, is_users_mistake
 
     config = TrainConfig(env="builtin:cartpole", seed=0, mode="async", train_batch_size=2048,
                          rollout=RolloutConfig(num_envs=8, fragment_length=16), ray=RayConfig(iteration_timeout_s=1e-4))
     trainer = build_trainer(config)
+    learner, submit = trainer.trainable["agent"], trainer.trainable["agent"].submit
+    monkeypatch.setattr(learner, "submit", lambda *args, **kwargs: time.sleep(1e-3) or submit(*args, **kwargs))
     assert trainer.train()["env_steps_trained"] == 2048  # 16 rounds of fragments, each well over the timeout
     monkeypatch.setattr(trainer.fleet, "pump", lambda weights=None: None)  # nothing arrives any more
     with pytest.raises(StalledRun) as stalled:
