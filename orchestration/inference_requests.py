@@ -303,21 +303,21 @@ def answer_group(policy: GroupPolicy, requests: list[Request], prepared: tuple |
     """ONE :func:`forward` for ``requests`` (``prepared``: their batch by :func:`try_prepare`, None where they did
     not concatenate): ``(answers, forwards run)``, answers ``(future, InferenceResult)`` in request order. On an
     error each request is retried alone, so that only the culprit's answer is ``(future, error)``."""
-    try:
-        if prepared is None:
-            if len(requests) > 1:
-                raise ValueError("the requests do not concatenate")  # answered one by one below
-            prepared = prepare(policy, requests, device)
-        results = forward(policy, requests, prepared, generator, deterministic, device, version, index)
-    except Exception as error:  # noqa: BLE001 - the callers get it, the service keeps serving
-        if len(requests) == 1:
-            return [(requests[0].future, error)], 1
-        answers, forwards = [], int(prepared is not None)
-        for r in requests:
-            got, n = answer_group(policy, [r], None, generator, deterministic, device, version, index)
-            answers, forwards = answers + got, forwards + n
-        return answers, forwards
-    return list(zip([r.future for r in requests], results)), 1
+    forwards = 0
+    if prepared is not None or len(requests) == 1:  # else they do not concatenate: answered one by one below
+        try:
+            forwards = 1
+            results = forward(policy, requests, prepared if prepared is not None else prepare(policy, requests, device),
+                              generator, deterministic, device, version, index)
+            return list(zip([r.future for r in requests], results)), 1
+        except Exception as error:  # noqa: BLE001 - the callers get it, the service keeps serving
+            if len(requests) == 1:
+                return [(requests[0].future, error)], 1
+    answers = []
+    for r in requests:
+        got, n = answer_group(policy, [r], None, generator, deterministic, device, version, index)
+        answers, forwards = answers + got, forwards + n
+    return answers, forwards
 
 
 def forward(policy: GroupPolicy, requests: list[Request], prepared: tuple, generator: torch.Generator,
