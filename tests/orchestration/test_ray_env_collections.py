@@ -68,3 +68,28 @@ def test_the_other_structures_on_ray_draw_measure_and_evaluate_as_locally(ray_se
                                           "split": "episodes/env:test"}[which]) for k in keys)
         for key in keys:
             assert got[key] == expected[key] or (math.isnan(got[key]) and math.isnan(expected[key])), key
+
+
+def test_streaming_ray_workers_switch_members_at_their_next_fragment(ray_session):
+    """Asynchronous mode on Ray: a streaming worker gets each new member while it runs and switches at its next
+    fragment boundary, so every fragment names a member its worker was given, and the promoted stage's
+    fragments arrive (as the local test of async switching checks for local actors)."""
+    cfg = config(curriculum(0.5), backend="ray", ray=RAY, mode="async", max_staleness=4, train_batch_size=128)
+    trainer = build_trainer(cfg)
+    given: list[set[str]] = [set() for _ in range(cfg.rollout.num_workers)]  # slot -> members it was given
+    trained_on: set[str] = set()
+    try:
+        for _ in range(16):  # a step budget: the promoted stage's fragments queue behind older ones
+            metrics = trainer.train()  # draws the members first, then trains on the oldest fresh fragments
+            for slot, member in enumerate(trainer.envsets.assigned):
+                given[slot].add(member)
+            batch = ray_session.get(trainer.learners["agent"].handle.last_batch.remote())
+            metas = [wire_meta(msg) for msg in batch]
+            assert metas and all(m["env_id"] in given[m["worker_id"] & 0xFFFF] for m in metas)
+            assert metrics["episodes/env:easy"] + metrics["episodes/env:hard"] == metrics["episodes"]
+            trained_on |= {m["env_id"] for m in metas}
+            if "hard" in trained_on:
+                break
+    finally:
+        trainer.close()
+    assert "hard" in trained_on, "no fragment of the promoted stage was trained on"
