@@ -77,21 +77,25 @@ TINY = TrainConfig(env="builtin:cartpole", iterations=2, eval_every=2, eval_epis
                    rollout=RolloutConfig(num_envs=4, fragment_length=16), ppo=PPOConfig(minibatch_size=32, num_epochs=1))
 
 
-def test_a_run_sends_every_iteration_to_wandb_and_mlflow_and_closes_them(tmp_path, trackers, capsys):
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])])
+def test_a_run_sends_every_iteration_to_wandb_and_mlflow_and_closes_them(tmp_path, trackers, backend, request):
     from orchestration.builder import build_trainer
+    from orchestration.config import ExternalConfig, RayConfig
     from orchestration.run_loop import run_training
 
     wandb, mlflow = trackers
-    from orchestration.config import ExternalConfig
-
+    if backend == "ray":  # the trackers are the driver's, whatever the backend
+        request.getfixturevalue("ray_session")
     config = dataclasses.replace(TINY, run_dir=str(tmp_path / "run"), loggers=("csv", "wandb", "mlflow"),
-                                 project="proj", mlflow_tracking_uri="sqlite:///x.db",
+                                 project="proj", mlflow_tracking_uri="sqlite:///x.db", backend=backend,
+                                 ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0),
                                  external=ExternalConfig(token="s3cret"))  # a secret never sent to a tracker
     run_training(build_trainer(config), config, resume=False, progress=False)
 
     rows = read_csv(tmp_path / "run" / "metrics.csv")
     expected = [{k: v[i] for k, v in rows.items() if math.isfinite(v[i])} for i in range(2)]  # env_steps too
     assert "eval_return_mean" in expected[1] and "eval_return_mean" not in expected[0]  # evaluation at iteration 2
+    assert ("pipeline/fragments" in expected[0]) == (backend == "ray")  # the Ray workers' pipeline report too
     (run,) = wandb.runs
     assert run.kwargs["project"] == "proj" and run.kwargs["name"] == "run" and run.kwargs["config"]["seed"] == 0
     assert [step for step, _ in run.logged] == [1, 2] and run.finished
