@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import warnings
 from functools import partial
 from typing import Any, Collection, Mapping
 
@@ -32,6 +33,7 @@ from orchestration.env_collection import load_collection, probe_members, with_co
 from orchestration.envs import make_run_env
 from orchestration.devices import resolve_device
 from orchestration.learner import FixedLearner, PPOLearner
+from orchestration.run_notes import UnusedSettingWarning, unused_settings
 from orchestration.team_critic import TEAM_CRITIC, build_team_critic, teams_for
 
 
@@ -273,10 +275,15 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
     ``local``: actors in this process (:class:`LocalFleet`) and local learners; ``ray``: rollout workers and
     learner actors (:func:`orchestration.ray_session.build_ray_parts`). Both start from the same weights:
     with ``config.pretrain.dataset`` (and ``pretrain``; False for a resumed run, whose checkpoint holds trained
-    weights) the learning policies are behaviour-cloned first (:func:`pretrain_policies_`).
+    weights) the learning policies are behaviour-cloned first (:func:`pretrain_policies_`). Settings given that
+    the run does not use (the Ray backend's on a local run, ...) are each named in an
+    :class:`orchestration.run_notes.UnusedSettingWarning`, never ignored in silence.
     """
     from orchestration.fleet import LocalFleet
     from orchestration.trainer import Trainer
+
+    for sentence in unused_settings(config):
+        warnings.warn(sentence, UnusedSettingWarning, stacklevel=2)
 
     keep_freed_memory()  # this process trains: its activations' pages stay mapped (orchestration.allocator)
     torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point

@@ -31,6 +31,7 @@ import gc
 import importlib
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -38,7 +39,8 @@ import tyro
 
 from orchestration.config import TrainConfig
 from orchestration.result_line import print_result
-from orchestration.run_notes import note_past_selves, note_policy_fit, note_schedule, note_unused
+from orchestration.run_notes import (UnusedSettingWarning, note_past_selves, note_policy_fit, note_schedule,
+                                    note_unused)
 from orchestration.signals import Terminated, stop_on_sigterm
 from orchestration.user_errors import is_users_mistake, user_errors
 
@@ -326,7 +328,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command_line:  # a supervisor's SIGTERM where no stop is handled ends the run as Ctrl-C does (clean-up too)
         stop_on_sigterm()
     try:
-        _dispatch(command, rest)
+        with warnings.catch_warnings():  # the commands name unused settings on stderr (note_unused) instead
+            warnings.simplefilter("ignore", UnusedSettingWarning)
+            _dispatch(command, rest)
     except KeyboardInterrupt as stop:  # Ctrl-C where no stop is handled (starting up, waiting, a league)
         if not command_line:
             raise

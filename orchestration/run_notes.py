@@ -9,8 +9,22 @@ import sys
 from orchestration.config import TrainConfig
 
 
+class UnusedSettingWarning(UserWarning):
+    """A setting given (unlike its default) that the run does not use (:func:`unused_settings`): warned by
+    :func:`orchestration.builder.build_trainer`; the ``shoal`` commands say it on stderr instead."""
+
+
 def note_unused(command: str, config: TrainConfig) -> None:
     """Names on stderr the settings given (unlike their defaults) that this run does not use: never silently."""
+    for sentence in unused_settings(config):
+        print(f"shoal {command}: {sentence}", file=sys.stderr)
+    note_capped(command, config)
+
+
+def unused_settings(config: TrainConfig) -> list[str]:
+    """One sentence per group of settings given (unlike their defaults) that a run of ``config`` does not use
+    (the Ray backend's on a local run, async-only ones on a synchronous run, ...), naming them as flags."""
+    sentences = []
     every, feed_forward = None, "recurrent policies only (--policy.recurrent); this run's is feed-forward"
     ray_fields = [f for f in config.ray.__dataclass_fields__  # the iteration timeout guards async runs anywhere
                   if not (config.mode == "async" and f == "iteration_timeout_s")]
@@ -34,9 +48,9 @@ def note_unused(command: str, config: TrainConfig) -> None:
                    if getattr(settings, f) != getattr(type(settings)(), f)]
         if unused and changed:
             one = len(changed) == 1
-            print(f"shoal {command}: {', '.join(changed)} {'applies' if one else 'apply'} to {what} and does not use "
-                  f"{'it' if one else 'them'}", file=sys.stderr)
-    note_capped(command, config)
+            sentences.append(f"{', '.join(changed)} {'applies' if one else 'apply'} to {what} and does not use "
+                             f"{'it' if one else 'them'}")
+    return sentences
 
 
 def note_capped(command: str, config: TrainConfig) -> None:
@@ -94,4 +108,5 @@ def note_past_selves(command: str, config: TrainConfig, tree) -> None:
               f"alone (feed-forward, learning), and this run has none: no past self plays", file=sys.stderr)
 
 
-__all__ = ["note_capped", "note_past_selves", "note_policy_fit", "note_schedule", "note_unused"]
+__all__ = ["UnusedSettingWarning", "note_capped", "note_past_selves", "note_policy_fit", "note_schedule", "note_unused",
+           "unused_settings"]

@@ -31,6 +31,7 @@ import numbers
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -123,10 +124,13 @@ def run_trial(config: TrainConfig, trial_dir: str, restored: str | None,
     from orchestration.builder import build_trainer
     from orchestration.checkpoint import load_checkpoint, save_checkpoint
     from orchestration.metrics_log import MetricsLog
+    from orchestration.run_notes import UnusedSettingWarning
     from orchestration.run_state import restore_trainer_, trainer_state
 
     torch.set_num_threads(config.threads)
-    trainer = build_trainer(config)  # on the Ray backend: joins the Ray instance the trial runs in
+    with warnings.catch_warnings():  # a sweep's --ray.* place Tune's trials, whatever backend each trial trains on
+        warnings.simplefilter("ignore", UnusedSettingWarning)
+        trainer = build_trainer(config)  # on the Ray backend: joins the Ray instance the trial runs in
     log = None
     try:
         if restored is not None:

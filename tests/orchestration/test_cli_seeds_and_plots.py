@@ -202,3 +202,26 @@ def test_seeds_on_the_ray_backend_train_each_seed_as_the_local_backend_does(tmp_
         local, remote = rows(tmp_path / "local" / f"seed_{seed}"), rows(tmp_path / "ray" / f"seed_{seed}")
         assert len(remote) == 2 and [{k: row.get(k) for k in local[0]} for row in remote] == local, seed
     assert rows(tmp_path / "ray" / "seed_0") != rows(tmp_path / "ray" / "seed_1")  # each run had its own seed
+
+
+def test_a_trainer_built_from_python_warns_of_settings_it_does_not_use_and_the_cli_says_them_once(tmp_path, capsys):
+    """From Python, ``build_trainer`` warns (``UnusedSettingWarning``) where the CLI notes on stderr: the Ray
+    backend's settings on a local run were ignored without a word. The CLI says each once, with no warning."""
+    import warnings
+
+    from orchestration.builder import build_trainer
+    from orchestration.cli import main
+    from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+    from orchestration.run_notes import UnusedSettingWarning
+
+    small = RolloutConfig(num_envs=2, fragment_length=8)
+    with pytest.warns(UnusedSettingWarning) as caught:
+        build_trainer(TrainConfig(rollout=small, ray=RayConfig(num_cpus=4, learners_per_policy=2))).close()
+    assert [str(w.message) for w in caught] == [
+        "--ray.num-cpus, --ray.learners-per-policy apply to --backend ray only; this run is local and does not use them"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedSettingWarning)  # a used setting: nothing to warn of
+        build_trainer(TrainConfig(rollout=small, mode="async", max_staleness=2)).close()
+        main(["train", *ARGS, "--iterations", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
+              "--ray.num-cpus", "4"])  # the CLI's note, not a warning (which would raise here)
+    assert capsys.readouterr().err.count("--ray.num-cpus applies to --backend ray only") == 1

@@ -64,3 +64,23 @@ def test_the_rows_a_checkpoint_carries_never_replace_a_trials_own(tmp_path):
     shorter = dataclasses.replace(CONFIG, iterations=2)
     run_trial(shorter, str(tmp_path / "trial"), str(tmp_path / "at2"), lambda *_: None)  # nothing left to train
     assert _rows(tmp_path / "trial" / "metrics.csv") == own[:2]
+
+
+def test_a_trial_does_not_warn_of_the_sweeps_ray_settings(tmp_path):
+    """``shoal tune --ray.num-cpus 4`` sizes Tune's Ray instance: a local trial of that config uses it, so it
+    gets no :class:`UnusedSettingWarning` (a plain ``build_trainer`` of the same config does)."""
+    import warnings
+
+    import pytest
+
+    from orchestration.config import RayConfig
+    from orchestration.run_notes import UnusedSettingWarning
+
+    config = dataclasses.replace(CONFIG, iterations=1, checkpoint_every=0, ray=RayConfig(num_cpus=4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedSettingWarning)
+        run_trial(config, str(tmp_path / "trial"), None, lambda metrics, directory: None)
+    with pytest.warns(UnusedSettingWarning, match="--ray.num-cpus applies to --backend ray only"):
+        from orchestration.builder import build_trainer
+
+        build_trainer(config).close()
