@@ -67,9 +67,11 @@ class RayFleet:
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
         try:  # construction errors surface here
             self._env_state = all(info["env_state"] for info in ray.get([s.handle.info.remote() for s in self.slots]))
-        except BaseException:
+        except BaseException as err:
             for slot in self.slots:
                 kill_actor(slot.handle)
+            if (mistake := users_mistake_within(err)) is not None:  # an env's first observation, say
+                raise mistake from None
             raise
 
     def _spawn(self, slot: int, incarnation: int, weights: Weights) -> _Slot:
@@ -81,10 +83,14 @@ class RayFleet:
         return _Slot(slot, incarnation, handle)
 
     def restart(self, index: int, weights: Weights, cause: BaseException | None = None) -> None:
-        """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``; raises the user's
-        mistake that ended it instead (:func:`orchestration.user_errors.users_mistake_within`)."""
+        """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``. Only a worker that
+        died is replaced: an error its own code or envs raised ends the run as on the local backend (the user's
+        mistake as itself, :func:`orchestration.user_errors.users_mistake_within`; a faulty env restarts inside
+        the worker with ``rollout.check='lenient'``)."""
         if (mistake := users_mistake_within(cause)) is not None:
             raise mistake from None
+        if _raised_by_worker(cause):  # its code or its envs raised: the run ends there, as on the local backend
+            raise cause
         old = self.slots[index]
         self.dead.update(stream_worker_ids(self.config, old.slot, old.incarnation))
         kill_actor(old.handle)
@@ -251,6 +257,12 @@ class RayFleet:
         self.stop()
         for handle in [*(s.handle for s in self.slots), self.stats, *([self.inference] if self.inference else [])]:
             kill_actor(handle)
+
+
+def _raised_by_worker(err: BaseException | None) -> bool:
+    """Whether a worker's call failed because the worker's code raised (a Ray task error carrying a Python
+    exception), not because its process, a node or an object of Ray's was lost."""
+    return isinstance(err, ray.exceptions.RayTaskError) and not isinstance(err.cause, ray.exceptions.RayError)
 
 
 #: The statistics actor: light (no CPU reserved), made remote once.

@@ -35,10 +35,15 @@ class RolloutWorker(Sampler):
                  learners: Mapping[str, Any], stats, weights: Weights, inference=None) -> None:
         from orchestration.ray_fleet import RemoteService
 
-        super().__init__(config, slot, incarnation, weights, fetch=lambda ref: from_wire(ray.get(ref)),
-                         fetch_errors=(ray.exceptions.RayError,), queue_size=ray_config.queue_size,
-                         threads=ray_config.worker_threads,
-                         service=RemoteService(inference) if inference is not None else None)
+        self.construction_error: Exception | None = None
+        try:
+            super().__init__(config, slot, incarnation, weights, fetch=lambda ref: from_wire(ray.get(ref)),
+                             fetch_errors=(ray.exceptions.RayError,), queue_size=ray_config.queue_size,
+                             threads=ray_config.worker_threads,
+                             service=RemoteService(inference) if inference is not None else None)
+        except Exception as err:  # an env that fails its first reset, say: Ray would keep only the error's text
+            self.construction_error = err  # (an ActorDiedError); the first call raises it as itself
+            return
         self.ray_config = ray_config
         self.learners, self.stats = dict(learners), stats
         self._sender = threading.Thread(target=self._send_loop, name="fragment-sender", daemon=True)
@@ -88,8 +93,22 @@ class RolloutWorker(Sampler):
         except ray.exceptions.RayActorError:
             self.push_failures += 1
 
+    def _built(self) -> None:
+        if self.construction_error is not None:
+            raise self.construction_error
+
+    def collect(self, num_fragments: int, weights: Weights, env_id: str | None = None) -> dict[str, Any]:
+        self._built()
+        return super().collect(num_fragments, weights, env_id)
+
+    def run(self, weights: Weights, env_id: str | None = None) -> dict[str, Any]:
+        self._built()
+        return super().run(weights, env_id)
+
     def info(self) -> dict[str, Any]:
-        """Where this worker runs: worker id, node id, process id; whether its envs can save their state."""
+        """Where this worker runs: worker id, node id, process id; whether its envs can save their state (raises
+        the error that stopped its construction)."""
+        self._built()
         return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "env_state": hasattr(self.actor.env, "state_dict")}
 

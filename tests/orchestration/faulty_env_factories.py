@@ -62,3 +62,34 @@ class _Faulty(gymnasium.Wrapper):
 
 def make_faulty(fault: str = "hang", marker: str = ""):
     return _Faulty(gymnasium.make("CartPole-v1"), fault.split(","), marker)
+
+
+class _FarOut(gymnasium.Wrapper):
+    """Its resets put the cart far outside the observation space's bounds: found at an actor's first reset."""
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        obs[0] = 100.0
+        return obs, info
+
+
+def make_out_of_bounds():
+    return _FarOut(gymnasium.make("CartPole-v1"))
+
+
+class _Raising(gymnasium.Wrapper):
+    """Raises at its third step, every time: a bug in the user's env code."""
+
+    def reset(self, **kwargs):
+        self.steps = 0
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("the env's own bug")
+        return self.env.step(action)
+
+
+def make_raising():
+    return _Raising(gymnasium.make("CartPole-v1"))

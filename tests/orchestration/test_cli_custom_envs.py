@@ -129,3 +129,35 @@ def test_env_data_that_breaks_the_tree_in_a_ray_worker_is_the_same_error_as_loca
         assert "env 0, agent 'agent', key next/agent/observation: expected shape (4,), got (3,)" in str(raised.value)
     finally:
         trainer.close()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("factory", ["make_out_of_bounds", "make_raising"])
+def test_an_env_that_fails_in_a_ray_worker_ends_the_run_as_locally(ray_session, factory):
+    """An env whose first observation is out of its space (found while the worker is built) and an env whose code
+    raises: the Ray run ends with the local run's error, as itself, and no worker is re-created (Ray kept only
+    the first one's text; the second was re-created until the restarts ran out)."""
+    import dataclasses
+
+    from orchestration.builder import build_trainer
+    from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+
+    config = TrainConfig(env=f"tests.orchestration.faulty_env_factories:{factory}", iterations=1,
+                         rollout=RolloutConfig(num_envs=2, fragment_length=8),
+                         ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0, max_worker_restarts=1))
+
+    def failure(backend: str) -> tuple[Exception, int]:
+        trainer = None
+        try:
+            trainer = build_trainer(dataclasses.replace(config, backend=backend))
+            trainer.train()
+        except Exception as err:
+            return err, getattr(trainer.fleet, "restarts", 0) if trainer is not None else 0
+        finally:
+            if trainer is not None:
+                trainer.close()
+        pytest.fail(f"{backend}: the env's fault went unnoticed")
+
+    (local, _), (remote, restarts) = failure("local"), failure("ray")
+    assert isinstance(remote, type(local)) and restarts == 0
+    assert str(local) in str(remote), (local, remote)
