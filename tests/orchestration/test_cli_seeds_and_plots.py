@@ -218,7 +218,8 @@ def test_a_trainer_built_from_python_warns_of_settings_it_does_not_use_and_the_c
     with pytest.warns(UnusedSettingWarning) as caught:
         build_trainer(TrainConfig(rollout=small, ray=RayConfig(num_cpus=4, learners_per_policy=2))).close()
     assert [str(w.message) for w in caught] == [
-        "--ray.num-cpus, --ray.learners-per-policy apply to --backend ray only; this run is local and does not use them"]
+        "--ray.num-cpus, --ray.learners-per-policy apply to --backend ray only; this run is local and does not use "
+        "them"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnusedSettingWarning)  # a used setting: nothing to warn of
         build_trainer(TrainConfig(rollout=small, mode="async", max_staleness=2)).close()
