@@ -97,6 +97,7 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         c, context = self.config, None
         if c.tls_cert:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.num_tickets = 0  # no TLS 1.3 tickets: docs/external-protocol.md, Security
             try:
                 context.load_cert_chain(c.tls_cert, c.tls_key)
             except (OSError, ssl.SSLError) as error:  # missing or unreadable files, not a certificate and its key

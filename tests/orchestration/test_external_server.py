@@ -7,6 +7,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -227,6 +228,13 @@ def test_wss_with_a_certificate(tmp_path, served):
             assert set(client.act("e", {"agents_0": OBS}).actions) == {"agents_0"}
         with pytest.raises(Exception):  # a plain ws:// client cannot talk to it
             SimulatorClient(server.url.replace("wss", "ws"), "t", TREE, "plain", timeout_s=2)
+        # No TLS 1.3 session tickets (docs/external-protocol.md, Security: a likely cause of this test's rare
+        # failure in CI, the upgrade request never received)
+        with socket.create_connection(("localhost", server.port)) as raw, \
+                context.wrap_socket(raw, server_hostname="localhost") as tls:
+            tls.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")  # not an upgrade: refused, then closed
+            assert tls.recv(1024).startswith(b"HTTP/1.1 4")  # the tickets, if any, came before this answer
+            assert tls.version() == "TLSv1.3" and not (tls.session is not None and tls.session.has_ticket)
     finally:
         server.close()
         service.close()
