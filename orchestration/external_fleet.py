@@ -145,9 +145,12 @@ class ExternalFleet:
         self.broadcast(weights)
         self._last_data = self._clock()
 
-    def pump(self, weights: Weights | None = None) -> None:
+    def pump(self, weights: Weights | None = None, hungry: bool = False) -> None:
         """Delivers what the simulators produced (waits a moment when nothing is queued)."""
         self._deliver(_PUMP_WAIT_S)
+
+    def trained(self, fragment_ids) -> None:
+        """Nothing to do: simulators run at their own pace."""
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:
         """New weights for the service, loaded before its next batch (``wait``/``force`` change nothing here:

@@ -7,7 +7,9 @@ The Fleet protocol, which every backend implements (:class:`LocalFleet` here: in
 
     reports = fleet.collect(steps, weights, fresh_steps)   # sync: >= steps env steps delivered, acting with weights
     fleet.start(weights)                                   # async: begin producing
-    fleet.pump(weights)                                    # async: let it produce (local: one fragment per actor)
+    fleet.pump(weights, hungry)                            # async: let it produce (local: one fragment per actor;
+                                                           #   hungry: a learner waits for data)
+    fleet.trained(fragment_ids)                            # async: what a learner trained on (Ray: frees credit)
     fleet.broadcast({pid: (version, weights)})             # new weights, loaded at each actor's next fragment
     fleet.set_env_ids(["easy", "hard"])                    # collections: each actor's member, from its next fragment
     episodes = fleet.episodes()                            # completed since the last call, per key
@@ -98,7 +100,9 @@ class Fleet(Protocol):
 
     def start(self, weights: Weights) -> None: ...
 
-    def pump(self, weights: Weights) -> None: ...
+    def pump(self, weights: Weights, hungry: bool = False) -> None: ...
+
+    def trained(self, fragment_ids: Sequence[int]) -> None: ...
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None: ...
 
@@ -187,11 +191,14 @@ class LocalFleet:
         """Records the weights the actors load at their next fragment boundary."""
         self._latest.update(weights)
 
-    def pump(self, weights: Weights | None = None) -> None:
+    def pump(self, weights: Weights | None = None, hungry: bool = False) -> None:
         """One round: each actor loads the newest weights it was handed, then produces one fragment."""
         for actor in self.actors:
             self._load(actor, self._latest)
             self._produce(actor)
+
+    def trained(self, fragment_ids: Sequence[int]) -> None:
+        """Nothing to do: the actors produce only when pumped."""
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:
         """Hands new weights to every actor: loaded at its next fragment boundary, or now with ``wait``

@@ -28,19 +28,22 @@ Weights = Mapping[str, tuple[int, list]]
 class RolloutWorker(Sampler):
     """One rollout process: a :class:`orchestration.sampler.Sampler` and the sender thread that delivers its
     fragments. Every fragment goes to every learner in ``learners`` (policy id -> handle); completed episodes
-    go to ``stats`` (or nowhere when None); ``inference``: the central inference server's handle, if any.
+    go to ``stats`` (or nowhere when None); ``inference``: the central inference server's handle, if any;
+    ``credits``: the fleet's :class:`orchestration.sampling_credit.CreditPool` actor, if any (streaming only).
     """
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, slot: int, incarnation: int,
-                 learners: Mapping[str, Any], stats, weights: Weights, inference=None) -> None:
+                 learners: Mapping[str, Any], stats, weights: Weights, inference=None, credits=None) -> None:
         from orchestration.ray_fleet import RemoteService
 
         self.construction_error: Exception | None = None
+        self._credits, self._asked = credits, None
         try:
             super().__init__(config, slot, incarnation, weights, fetch=lambda ref: from_wire(ray.get(ref)),
                              fetch_errors=(ray.exceptions.RayError,), queue_size=ray_config.queue_size,
                              threads=ray_config.worker_threads,
-                             service=RemoteService(inference) if inference is not None else None)
+                             service=RemoteService(inference) if inference is not None else None,
+                             credit=self._credit if credits is not None else None)
         except Exception as err:  # an env that fails its first reset, say: Ray would keep only the error's text
             self.construction_error = err  # (an ActorDiedError); the first call raises it as itself
             return
@@ -84,6 +87,18 @@ class RolloutWorker(Sampler):
                 self.error = err
                 if isinstance(item, threading.Event):
                     item.set()
+
+    def _credit(self, timeout_s: float) -> bool:
+        """One credit of the pool for the next fragment; the one after is asked for at once, so that its answer
+        travels while this fragment is made."""
+        asked, self._asked = self._asked or self._credits.acquire.remote(timeout_s), None
+        try:
+            got = ray.get(asked)
+        except ray.exceptions.RayError:  # the pool is gone (the run is closing): no flow control
+            return True
+        if got:
+            self._asked = self._credits.acquire.remote(timeout_s)
+        return got
 
     def _acknowledged(self, ref) -> None:
         """Waits for one push; a learner that died meanwhile did not get it (it counts the gap as lost when it

@@ -10,7 +10,8 @@ Usage loop (what the transport's process does)::
     # consumer thread: item = sampler.queue.get(); deliver (fragment, meta, episodes) items; an Event item
     #   is a flush: set it once everything before it was delivered; on failure set sampler.error
     sampler.collect(num_fragments, weights)    # synchronous mode: returns once all were delivered
-    sampler.run(weights) ... sampler.stop()     # asynchronous mode: streams until stopped
+    sampler.run(weights) ... sampler.stop()     # asynchronous mode: streams until stopped (with ``credit``: a
+                                                #   fragment per credit, orchestration.sampling_credit)
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ class Sampler:
     and starts from ``weights``; ``slot`` is its place in the fleet and ``incarnation`` how often the slot
     was re-created. ``fetch(handle)`` loads weights (it raises one of ``fetch_errors`` when they are gone:
     the actor keeps acting with what it has); ``service`` (optional) makes every policy a stand-in asking
-    that inference service (central inference)."""
+    that inference service (central inference); ``credit(timeout_s)`` (optional) takes one credit of the
+    fleet's pool (:mod:`orchestration.sampling_credit`) before each streamed fragment, False when none came."""
 
     def __init__(self, config: TrainConfig, slot: int, incarnation: int, weights: Weights, *,
                  fetch: Callable[[Any], Any], queue_size: int, threads: int, fetch_errors: tuple = (),
-                 service=None) -> None:
+                 service=None, credit: Callable[[float], bool] | None = None) -> None:
         torch.set_num_threads(threads)
         keep_freed_memory()
         self.slot, self.incarnation = slot, incarnation
@@ -59,7 +61,7 @@ class Sampler:
 
             policies = {pid: ServicePolicy(pid, service, p) for pid, p in policies.items()}
         self.actor = build_actor(config, self.env, policies, assignment, slot=slot, incarnation=incarnation)
-        self._fetch, self._fetch_errors = fetch, fetch_errors
+        self._fetch, self._fetch_errors, self._credit = fetch, fetch_errors, credit
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.produced = self.sent = self.push_failures = 0
         self._latest: dict[str, tuple[int, list]] = {}
@@ -191,11 +193,22 @@ class Sampler:
         self._streaming = True
         try:
             while not self._stop.is_set():
-                self._produce()
+                if self._credited():
+                    self._produce()
         finally:
             self._streaming = False
         self._flush()
         return self.report()
+
+    def _credited(self) -> bool:
+        """Whether the next fragment may start: a credit taken (waits up to 0.1 s for one, so that a stop is
+        seen), or no credit pool."""
+        if self._credit is None:
+            return True
+        start = time.perf_counter()
+        got = self._credit(0.1)
+        self.monitor.add("credit_wait", time.perf_counter() - start)
+        return got
 
     def stop(self) -> None:
         """Ends :meth:`run` after the current fragment."""

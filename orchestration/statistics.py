@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 #: Stages timed by :class:`PipelineMonitor` (seconds summed over a reporting window).
-STAGES = ("env_step", "inference", "assembly", "enqueue_wait", "serialize_put", "send_wait")
+STAGES = ("env_step", "inference", "assembly", "enqueue_wait", "credit_wait", "serialize_put", "send_wait")
 
 
 class PipelineMonitor:
@@ -24,8 +24,9 @@ class PipelineMonitor:
 
     Stages: ``env_step`` (the env's ``step``), ``inference`` (the rest of an actor step: policy forward,
     sampling, recording), ``assembly`` (steps -> fragment TensorDict), ``enqueue_wait`` (the sampling loop
-    blocked on a full queue: back-pressure), ``serialize_put`` (sender thread: ``to_wire`` + ``ray.put``),
-    ``send_wait`` (sender thread waiting for learners' acknowledgements).
+    blocked on a full queue: back-pressure), ``credit_wait`` (asynchronous mode on Ray: waiting for the
+    learners to train on what the fleet made, :mod:`orchestration.sampling_credit`), ``serialize_put`` (sender
+    thread: ``to_wire`` + ``ray.put``), ``send_wait`` (sender thread waiting for learners' acknowledgements).
     """
 
     def __init__(self) -> None:

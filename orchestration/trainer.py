@@ -186,6 +186,7 @@ class Trainer:
                     continue
                 last_progress = time.perf_counter()
                 self._take(pid, result, metrics)
+                self.fleet.trained(result["fragment_ids"])
                 self.fleet.broadcast({pid: self.weights[pid]})
                 t_learn += result["time_learn"]
             if self._refresh_weights(broadcast=True):
@@ -193,7 +194,7 @@ class Trainer:
             if not pending and not retry:
                 break
             try:
-                self.fleet.pump(self.weights)  # local: one round of fragments; Ray: replace dead workers, wait a moment
+                self.fleet.pump(self.weights, hungry=bool(retry))  # local: a round of fragments; Ray: RayFleet.pump
             except CollectionInterrupted:
                 if not metrics:
                     raise

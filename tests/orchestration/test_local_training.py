@@ -160,7 +160,7 @@ def test_async_iteration_timeout_counts_only_time_without_data(monkeypatch):
     learner, submit = trainer.trainable["agent"], trainer.trainable["agent"].submit
     monkeypatch.setattr(learner, "submit", lambda *args, **kwargs: time.sleep(1e-3) or submit(*args, **kwargs))
     assert trainer.train()["env_steps_trained"] == 2048  # 16 rounds of fragments, each well over the timeout
-    monkeypatch.setattr(trainer.fleet, "pump", lambda weights=None: None)  # nothing arrives any more
+    monkeypatch.setattr(trainer.fleet, "pump", lambda weights=None, hungry=False: None)  # nothing arrives any more
     with pytest.raises(StalledRun) as stalled:
         trainer.train()
     assert is_users_mistake(stalled.value)

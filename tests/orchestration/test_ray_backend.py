@@ -209,14 +209,33 @@ def streaming(ray_session):
     trainer.close()
 
 
+def test_streaming_workers_faster_than_the_learner_wait_for_credit_instead_of_making_stale_data(ray_session):
+    """Before the credit pool, workers filled every queue and most fragments went stale (70% of a CLI run's)."""
+    trainer = _ray(_config(train_batch_size=128, mode="async", max_staleness=1))  # a batch: two 64-step fragments
+    try:
+        waited = 0.0
+        for _ in range(12):
+            metrics = trainer.train()
+            waited += metrics["pipeline/credit_wait_ms"] * metrics["pipeline/fragments"]
+    finally:
+        trainer.close()
+    trained, capacity, workers = metrics["env_steps_trained"] // 64, 4, 2  # capacity: (1 + 1) batches
+    assert _identity(metrics) and trained == 24
+    # made: what was trained, what the pool lets run ahead, a credit asked ahead per worker, and slack
+    assert metrics["fragments_produced"] <= trained + capacity + 2 * workers, metrics
+    assert metrics["fragments_stale"] <= workers and waited > 0, metrics
+
+
 def test_slow_worker_data_beyond_max_staleness_is_dropped_and_counted(streaming, ray_session):
     ray_session.get(streaming.fleet.handles()[1].set_fragment_delay.remote(0.4))
+    built = 0  # fragments the workers' pipeline reports counted (an iteration may train on earlier ones only)
     for _ in range(12):
         metrics = streaming.train()
+        built += metrics["pipeline/fragments"]
     assert metrics["trained_max_lag"] <= 1  # nothing older than max_staleness reached the loss
     assert metrics["fragments_stale"] >= 1  # the slow worker's fragments arrived too late
     assert _identity(metrics)
-    assert metrics["policy_version"] == 12 and metrics["pipeline/fragments"] > 0
+    assert metrics["policy_version"] == 12 and built > 0
     # the workers sample while the learner trains: env_steps counts all of it, env_steps_trained the batches
     assert metrics["env_steps_trained"] == 12 * 128 < metrics["env_steps"]
     ray_session.get(streaming.fleet.handles()[1].set_fragment_delay.remote(0.0))

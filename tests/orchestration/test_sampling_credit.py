@@ -1,0 +1,48 @@
+"""The asynchronous fleet's credit pool: a fragment per credit, credit back per fragment trained on, a top-up when
+a learner waits for data while workers wait for credit."""
+
+from __future__ import annotations
+
+import asyncio
+
+from orchestration.sampling_credit import CreditPool, FirstTrainings, batch_fragments
+
+
+def test_the_pool_holds_max_staleness_plus_one_batches_and_a_worker_waits_for_credit_given_back():
+    async def scenario():
+        pool = CreditPool(batch_fragments=2, max_staleness=1)
+        assert [await pool.acquire(0.01) for _ in range(5)] == [True] * 4 + [False]  # two batches, then none
+        waiter = asyncio.ensure_future(pool.acquire(5.0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and pool.waiting == 1
+        await pool.grant(1)  # a fragment trained on: its credit goes to the waiting worker
+        assert await waiter and pool.balance == 0 and pool.waiting == 0
+        await pool.grant(10)  # never above the capacity
+        return pool.state()
+
+    state = asyncio.run(scenario())
+    assert state["balance"] == state["capacity"] == 4 and state["acquired"] == 5 and state["returned"] == 11
+
+
+def test_a_top_up_gives_one_credit_per_waiting_worker_only_when_the_pool_is_empty():
+    async def scenario():
+        pool = CreditPool(batch_fragments=1, max_staleness=0)
+        assert await pool.top_up() == 0  # credit left: nothing to top up
+        assert await pool.acquire(0.01)
+        assert await pool.top_up() == 0  # empty, but nobody waits
+        waiters = [asyncio.ensure_future(pool.acquire(5.0)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert await pool.top_up() == 3
+        assert all(await asyncio.gather(*waiters)) and pool.balance == 0
+        return pool.state()
+
+    assert asyncio.run(scenario())["topped_up"] == 3
+
+
+def test_only_a_fragments_first_training_gives_its_credit_back():
+    trainings = FirstTrainings(keep=4)
+    assert trainings.count_new([1, 2]) == 2
+    assert trainings.count_new([1, 2]) == 0  # another learner trained on the same fragments, or a reuse
+    assert trainings.count_new([2, 3, 4, 5]) == 3
+    assert trainings.count_new([1]) == 1  # forgotten: only the newest ``keep`` ids are remembered
+    assert batch_fragments(512, 256) == 2 and batch_fragments(500, 256) == 2 and batch_fragments(64, 256) == 1
