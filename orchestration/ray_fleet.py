@@ -27,7 +27,7 @@ from orchestration.config import RayConfig, TrainConfig
 from orchestration.fleet import collect_in_rounds, resumes_exactly, worker_states_saved
 from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
-from orchestration.sampling_credit import TOP_UP_INTERVAL_S, CreditPool, FirstTrainings, batch_fragments
+from orchestration.sampling_credit import TOP_UP_AFTER_S, CreditPool, FirstTrainings, batch_fragments
 from orchestration.statistics import EpisodeStatistics
 from orchestration.user_errors import users_mistake_within
 from orchestration.ray_worker import RemoteRolloutWorker, RolloutWorker, Weights  # noqa: F401 - re-exported
@@ -71,7 +71,7 @@ class RayFleet:
         if config.mode == "async":
             fragments = batch_fragments(config.steps_per_iteration, self.fragment_steps)
             self.credits = RemoteCreditPool.remote(fragments, config.max_staleness)
-            self._trainings, self._topped_up = FirstTrainings(keep=64 * fragments), 0.0
+            self._trainings, self._since = FirstTrainings(keep=64 * fragments), time.monotonic()
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
         try:  # construction errors surface here
             self._env_state = all(info["env_state"] for info in ray.get([s.handle.info.remote() for s in self.slots]))
@@ -192,18 +192,21 @@ class RayFleet:
 
     def pump(self, weights: Weights, hungry: bool = False) -> None:
         """Asynchronous mode: replaces dead workers, then leaves the workers a moment to produce; ``hungry``
-        (a learner could not train for want of data): tops up the credit pool if workers wait on it empty."""
+        (a learner could not train for want of data): tops up the credit pool if workers wait on it empty and
+        nothing was trained for ``TOP_UP_AFTER_S``."""
         self.check(weights)
-        if hungry and self.credits is not None and time.monotonic() - self._topped_up >= TOP_UP_INTERVAL_S:
+        if hungry and self.credits is not None and time.monotonic() - self._since >= TOP_UP_AFTER_S:
             self.credits.top_up.remote()
-            self._topped_up = time.monotonic()
+            self._since = time.monotonic()
         time.sleep(self.ray_config.poll_interval_s)
 
     def trained(self, fragment_ids) -> None:
         """Asynchronous mode: a learner trained on ``fragment_ids``; those trained on for the first time give
         their credit back to the pool."""
-        if self.credits is not None and (new := self._trainings.count_new(fragment_ids)):
-            self.credits.grant.remote(new)
+        if self.credits is not None:
+            self._since = time.monotonic()
+            if new := self._trainings.count_new(fragment_ids):
+                self.credits.grant.remote(new)
 
     def episodes(self) -> dict[str, Any]:
         """Episodes the statistics actor got since the last call (:meth:`EpisodeStatistics.drain`)."""

@@ -8,7 +8,7 @@ for ``max_staleness + 1`` batches (one being trained on, the next ones filling m
 worker starts takes one credit; each fragment a learner trains on for the first time gives one back. So the
 fleet runs at most that many batches ahead of training, and a fast worker takes the credit a slow one leaves
 (one pool for all, not a share each). A learner still short of data while workers wait (fragments lost,
-stale, or never made by a worker that died) is topped up: one credit per waiting worker.
+stale, or never made by a worker that died) is topped up after a while: one credit per waiting worker.
 
 Usage loop (the fleet owns the pool; in a Ray actor, workers ask it across processes)::
 
@@ -27,8 +27,9 @@ from collections import OrderedDict
 from typing import Iterable
 
 
-#: Shortest pause between two top-ups while a learner waits (each gives one credit per waiting worker).
-TOP_UP_INTERVAL_S = 0.05
+#: How long a learner waits for data, with no training in between, before the pool is topped up (data in
+#: flight arrives sooner; what does not is lost or stale, and its credit never comes back).
+TOP_UP_AFTER_S = 0.5
 
 
 class FirstTrainings:
@@ -121,4 +122,4 @@ class CreditPool:
         return {"balance": self.balance, "capacity": self.capacity, "waiting": self.waiting, **self.counters}
 
 
-__all__ = ["TOP_UP_INTERVAL_S", "CreditPool", "FirstTrainings", "batch_fragments"]
+__all__ = ["TOP_UP_AFTER_S", "CreditPool", "FirstTrainings", "batch_fragments"]

@@ -186,8 +186,8 @@ class Trainer:
                     continue
                 last_progress = time.perf_counter()
                 self._take(pid, result, metrics)
-                self.fleet.trained(result["fragment_ids"])
                 self.fleet.broadcast({pid: self.weights[pid]})
+                self.fleet.trained(result["fragment_ids"])  # after the weights: the credit it frees acts with them
                 t_learn += result["time_learn"]
             if self._refresh_weights(broadcast=True):
                 last_progress = time.perf_counter()

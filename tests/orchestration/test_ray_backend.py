@@ -216,7 +216,8 @@ def test_streaming_workers_faster_than_the_learner_wait_for_credit_instead_of_ma
         waited = 0.0
         for _ in range(12):
             metrics = trainer.train()
-            waited += metrics["pipeline/credit_wait_ms"] * metrics["pipeline/fragments"]
+            if metrics["pipeline/fragments"]:  # per fragment built in the iteration's window (none: NaN)
+                waited += metrics["pipeline/credit_wait_ms"] * metrics["pipeline/fragments"]
     finally:
         trainer.close()
     trained, capacity, workers = metrics["env_steps_trained"] // 64, 4, 2  # capacity: (1 + 1) batches
