@@ -269,6 +269,13 @@ def test_killed_workers_are_replaced_and_accounting_is_exact(streaming, ray_sess
     # The learner crashes (workers streaming): Ray restarts it and it resumes from its last checkpoint.
     checkpoint = proxy.snapshot()
     before = streaming.accounting()
+    delivered = lambda: sum(ray_session.get(learner.report.remote())["totals"].values())  # noqa: E731
+    got = delivered()
+    fleet.credits.grant.remote(2)  # workers paced to training may wait for credit: these reach the learner
+    for _ in range(6000):  # until one reached it after its checkpoint (the crash loses it)
+        if delivered() > got:
+            break
+        time.sleep(0.01)
     learner.crash.remote()  # the process exits; Ray restarts it
     report = streaming.learner_reports()[pid]  # after the crash (calls are ordered): the driver waits it out
     assert report["restarts"] == 1 and report["restored_version"] == checkpoint["version"]
