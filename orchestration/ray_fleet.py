@@ -2,9 +2,8 @@
 :mod:`orchestration.fleet`) creates, supervises and re-creates the rollout workers of
 :mod:`orchestration.ray_worker`. Synchronous mode: each worker collects its share of ``train_batch_size``
 with the current weights (seed 000), and what dead workers lost is re-collected. Asynchronous mode: workers
-stream until stopped and get new weights refs as published, each fragment on a credit of the fleet's pool
-(:mod:`orchestration.sampling_credit`), so they run at most ``max_staleness + 1`` batches ahead of training
-instead of making data that goes stale in the queues. A dead worker is re-created as a new
+stream until stopped, each fragment on a credit (:mod:`orchestration.sampling_credit`), and get new weights
+refs as published. A dead worker is re-created as a new
 incarnation (new ``worker_id`` and seed stream). Incarnation 0 has the local backend's worker ids and seeds:
 a synchronous Ray run reproduces a local run bit for bit.
 
@@ -27,7 +26,7 @@ from orchestration.config import RayConfig, TrainConfig
 from orchestration.fleet import collect_in_rounds, resumes_exactly, worker_states_saved
 from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
-from orchestration.sampling_credit import TOP_UP_AFTER_S, CreditPool, FirstTrainings, batch_fragments
+from orchestration.sampling_credit import CreditLedger, CreditPool, batch_fragments
 from orchestration.statistics import EpisodeStatistics
 from orchestration.user_errors import users_mistake_within
 from orchestration.ray_worker import RemoteRolloutWorker, RolloutWorker, Weights  # noqa: F401 - re-exported
@@ -67,11 +66,11 @@ class RayFleet:
         self.dead: set[int] = set()  # worker ids of incarnations that died
         self.env_ids: list[str | None] = [None] * config.rollout.num_workers  # collection member per slot
         self._collecting = False
-        self.credits = None  # asynchronous mode: the credit pool actor
+        self.credits = self._ledger = None  # asynchronous mode: the credit pool actor and the driver's ledger
         if config.mode == "async":
             fragments = batch_fragments(config.steps_per_iteration, self.fragment_steps)
             self.credits = RemoteCreditPool.remote(fragments, config.max_staleness)
-            self._trainings, self._since = FirstTrainings(keep=64 * fragments), time.monotonic()
+            self._ledger = CreditLedger(keep=64 * fragments)
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
         try:  # construction errors surface here
             self._env_state = all(info["env_state"] for info in ray.get([s.handle.info.remote() for s in self.slots]))
@@ -191,22 +190,17 @@ class RayFleet:
         return len(done)
 
     def pump(self, weights: Weights, hungry: bool = False) -> None:
-        """Asynchronous mode: replaces dead workers, then leaves the workers a moment to produce; ``hungry``
-        (a learner could not train for want of data): tops up the credit pool if workers wait on it empty and
-        nothing was trained for ``TOP_UP_AFTER_S``."""
+        """Asynchronous mode: replaces dead workers, tops the credit pool up when due (``hungry``: a learner
+        waits for data), then leaves the workers a moment to produce."""
         self.check(weights)
-        if hungry and self.credits is not None and time.monotonic() - self._since >= TOP_UP_AFTER_S:
+        if self._ledger is not None and self._ledger.top_up_due(hungry):
             self.credits.top_up.remote()
-            self._since = time.monotonic()
         time.sleep(self.ray_config.poll_interval_s)
 
     def trained(self, fragment_ids) -> None:
-        """Asynchronous mode: a learner trained on ``fragment_ids``; those trained on for the first time give
-        their credit back to the pool."""
-        if self.credits is not None:
-            self._since = time.monotonic()
-            if new := self._trainings.count_new(fragment_ids):
-                self.credits.grant.remote(new)
+        """Asynchronous mode: gives the pool the credit a training on ``fragment_ids`` frees."""
+        if self._ledger is not None and (returned := self._ledger.returned(fragment_ids)):
+            self.credits.grant.remote(returned)
 
     def episodes(self) -> dict[str, Any]:
         """Episodes the statistics actor got since the last call (:meth:`EpisodeStatistics.drain`)."""
@@ -277,8 +271,7 @@ class RayFleet:
     def close(self) -> None:
         """Stops streaming; kills every worker and the statistics actor."""
         self.stop()
-        for handle in [*(s.handle for s in self.slots), self.stats, *([self.inference] if self.inference else []),
-                       *([self.credits] if self.credits else [])]:
+        for handle in [*(s.handle for s in self.slots), self.stats, *filter(None, [self.inference, self.credits])]:
             kill_actor(handle)
 
 
@@ -291,7 +284,7 @@ def _raised_by_worker(err: BaseException | None) -> bool:
 #: The statistics actor: light (no CPU reserved), made remote once.
 RemoteEpisodeStatistics = ray.remote(num_cpus=0)(EpisodeStatistics)
 
-#: The asynchronous fleet's credit pool: asyncio methods (an async actor: waiting workers hold no thread).
+#: The credit pool: an async actor (waiting workers hold no thread).
 RemoteCreditPool = ray.remote(num_cpus=0)(CreditPool)
 
 #: One thread per concurrent caller (rollout worker); more callers queue in Ray.

@@ -14,8 +14,8 @@ Usage loop (the fleet owns the pool; in a Ray actor, workers ask it across proce
 
     pool = CreditPool(batch_fragments=4, max_staleness=1)     # credit for 8 fragments
     # worker, before each fragment:   while not await pool.acquire(0.1): check for stop
-    # driver, after each training:    await pool.grant(new fragment ids trained)
-    # driver, while a learner waits:  await pool.top_up()
+    # driver, after each training:    await pool.grant(ledger.returned(fragment_ids))
+    # driver, while a learner waits:  if ledger.top_up_due(hungry): await pool.top_up()
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import asyncio
 import math
 import time
 from collections import OrderedDict
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 #: How long a learner waits for data, with no training in between, before the pool is topped up (data in
@@ -32,15 +32,20 @@ from typing import Iterable
 TOP_UP_AFTER_S = 0.5
 
 
-class FirstTrainings:
-    """The ids of fragments trained on so far (the newest ``keep``): how many of a training result's are new, the
-    credit it gives back (several learners train on the same fragments; reuse trains one several times)."""
+class CreditLedger:
+    """The driver's side of the pool: what a training result gives back (the fragments trained on for the first
+    time; several learners train on the same fragments, reuse trains one several times; the newest ``keep`` ids
+    are remembered), and when a learner waiting for data calls for a top-up (``TOP_UP_AFTER_S`` with no training
+    and no top-up). ``clock``: seconds, monotonic."""
 
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
+    def __init__(self, keep: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.keep, self._clock = keep, clock
         self._seen: OrderedDict[int, None] = OrderedDict()
+        self._since = clock()
 
-    def count_new(self, fragment_ids: Iterable[int]) -> int:
+    def returned(self, fragment_ids: Iterable[int]) -> int:
+        """Credits that a training on ``fragment_ids`` gives back."""
+        self._since = self._clock()
         new = 0
         for fid in fragment_ids:
             if fid not in self._seen:
@@ -49,6 +54,13 @@ class FirstTrainings:
         while len(self._seen) > self.keep:
             self._seen.popitem(last=False)
         return new
+
+    def top_up_due(self, hungry: bool) -> bool:
+        """Whether to top the pool up now: a learner is ``hungry`` and nothing was trained for a while."""
+        if not hungry or self._clock() - self._since < TOP_UP_AFTER_S:
+            return False
+        self._since = self._clock()
+        return True
 
 
 def batch_fragments(steps_per_iteration: int, fragment_steps: int) -> int:
@@ -122,4 +134,4 @@ class CreditPool:
         return {"balance": self.balance, "capacity": self.capacity, "waiting": self.waiting, **self.counters}
 
 
-__all__ = ["TOP_UP_AFTER_S", "CreditPool", "FirstTrainings", "batch_fragments"]
+__all__ = ["TOP_UP_AFTER_S", "CreditLedger", "CreditPool", "batch_fragments"]

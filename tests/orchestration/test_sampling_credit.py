@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestration.sampling_credit import CreditPool, FirstTrainings, batch_fragments
+from orchestration.sampling_credit import TOP_UP_AFTER_S, CreditLedger, CreditPool, batch_fragments
 
 
 def test_the_pool_holds_max_staleness_plus_one_batches_and_a_worker_waits_for_credit_given_back():
@@ -40,9 +40,25 @@ def test_a_top_up_gives_one_credit_per_waiting_worker_only_when_the_pool_is_empt
 
 
 def test_only_a_fragments_first_training_gives_its_credit_back():
-    trainings = FirstTrainings(keep=4)
-    assert trainings.count_new([1, 2]) == 2
-    assert trainings.count_new([1, 2]) == 0  # another learner trained on the same fragments, or a reuse
-    assert trainings.count_new([2, 3, 4, 5]) == 3
-    assert trainings.count_new([1]) == 1  # forgotten: only the newest ``keep`` ids are remembered
+    ledger = CreditLedger(keep=4)
+    assert ledger.returned([1, 2]) == 2
+    assert ledger.returned([1, 2]) == 0  # another learner trained on the same fragments, or a reuse
+    assert ledger.returned([2, 3, 4, 5]) == 3
+    assert ledger.returned([1]) == 1  # forgotten: only the newest ``keep`` ids are remembered
     assert batch_fragments(512, 256) == 2 and batch_fragments(500, 256) == 2 and batch_fragments(64, 256) == 1
+
+
+def test_a_top_up_is_due_only_to_a_hungry_learner_that_trained_nothing_for_a_while():
+    now = [0.0]
+    ledger = CreditLedger(keep=4, clock=lambda: now[0])
+    now[0] = TOP_UP_AFTER_S / 2
+    assert not ledger.top_up_due(True)  # data in flight arrives sooner than this
+    now[0] = TOP_UP_AFTER_S
+    assert not ledger.top_up_due(False) and ledger.top_up_due(True)
+    assert not ledger.top_up_due(True)  # one top-up, then another wait
+    now[0] = 2 * TOP_UP_AFTER_S - 0.01
+    ledger.returned([7])  # a training: the wait starts again
+    now[0] = 2 * TOP_UP_AFTER_S + 0.01
+    assert not ledger.top_up_due(True)
+    now[0] = 3 * TOP_UP_AFTER_S
+    assert ledger.top_up_due(True)
