@@ -28,6 +28,7 @@ long run: ``--frames 1000000 --setups shoal_joint`` reports the mean episode ret
 
     python benchmarks/vmas_mappo.py [--rounds 3] [--iterations 3] [--threads 1]
     python benchmarks/vmas_mappo.py --setups shoal_joint --frames 1000000     # learning run (~10-15 min here)
+    python benchmarks/vmas_mappo.py --compute-dtype bfloat16   # every side's update in mixed precision (autocast)
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ LR, CLIP, GAMMA, LAMBDA, ENTROPY, GRAD_NORM = 3e-4, 0.2, 0.99, 0.9, 1e-4, 1.0
 VMAS = {"n_agents": 3, "continuous_actions": True, "max_steps": 100}
 
 
-def shoal(critic: str, seed: int):
+def shoal(critic: str, seed: int, dtype: str = "float32"):
     """A Shoal trainer; returns ``(run(iterations) -> frames, return per agent of the latest episodes)``."""
     from core.losses import PPOConfig
     from core.policies import PolicyConfig
@@ -57,7 +58,7 @@ def shoal(critic: str, seed: int):
         iterations=10**6, lr=LR, anneal_lr=False, eval_every=0,
         rollout=RolloutConfig(num_envs=ENVS, fragment_length=STEPS),
         ppo=PPOConfig(num_epochs=EPOCHS, minibatch_size=MINIBATCH, clip_eps=CLIP, gamma=GAMMA, gae_lambda=LAMBDA,
-                      entropy_coef=ENTROPY, max_grad_norm=GRAD_NORM, value_coef=1.0),
+                      entropy_coef=ENTROPY, max_grad_norm=GRAD_NORM, value_coef=1.0, compute_dtype=dtype),
         policy=PolicyConfig(hidden_sizes=(HIDDEN, HIDDEN), critic=critic))
     trainer = build_trainer(config)
     last = {}
@@ -72,7 +73,7 @@ def shoal(critic: str, seed: int):
     return run, last
 
 
-def torchrl_mappo(seed: int):
+def torchrl_mappo(seed: int, dtype: str = "float32"):
     """TorchRL's MAPPO loop (module docstring); returns ``(run(iterations) -> frames, latest returns)``."""
     from tensordict.nn import NormalParamExtractor, TensorDictModule
     from torch import nn
@@ -129,7 +130,8 @@ def torchrl_mappo(seed: int):
             start = time.perf_counter()
             for _ in range(EPOCHS):
                 for _ in range(ENVS * STEPS // MINIBATCH):
-                    terms = loss(buffer.sample())
+                    with torch.autocast("cpu", dtype=getattr(torch, dtype), enabled=dtype != "float32"):
+                        terms = loss(buffer.sample())
                     total = terms["loss_objective"] + terms["loss_critic"] + terms["loss_entropy"]
                     total.backward()
                     torch.nn.utils.clip_grad_norm_(loss.parameters(), GRAD_NORM)
@@ -163,14 +165,15 @@ def matmul_flops(shapes) -> int:
     return total
 
 
-def matmul_chain_flops_per_s(shapes, seconds: float = 1.0) -> float:
+def matmul_chain_flops_per_s(shapes, seconds: float = 1.0, dtype: str = "float32") -> float:
     """FLOP/s of the bare matmuls of one minibatch step (``torch.mm`` on random tensors, no activation, no
     optimiser): the limit the update's achieved FLOP/s is read against."""
     g = torch.Generator().manual_seed(0)
     mats = []
     for rows, widths in shapes:
         for i, (a, b) in enumerate(zip(widths, widths[1:])):
-            x, w, grad = (torch.randn(*s, generator=g) for s in ((rows, a), (a, b), (rows, b)))
+            x, w, grad = (torch.randn(*s, generator=g).to(getattr(torch, dtype))
+                          for s in ((rows, a), (a, b), (rows, b)))
             mats.append((x, w, grad, i > 0))
 
     def step() -> None:
@@ -187,8 +190,8 @@ def matmul_chain_flops_per_s(shapes, seconds: float = 1.0) -> float:
     return count * matmul_flops(shapes) / (time.perf_counter() - start)
 
 
-SETUPS = {"shoal_central": lambda seed: shoal("central", seed), "shoal_joint": lambda seed: shoal("joint", seed),
-          "torchrl": torchrl_mappo}
+SETUPS = {"shoal_central": lambda seed, dtype: shoal("central", seed, dtype),
+          "shoal_joint": lambda seed, dtype: shoal("joint", seed, dtype), "torchrl": torchrl_mappo}
 
 
 def main() -> None:
@@ -199,11 +202,15 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=0, help="a learning run of this many frames instead")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the update's dtype on every side: Shoal's --ppo.compute-dtype, TorchRL's loss under "
+                             "torch.autocast, the matmul chain's tensors")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    built = {name: SETUPS[name](args.seed) for name in args.setups}
+    built = {name: SETUPS[name](args.seed, args.compute_dtype) for name in args.setups}
     result: dict = {"benchmark": "vmas_mappo", "threads": args.threads, "envs": ENVS, "steps": STEPS, "epochs": EPOCHS,
-                    "minibatch_frames": MINIBATCH, "hidden": [HIDDEN, HIDDEN], "torch": torch.__version__}
+                    "minibatch_frames": MINIBATCH, "hidden": [HIDDEN, HIDDEN], "torch": torch.__version__,
+                    "compute_dtype": args.compute_dtype}
     if args.frames:
         for name, (run, last) in built.items():
             start, frames = time.perf_counter(), 0
@@ -223,7 +230,7 @@ def main() -> None:
             start = time.perf_counter()
             frames = run(args.iterations)
             rates[name].append(frames / (time.perf_counter() - start))
-            limits[name].append(matmul_chain_flops_per_s(SHAPES[name]))
+            limits[name].append(matmul_chain_flops_per_s(SHAPES[name], dtype=args.compute_dtype))
     steps = EPOCHS * (ENVS * STEPS // MINIBATCH) * args.iterations * args.rounds  # minibatch steps timed
     result["frames_per_s"] = {name: round(statistics.median(r)) for name, r in rates.items()}
     result["sgd_matmul_gflop_per_minibatch"] = {name: round(matmul_flops(SHAPES[name]) / 1e9, 3) for name in built}

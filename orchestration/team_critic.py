@@ -29,6 +29,7 @@ a PPO learner's: weights, optimizer, generator, version, counters and the inbox 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Sequence
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 from core.buffers import concat_fragments, flatten_transitions
 from core.buffers.batching import gathered_minibatches
 from core.layout import MASK, NEXT, OBSERVATION, SHARED, STATE_VALUE, VALUE_TARGET
-from core.losses import PPOConfig, credit_absent_steps, value_loss, with_gae
+from core.losses import PPOConfig, credit_absent_steps, mixed_precision, value_loss, with_gae
 from core.policies import PolicyConfig
 from core.policies.networks import ObservationEncoder, SharedEncoder, init_linear_, mlp
 from core.specs import GroupSpec, Tree, groups, shared_observations
@@ -247,11 +248,14 @@ class TeamCriticLearner:
         data = flatten_transitions(batch.exclude(NEXT))
         rows: list[Tensor] = []
         params, skipped = list(self.nets.parameters()), 0
+        precision = mixed_precision(self.device, self.ppo.compute_dtype) or contextlib.nullcontext
         for _ in range(self.ppo.num_epochs):
             for mb in gathered_minibatches(data, self.ppo.minibatch_size, self.generator):
-                terms = [value_loss(values, mb.get((name, STATE_VALUE)), mb.get((name, VALUE_TARGET)),
+                with precision():
+                    outs = [net(mb) for net in self.nets]
+                terms = [value_loss(values.float(), mb.get((name, STATE_VALUE)), mb.get((name, VALUE_TARGET)),
                                     mb.get((name, MASK), None), self.ppo.value_clip_eps)
-                         for net in self.nets for name, values in net(mb).items()]
+                         for out in outs for name, values in out.items()]
                 loss = sum(t["loss_value"] for t in terms)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()

@@ -17,12 +17,12 @@ if TYPE_CHECKING:
     from core.losses.rnd import (intrinsic_returns, merged_observation_moments, normalized_observation,
                                  prediction_error, rnd_loss, scaled_intrinsic_reward)
     from core.losses.turns import credit_absent_steps
-    from core.losses.update import Evaluate, ppo_update_
+    from core.losses.update import Evaluate, mixed_precision, ppo_update_
     from core.losses.value import value_loss
 
 _LAZY = {"gae": "advantages", "vtrace": "advantages", "with_gae": "advantages", "with_vtrace": "advantages",
          "ENTROPY": "ppo", "ppo_loss": "ppo", "credit_absent_steps": "turns", "Evaluate": "update",
-         "ppo_update_": "update"}
+         "ppo_update_": "update", "mixed_precision": "update"}
 _LAZY.update(BCConfig="bc", bc_loss="bc")  # behaviour cloning (core/losses/bc.py)
 _LAZY.update(value_loss="value")  # a critic trained on its own (orchestration/team_critic.py)
 _LAZY.update(dict.fromkeys(("intrinsic_returns", "merged_observation_moments", "normalized_observation",
@@ -47,6 +47,7 @@ __all__ = [
     "gae",
     "intrinsic_returns",
     "merged_observation_moments",
+    "mixed_precision",
     "normalized_observation",
     "ppo_loss",
     "ppo_update_",

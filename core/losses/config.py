@@ -55,6 +55,13 @@ class PPOConfig:
     """Recurrent policies: steps before each sequence that only warm its state up (no gradient, no loss; from
     the state stored ``burn_in`` steps earlier, as R2D2); a fragment's first sequence has none before it."""
 
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the update's forward and backward passes compute in. ``bfloat16`` runs the policy's evaluation
+    under ``torch.autocast`` (mixed precision): matmuls and convolutions in bfloat16, while parameters,
+    gradients, the optimiser's state and the loss stay float32. It pays on GPUs and on CPUs with bfloat16
+    instructions (AVX-512 BF16, AMX; ``benchmarks/vmas_mappo.py --compute-dtype bfloat16``) at bfloat16's
+    precision (3 significant digits) in log-probabilities and values; CPUs without them emulate it, slower."""
+
     def __post_init__(self) -> None:
         _check(0.0 < self.clip_eps < 1.0, "clip_eps", "in (0, 1)", self.clip_eps)
         _check(self.value_clip_eps is None or self.value_clip_eps > 0.0, "value_clip_eps", "> 0 or None",
@@ -74,11 +81,13 @@ class PPOConfig:
         _check(self.sequence_length is None or (_is_int(self.sequence_length) and self.sequence_length >= 1),
                "sequence_length", "an int >= 1 or None", self.sequence_length)
         _check(_is_int(self.burn_in) and self.burn_in >= 0, "burn_in", "an int >= 0", self.burn_in)
+        _check(self.compute_dtype in COMPUTE_DTYPES, "compute_dtype", f"one of {COMPUTE_DTYPES}", self.compute_dtype)
         for name in ("clip_eps", "value_coef", "entropy_coef", "gamma", "gae_lambda", "advantage_eps"):
             _check(math.isfinite(getattr(self, name)), name, "finite", getattr(self, name))
 
 
 ADVANTAGES = ("gae", "vtrace")
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def _is_int(x: object) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -57,10 +58,11 @@ def ppo_update_(
     the modules that own ``params``. Several groups or policies: call ``ppo_update_`` once per (policy,
     group) with that policy's optimizer; one policy is trained on one group per call.
 
-    Per minibatch: loss (:func:`core.losses.ppo.loss_terms`), ``backward``, the total gradient norm, then a
-    guard: if the loss or that norm is not finite (any non-finite gradient makes the norm non-finite), the
-    gradients are discarded and ``optimizer.step()`` is skipped, leaving parameters and optimizer state
-    untouched; the step is counted in ``skipped_steps``. Otherwise gradients are clipped to global norm
+    Per minibatch: ``evaluate`` (under ``torch.autocast`` when ``cfg.compute_dtype`` is ``bfloat16``; its
+    outputs are read as float32), loss (:func:`core.losses.ppo.loss_terms`), ``backward``, the total gradient
+    norm, then a guard: if the loss or that norm is not finite (any non-finite gradient makes the norm
+    non-finite), the gradients are discarded and ``optimizer.step()`` is skipped, leaving parameters and
+    optimizer state untouched; the step is counted in ``skipped_steps``. Otherwise gradients are clipped to global norm
     ``cfg.max_grad_norm`` (detail 11; same factor as ``torch.nn.utils.clip_grad_norm_``) and the optimizer
     steps. Reading loss and norm on the host is the one sync per minibatch; diagnostics are reduced without
     one. Gradients of ``params`` and of the optimizer's parameters are reset to None before each backward
@@ -99,10 +101,12 @@ def ppo_update_(
     data, _ = _prepared(batch, group)
     step = OptimizerStep(optimizer)  # optimizer.step(), or fused Adam's kernel called directly
     tally = _Tally(cfg)
+    autocast = mixed_precision(params[0].device if params else "cpu", cfg.compute_dtype)
     skipped = num_minibatches = epochs = 0
     for _ in range(cfg.num_epochs):
         epochs += 1
-        epoch_skipped, epoch_applied = _epoch(params, owned, step, data, evaluate, cfg, generator, group, tally)
+        epoch_skipped, epoch_applied = _epoch(params, owned, step, data, evaluate, cfg, generator, group, tally,
+                                              autocast)
         skipped += epoch_skipped
         num_minibatches += epoch_skipped + epoch_applied
         kl = tally.end_epoch()
@@ -162,7 +166,7 @@ _CHUNK = 16
 
 def _epoch(params: list[torch.Tensor], owned: list[torch.Tensor], step: OptimizerStep, data: TensorDictBase,
            evaluate: Evaluate, cfg: PPOConfig, generator: torch.Generator, group: str,
-           tally: _Tally) -> tuple[int, int]:
+           tally: _Tally, autocast: Callable[[], torch.autocast] | None) -> tuple[int, int]:
     """One epoch of minibatch steps, reported to ``tally``; ``(steps skipped, steps applied)``. A function of
     its own so that nothing of the epoch's shuffled chunks of ``data`` outlives it."""
     skipped = applied = 0
@@ -172,8 +176,13 @@ def _epoch(params: list[torch.Tensor], owned: list[torch.Tensor], step: Optimize
         behaviour = mb.get(group)
         adv, old_lp, old_v, target = (behaviour.get(k) for k in _BEHAVIOUR_KEYS)
         mask = behaviour.get(MASK, None)
-        current = evaluate(mb)
-        lp, value, entropy = current[LOG_PROB], current[STATE_VALUE], current[ENTROPY]
+        if autocast is None:
+            current = evaluate(mb)
+            lp, value, entropy = current[LOG_PROB], current[STATE_VALUE], current[ENTROPY]
+        else:  # mixed precision: the loss and what it is read against stay float32
+            with autocast():
+                current = evaluate(mb)
+            lp, value, entropy = (current[k].float() for k in (LOG_PROB, STATE_VALUE, ENTROPY))
         if not adv.shape == lp.shape == value.shape == entropy.shape:
             check_shapes(adv.shape, behaviour, current, mask)  # raises, naming the entry
         loss_policy, loss_value, loss_entropy, log_ratio = loss_terms(
@@ -193,6 +202,14 @@ def _epoch(params: list[torch.Tensor], owned: list[torch.Tensor], step: Optimize
             tally.add(torch.stack((loss_policy, loss_value, loss_entropy, grad_norm)),
                       (log_ratio, value.detach(), target, entropy.detach(), mask))
     return skipped, applied
+
+
+def mixed_precision(device: torch.device | str, compute_dtype: str) -> Callable[[], torch.autocast] | None:
+    """``PPOConfig.compute_dtype`` as a context factory for the forward passes of an update on ``device``:
+    ``torch.autocast`` to that dtype, or None for ``float32`` (nothing to enter)."""
+    if compute_dtype == "float32":
+        return None
+    return functools.partial(torch.autocast, torch.device(device).type, dtype=getattr(torch, compute_dtype))
 
 
 def _clear_grads(params: list[torch.Tensor]) -> None:
