@@ -149,7 +149,7 @@ class ExternalFleet:
         """Delivers what the simulators produced (waits a moment when nothing is queued)."""
         self._deliver(_PUMP_WAIT_S)
 
-    def trained(self, fragment_ids) -> None:
+    def trained(self, fragment_ids, learner: str = "") -> None:
         """Nothing to do: simulators run at their own pace."""
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:

@@ -9,7 +9,7 @@ The Fleet protocol, which every backend implements (:class:`LocalFleet` here: in
     fleet.start(weights)                                   # async: begin producing
     fleet.pump(weights, hungry)                            # async: let it produce (local: one fragment per actor;
                                                            #   hungry: a learner waits for data)
-    fleet.trained(fragment_ids)                            # async: what a learner trained on (Ray: frees credit)
+    fleet.trained(fragment_ids, learner)                   # async: what a learner is done with (Ray: frees credit)
     fleet.broadcast({pid: (version, weights)})             # new weights, loaded at each actor's next fragment
     fleet.set_env_ids(["easy", "hard"])                    # collections: each actor's member, from its next fragment
     episodes = fleet.episodes()                            # completed since the last call, per key
@@ -102,7 +102,7 @@ class Fleet(Protocol):
 
     def pump(self, weights: Weights, hungry: bool = False) -> None: ...
 
-    def trained(self, fragment_ids: Sequence[int]) -> None: ...
+    def trained(self, fragment_ids: Sequence[int], learner: str = "") -> None: ...
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None: ...
 
@@ -197,7 +197,7 @@ class LocalFleet:
             self._load(actor, self._latest)
             self._produce(actor)
 
-    def trained(self, fragment_ids: Sequence[int]) -> None:
+    def trained(self, fragment_ids: Sequence[int], learner: str = "") -> None:
         """Nothing to do: the actors produce only when pumped."""
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:

@@ -73,6 +73,7 @@ class Inbox:
         self.workers: dict[int, WorkerLedger] = {}
         self.trained: OrderedDict[int, int] = OrderedDict()  # fragment id -> uses, the newest 100k (inspection)
         self.counters = {"duplicates": 0, "max_trained_lag": 0, "max_uses": 0, "trained_fragments": 0}
+        self.dropped: list[int] = []  # ids dropped as stale, never trained, since the last take_dropped()
         self._arrivals = 0
 
     # -- deliveries ----------------------------------------------------------------------------------------
@@ -91,6 +92,7 @@ class Inbox:
         """Files an announced fragment as ``accepted`` (into the pool) or ``stale``; returns the state."""
         if self._is_stale(meta, version):
             self._count(meta, STALE)
+            self.dropped.append(int(meta["fragment_id"]))
             return STALE
         self._count(meta, ACCEPTED)
         self.pool[int(meta["fragment_id"])] = PoolEntry(fragment, dict(meta), fragment.batch_size.numel(),
@@ -136,6 +138,7 @@ class Inbox:
                 entry = self.pool.pop(fid)
                 if entry.uses == 0:
                     self._count(entry.meta, STALE, previous=ACCEPTED)
+                    self.dropped.append(fid)
 
     def _columns(self, entries: list[PoolEntry]):
         steps = torch.tensor([e.steps for e in entries], dtype=torch.long)
@@ -152,6 +155,11 @@ class Inbox:
         self.drop_stale(version)
         entries = list(self.pool.values())
         return bool(entries) and is_ready(*self._columns(entries), self.batch_steps)
+
+    def take_dropped(self) -> list[int]:
+        """The ids dropped as stale since the last call (asynchronous mode gives their sampling credit back)."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def take(self, version: int, take_all: bool) -> list[PoolEntry]:
         """Rule 3: the entries of the next batch (call when :meth:`ready`, or with ``take_all`` on any fresh

@@ -253,14 +253,16 @@ class PPOLearner:
     def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False,
                team_values: Mapping[int, TensorDictBase] | None = None) -> Done:
         """Trains now if :meth:`ready`; the result: None, or ``{"metrics", "version", "weights",
-        "fragment_ids", "time_learn"}`` (``weights`` as :meth:`published` gives them)."""
+        "fragment_ids", "dropped_ids", "time_learn"}`` (``weights`` as :meth:`published` gives them;
+        ``dropped_ids``: fragments dropped as stale since the last result, never trained)."""
         if not self.ready():
             return Done(None)
         start = time.perf_counter()
         metrics = self.train(progress, lr=lr, take_all=take_all, team_values=team_values)
         version, weights = self.published()
         return Done({"metrics": metrics, "version": version, "weights": weights,
-                     "fragment_ids": list(self.last_fragment_ids), "time_learn": time.perf_counter() - start})
+                     "fragment_ids": list(self.last_fragment_ids), "dropped_ids": self.inbox.take_dropped(),
+                     "time_learn": time.perf_counter() - start})
 
     def run(self, fragments: Iterable, until: Callable[[Mapping[str, float]], bool] | None = None
             ) -> Iterator[dict[str, float]]:

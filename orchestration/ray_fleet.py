@@ -51,11 +51,12 @@ class RayFleet:
 
     ``learners`` (policy id -> learner actor handle) and ``stats`` (an :class:`EpisodeStatistics` actor) are
     handed to every worker; ``weights`` start them. Weights handed over as TensorDicts (fixed policies, a
-    league's opponent) are put in the object store once per version.
+    league's opponent) are put in the object store once per version. ``consumers``: the learners whose trainings
+    give credit back (asynchronous mode; a team critic receives fragments too, but paces nothing).
     """
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], stats,
-                 weights: Weights, inference=None) -> None:
+                 weights: Weights, inference=None, consumers: int = 1) -> None:
         self.config, self.ray_config, self.inference = config, ray_config, inference
         self.learners, self.stats = dict(learners), stats
         self._puts: dict[str, tuple[int, list]] = {}
@@ -70,7 +71,7 @@ class RayFleet:
         if config.mode == "async":
             fragments = batch_fragments(config.steps_per_iteration, self.fragment_steps)
             self.credits = RemoteCreditPool.remote(fragments, config.max_staleness)
-            self._ledger = CreditLedger(keep=64 * fragments)
+            self._ledger = CreditLedger(keep=64 * fragments, consumers=consumers)
         self.slots = [self._spawn(i, 0, weights) for i in range(config.rollout.num_workers)]
         try:  # construction errors surface here
             self._env_state = all(info["env_state"] for info in ray.get([s.handle.info.remote() for s in self.slots]))
@@ -197,9 +198,9 @@ class RayFleet:
             self.credits.top_up.remote()
         time.sleep(self.ray_config.poll_interval_s)
 
-    def trained(self, fragment_ids) -> None:
-        """Asynchronous mode: gives the pool the credit a training on ``fragment_ids`` frees."""
-        if self._ledger is not None and (returned := self._ledger.returned(fragment_ids)):
+    def trained(self, fragment_ids, learner: str = "") -> None:
+        """Asynchronous mode: gives the pool the credit freed by ``learner`` being done with ``fragment_ids``."""
+        if self._ledger is not None and (returned := self._ledger.returned(fragment_ids, learner)):
             self.credits.grant.remote(returned)
 
     def episodes(self) -> dict[str, Any]:

@@ -237,7 +237,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
     others = [*([critic.handle] if critic else [])]
     try:  # the workers start while the learners do: each imports torch, which takes seconds
-        fleet = RayFleet(config, rc, handles, stats, weights, inference)
+        fleet = RayFleet(config, rc, handles, stats, weights, inference, consumers=len(learners))
     except BaseException:  # (RayFleet kills the workers it started)
         discard_learners(learners, teardown, [*others, stats, *([inference] if inference else [])])
         raise

@@ -1,20 +1,21 @@
 """Credit-based flow control for streaming rollout workers (asynchronous mode on Ray): how many fragments the
 fleet may still produce before the learners have trained on what it already made.
 
-Without it, workers that sample faster than the learners train fill every queue between them, and by the time
-a queued fragment is trained on, the policy that made it lags by more than ``max_staleness`` versions: it is
-dropped (counted ``stale``), the env steps and the CPU that made it wasted. The pool starts with enough credit
-for ``max_staleness + 1`` batches (one being trained on, the next ones filling meanwhile); each fragment a
-worker starts takes one credit; each fragment a learner trains on for the first time gives one back. So the
-fleet runs at most that many batches ahead of training, and a fast worker takes the credit a slow one leaves
-(one pool for all, not a share each). A learner still short of data while workers wait (fragments lost,
-stale, or never made by a worker that died) is topped up after a while: one credit per waiting worker.
+Without it, workers that sample faster than the learners train fill every queue between them, and by the time a
+queued fragment is trained on, the policy that made it lags by more than ``max_staleness`` versions: it is dropped
+(counted ``stale``), the env steps and the CPU that made it wasted. The pool starts with enough credit for
+``max_staleness + 1`` batches (one being trained on, the next ones filling meanwhile); each fragment a worker
+starts takes one credit; a fragment gives it back once every learner it went to is done with it (trained on it, or
+dropped it as stale). So the fleet runs at most that many batches ahead of its slowest learner, and a fast worker
+takes the credit a slow one leaves (one pool for all, not a share each). A learner still short of data while
+workers wait (fragments lost, or never made by a worker that died) is topped up after a while: one credit
+per waiting worker.
 
 Usage loop (the fleet owns the pool; in a Ray actor, workers ask it across processes)::
 
     pool = CreditPool(batch_fragments=4, max_staleness=1)     # credit for 8 fragments
     # worker, before each fragment:   while not await pool.acquire(0.1): check for stop
-    # driver, after each training:    await pool.grant(ledger.returned(fragment_ids))
+    # driver, after each training:    await pool.grant(ledger.returned(fragment_ids, learner))
     # driver, while a learner waits:  if ledger.top_up_due(hungry): await pool.top_up()
 """
 
@@ -28,31 +29,35 @@ from typing import Callable, Iterable
 
 
 #: How long a learner waits for data, with no training in between, before the pool is topped up (data in
-#: flight arrives sooner; what does not is lost or stale, and its credit never comes back).
+#: flight arrives sooner; what does not is lost, and its credit never comes back).
 TOP_UP_AFTER_S = 0.5
 
 
 class CreditLedger:
-    """The driver's side of the pool: what a training result gives back (the fragments trained on for the first
-    time; several learners train on the same fragments, reuse trains one several times; the newest ``keep`` ids
-    are remembered), and when a learner waiting for data calls for a top-up (``TOP_UP_AFTER_S`` with no training
-    and no top-up). ``clock``: seconds, monotonic."""
+    """The driver's side of the pool: what a training result gives back, and when a learner waiting for data calls
+    for a top-up (``TOP_UP_AFTER_S`` with no training and no top-up).
 
-    def __init__(self, keep: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.keep, self._clock = keep, clock
-        self._seen: OrderedDict[int, None] = OrderedDict()
+    Every fragment goes to each of ``consumers`` learners. Its credit comes back when the last of them is done with
+    it: had the first given it back, a fast learner would let the workers make fragments that the slower one gets
+    too late (stale). Reuse trains a learner on a fragment several times: counted once. The newest ``keep`` ids are
+    remembered. ``clock``: seconds, monotonic."""
+
+    def __init__(self, keep: int, consumers: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+        self.keep, self.consumers, self._clock = keep, max(1, consumers), clock
+        self._done: OrderedDict[int, set[str]] = OrderedDict()  # fragment id -> learners done with it
         self._since = clock()
 
-    def returned(self, fragment_ids: Iterable[int]) -> int:
-        """Credits that a training on ``fragment_ids`` gives back."""
+    def returned(self, fragment_ids: Iterable[int], learner: str = "") -> int:
+        """Credits given back when ``learner`` is done with ``fragment_ids`` (trained on them, or dropped them)."""
         self._since = self._clock()
         new = 0
         for fid in fragment_ids:
-            if fid not in self._seen:
-                self._seen[fid] = None
-                new += 1
-        while len(self._seen) > self.keep:
-            self._seen.popitem(last=False)
+            done = self._done.setdefault(fid, set())
+            if learner not in done:
+                done.add(learner)
+                new += len(done) == self.consumers
+        while len(self._done) > self.keep:
+            self._done.popitem(last=False)
         return new
 
     def top_up_due(self, hungry: bool) -> bool:

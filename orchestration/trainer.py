@@ -187,7 +187,7 @@ class Trainer:
                 last_progress = time.perf_counter()
                 self._take(pid, result, metrics)
                 self.fleet.broadcast({pid: self.weights[pid]})
-                self.fleet.trained(result["fragment_ids"])  # after the weights: the credit it frees acts with them
+                self.fleet.trained([*result["fragment_ids"], *result["dropped_ids"]], pid)  # after the weights
                 t_learn += result["time_learn"]
             if self._refresh_weights(broadcast=True):
                 last_progress = time.perf_counter()

@@ -1,10 +1,14 @@
-"""The asynchronous fleet's credit pool: a fragment per credit, credit back per fragment trained on, a top-up when
-a learner waits for data while workers wait for credit."""
+"""The asynchronous fleet's credit pool: a fragment per credit, credit back once every learner is done with the
+fragment, a top-up when a learner waits for data while workers wait for credit."""
 
 from __future__ import annotations
 
 import asyncio
 
+import torch
+from tensordict import TensorDict
+
+from orchestration.inbox import ACCEPTED, STALE, Inbox
 from orchestration.sampling_credit import TOP_UP_AFTER_S, CreditLedger, CreditPool, batch_fragments
 
 
@@ -39,12 +43,16 @@ def test_a_top_up_gives_one_credit_per_waiting_worker_only_when_the_pool_is_empt
     assert asyncio.run(scenario())["topped_up"] == 3
 
 
-def test_only_a_fragments_first_training_gives_its_credit_back():
-    ledger = CreditLedger(keep=4)
-    assert ledger.returned([1, 2]) == 2
-    assert ledger.returned([1, 2]) == 0  # another learner trained on the same fragments, or a reuse
-    assert ledger.returned([2, 3, 4, 5]) == 3
-    assert ledger.returned([1]) == 1  # forgotten: only the newest ``keep`` ids are remembered
+def test_a_fragment_gives_its_credit_back_once_every_learner_it_went_to_is_done_with_it():
+    ledger = CreditLedger(keep=4, consumers=2)
+    assert ledger.returned([1, 2], "a") == 0  # the other learner has yet to train on them
+    assert ledger.returned([1, 2], "a") == 0  # a reuse by the same learner: still waiting for "b"
+    assert ledger.returned([2, 1], "b") == 2
+    assert ledger.returned([1, 2], "b") == 0  # given back once
+    assert ledger.returned([3], "b") == 0 and ledger.returned([3], "a") == 1  # in either order
+    alone = CreditLedger(keep=4)  # one learner: its first training gives the credit back
+    assert alone.returned([1, 2]) == 2 and alone.returned([1, 2]) == 0 and alone.returned([2, 3, 4, 5]) == 3
+    assert alone.returned([1]) == 1  # forgotten: only the newest ``keep`` ids are remembered
     assert batch_fragments(512, 256) == 2 and batch_fragments(500, 256) == 2 and batch_fragments(64, 256) == 1
 
 
@@ -62,3 +70,20 @@ def test_a_top_up_is_due_only_to_a_hungry_learner_that_trained_nothing_for_a_whi
     assert not ledger.top_up_due(True)
     now[0] = 3 * TOP_UP_AFTER_S
     assert ledger.top_up_due(True)
+
+
+def test_a_learner_reports_each_fragment_it_dropped_as_stale_once_so_that_its_credit_comes_back():
+    inbox = Inbox("p", batch_steps=4, max_staleness=0)
+    fragment = TensorDict(x=torch.zeros(2, 2), batch_size=[2, 2])
+
+    def meta(fid: int, version: int) -> dict:
+        return {"fragment_id": fid, "worker_id": 0, "sequence": fid, "policy_versions": {"p": version}}
+
+    assert inbox.add(fragment, meta(0, 0), version=1) == STALE  # lagging on arrival
+    assert inbox.add(fragment, meta(1, 1), version=1) == ACCEPTED
+    inbox.drop_stale(2)  # lagging by the time it would be trained
+    assert inbox.take_dropped() == [0, 1] and inbox.take_dropped() == []
+    assert inbox.add(fragment, meta(2, 2), version=2) == ACCEPTED
+    assert [e.meta["fragment_id"] for e in inbox.take(2, take_all=True)] == [2]
+    inbox.drop_stale(5)
+    assert inbox.take_dropped() == []  # trained on: its training gave the credit back
