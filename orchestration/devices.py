@@ -47,4 +47,14 @@ def resolve_device(name: str):
     return device
 
 
-__all__ = ["device_problem", "resolve_device"]
+def check_compute_dtype(device, compute_dtype: str) -> None:
+    """Raises ValueError, naming ``--ppo.compute-dtype``, when ``device`` (a ``torch.device``) cannot compute in
+    ``compute_dtype``: bfloat16 on a GPU without it (before Ampere), found at the first update otherwise."""
+    import torch
+
+    if compute_dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"--ppo.compute-dtype bfloat16: the GPU {device} has no bfloat16 support; use "
+                         f"--ppo.compute-dtype float32 (the default)")
+
+
+__all__ = ["check_compute_dtype", "device_problem", "resolve_device"]

@@ -37,6 +37,7 @@ from core.losses import PPOConfig, credit_absent_steps, ppo_update_
 from core.policies import GroupPolicy
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.curiosity import CuriosityConfig, curiosity_for
+from orchestration.devices import check_compute_dtype
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
 from orchestration.train_batches import only_slots, team_values_for, update_inputs, with_advantages, with_values
@@ -108,6 +109,7 @@ class PPOLearner:
                  max_staleness: int | None = None, reuse_limit: int = 1, max_skipped_updates: int = 0,
                  curiosity: CuriosityConfig | None = None) -> None:
         self.device = torch.device(device)
+        check_compute_dtype(self.device, ppo.compute_dtype)
         self.max_skipped_updates = max_skipped_updates
         self._skipped_in_a_row = 0
         self.policy = policy.to(self.device)
@@ -274,6 +276,7 @@ class PPOLearner:
             self.receive(fragment, meta)
             if self.ready():
                 metrics = {**self.train(), "version": float(self.version)}
+                self.inbox.take_dropped()  # no credit pool here to give them back to
                 yield metrics
                 if until is not None and until(metrics):
                     return

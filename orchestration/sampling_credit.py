@@ -8,8 +8,8 @@ queued fragment is trained on, the policy that made it lags by more than ``max_s
 starts takes one credit; a fragment gives it back once every learner it went to is done with it (trained on it, or
 dropped it as stale). So the fleet runs at most that many batches ahead of its slowest learner, and a fast worker
 takes the credit a slow one leaves (one pool for all, not a share each). A learner still short of data while
-workers wait (fragments lost, or never made by a worker that died) is topped up after a while: one credit
-per waiting worker.
+workers wait (fragments lost, never made by a worker that died, or held by a learner that died, or by drops that a
+starved learner reports only with its next training) is topped up after a while: one credit per waiting worker.
 
 Usage loop (the fleet owns the pool; in a Ray actor, workers ask it across processes)::
 

@@ -44,7 +44,7 @@ from core.buffers.batching import gathered_minibatches
 from core.layout import MASK, NEXT, OBSERVATION, SHARED, STATE_VALUE, VALUE_TARGET
 from core.losses import PPOConfig, credit_absent_steps, mixed_precision, value_loss, with_gae
 from core.policies import PolicyConfig
-from core.policies.networks import ObservationEncoder, SharedEncoder, init_linear_, mlp
+from core.policies.networks import ObservationEncoder, OutputLinear, SharedEncoder, init_linear_, mlp
 from core.specs import GroupSpec, Tree, groups, shared_observations
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
 from orchestration.inbox import Inbox
@@ -134,7 +134,7 @@ class TeamValueNet(nn.Module):
         width = sum(a * (e.out_features + 1) for a, e in zip(self.capacities, self.encoders))
         width += self.shared.out_features if self.shared is not None else 0
         self.trunk = mlp(width, hidden, policy.activation, policy.hidden_gain)
-        self.out = init_linear_(nn.Linear(hidden[-1] if hidden else width, sum(self.capacities)), 1.0)
+        self.out = init_linear_(OutputLinear(hidden[-1] if hidden else width, sum(self.capacities)), 1.0)
 
     def forward(self, root: TensorDictBase) -> dict[str, Tensor]:
         """Group -> values ``[*B, A, 1]`` of the root ``root`` ``[*B]`` (its groups' ``observation`` and

@@ -60,7 +60,9 @@ class PPOConfig:
     under ``torch.autocast`` (mixed precision): matmuls and convolutions in bfloat16, while parameters,
     gradients, the optimiser's state and the loss stay float32. It pays on GPUs and on CPUs with bfloat16
     instructions (AVX-512 BF16, AMX; ``benchmarks/vmas_mappo.py --compute-dtype bfloat16``) at bfloat16's
-    precision (3 significant digits) in log-probabilities and values; CPUs without them emulate it, slower."""
+    precision (3 significant digits) in the hidden layers; the output layers (action-head parameters, values)
+    stay float32. CPUs without those instructions emulate it, slower. It applies to PPO updates and the team
+    critic; behaviour-cloning pretraining and the curiosity predictor train in float32."""
 
     def __post_init__(self) -> None:
         _check(0.0 < self.clip_eps < 1.0, "clip_eps", "in (0, 1)", self.clip_eps)

@@ -38,8 +38,8 @@ from .composite import ActionHeads
 from .critic_inputs import central_input, joint_input
 from .config import PolicyConfig
 from .distributions import CategoricalHead
-from .networks import (ObservationEncoder, Path, SharedEncoder, check_leaf_names, init_linear_, mlp, read_path,
-                       run_layers)
+from .networks import (ObservationEncoder, OutputLinear, Path, SharedEncoder, check_leaf_names, init_linear_, mlp,
+                       read_path, run_layers)
 from .recurrence import cell_step, make_cell, state_size
 from .sequences import SequenceEvaluation
 from .reward_scaling import RewardScaler
@@ -112,7 +112,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
             self._actor_cell = config.recurrent_cell
             setattr(self, self._actor_cell, make_cell(config.recurrent_cell, width, config.recurrent_size))
             width = config.recurrent_size
-        self.actor_out = init_linear_(nn.Linear(width, self.heads.num_params), config.actor_output_gain)
+        self.actor_out = init_linear_(OutputLinear(width, self.heads.num_params), config.actor_output_gain)
 
         f_c = (self.critic_encoder or self.actor_encoder).out_features
         every = a * f_c + (self.shared_encoder.out_features if self.shared_encoder is not None else 0)
@@ -123,7 +123,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
             self._critic_cell = f"critic_{config.recurrent_cell}"
             setattr(self, self._critic_cell, make_cell(config.recurrent_cell, width, config.recurrent_size))
             width = config.recurrent_size
-        self.critic_out = init_linear_(nn.Linear(width, a if self.joint_critic else 1), config.critic_output_gain)
+        self.critic_out = init_linear_(OutputLinear(width, a if self.joint_critic else 1), config.critic_output_gain)
         sizes = [state_size(getattr(self, c)) for c in (self._actor_cell, self._critic_cell) if c is not None]
         #: width ``S`` of the carried state: the actor cell's part, then the critic cell's (0: feed-forward)
         self.state_size = sum(sizes)

@@ -63,10 +63,11 @@ def test_every_kind_of_policy_trains_in_bfloat16_and_keeps_float32_weights(kind)
         before = {pid: {k: v.clone() for k, v in learner.policy.state_dict().items()}
                   for pid, learner in trainer.learners.items()}
         computed = MatmulDtypes()
-        critic_values = set()
-        if trainer.team_critic is not None:  # its nets are called as modules: their values' dtypes
+        in_critic = MatmulDtypes()  # what the team critic's own nets compute in
+        if trainer.team_critic is not None:
             for net in trainer.team_critic.nets:
-                net.register_forward_hook(lambda m, i, out: critic_values.update(v.dtype for v in out.values()))
+                net.register_forward_pre_hook(lambda m, i: None if in_critic.__enter__() else None)
+                net.register_forward_hook(lambda m, i, out: in_critic.__exit__(None, None, None))
         for _ in range(2):
             with computed:
                 metrics = trainer.train()
@@ -79,7 +80,7 @@ def test_every_kind_of_policy_trains_in_bfloat16_and_keeps_float32_weights(kind)
             assert any(not torch.equal(v, before[pid][k]) for k, v in after.items()), pid  # it trained
         assert computed.seen >= {torch.float32, torch.bfloat16}, computed.seen  # acting in float32, updates in bf16
         if kind == "team_critic":
-            assert math.isfinite(metrics["team_critic/loss_value"]) and torch.bfloat16 in critic_values
+            assert math.isfinite(metrics["team_critic/loss_value"]) and torch.bfloat16 in in_critic.seen
     finally:
         trainer.close()
 
@@ -114,3 +115,14 @@ def test_the_ray_backend_trains_in_the_dtype_it_is_given_as_the_local_one_does(r
         BF16, compute_dtype="float32")))
     remote = losses(dataclasses.replace(config, backend="ray", ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0)))
     assert remote == local != in_float32
+
+
+def test_bfloat16_on_a_gpu_without_it_is_refused_naming_the_flag(monkeypatch):
+    from orchestration.devices import check_compute_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a GPU before Ampere
+    with pytest.raises(ValueError, match=r"--ppo.compute-dtype bfloat16: the GPU cuda:0 has no bfloat16 support; use "
+                                         r"--ppo.compute-dtype float32"):
+        check_compute_dtype(torch.device("cuda:0"), "bfloat16")
+    check_compute_dtype(torch.device("cuda:0"), "float32")
+    check_compute_dtype(torch.device("cpu"), "bfloat16")  # emulated where the CPU lacks it: slower, not wrong
