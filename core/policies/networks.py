@@ -39,7 +39,7 @@ class OutputLinear(nn.Linear):
     """A policy's or critic's output layer (action-head parameters, values): float32 even under
     ``torch.autocast``. A mixed-precision update (``PPOConfig.compute_dtype``) then reads log-probabilities and
     values at float32 precision, where a bfloat16 tanh-Gaussian mean moved a stored action's log-probability by
-    up to 11 nats, and values near 100 had steps of 0.5. Its one matmul is a small part of the network's."""
+    over 10 nats, and values near 100 had steps of 0.5. Its one matmul is a small part of the network's."""
 
     def forward(self, x: Tensor) -> Tensor:
         device = "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type  # x.device: slower, every step
