@@ -10,6 +10,8 @@ pool's shared-memory buffers (actions; step outputs laid out by :func:`step_temp
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 import traceback
@@ -98,6 +100,12 @@ def _write(src: TensorDict, leaves: list) -> None:
 
 def worker_main(conn, factory: Callable[[], BatchedEnv], threads: int, niceness: int = 0) -> None:
     """Subprocess loop: build the env, then serve ``reset``/``step`` through the shared buffers."""
+    # Ctrl-C in a terminal (and a supervisor's SIGTERM to the group) reaches every process of the group: the
+    # parent stops after its iteration and closes its workers (or its end of the pipe closes); a worker dead of
+    # the signal meanwhile would read as an env fault (strict mode: a traceback instead of a clean stop)
+    if threading.current_thread() is threading.main_thread():  # (a test may run the loop in a thread)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(threads)
     if niceness:
         os.nice(niceness)

@@ -6,7 +6,7 @@ episode (they request decisions only while present), so the server sees agents c
 20 steps (truncated) unless every agent has left (terminated). A random policy scores about 1/3 per decision.
 
 Run it against a server (``shoal train --env external --external.command "python examples/external_sim.py
---port {port} --seed {seed} --sim-id {sim_id} --token {token}"`` launches it for you)::
+--port {port} --seed {seed} --sim-id {sim_id}"`` launches it for you; the token comes in ``SHOAL_TOKEN``)::
 
     python examples/external_sim.py --host 127.0.0.1 --port 8765 --token TOKEN --episodes 100
 """

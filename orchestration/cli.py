@@ -12,9 +12,9 @@
     shoal tune --config-file sweep.yaml --num-samples 4     # a Ray Tune sweep: TrainConfig keys plus
         search: {key: {grid|choice|uniform|loguniform: [...]}} (shoal tune --help)
     shoal train --env external --external.command "python examples/external_sim.py --port {port} --seed {seed}
-        --sim-id {sim_id} --token {token}" --external.instances 8   # launched simulators (docs/external-protocol.md)
+        --sim-id {sim_id}" --external.instances 8   # launched simulators, token in SHOAL_TOKEN (external-protocol.md)
     shoal serve --external.port 8765 --mode async          # wait for simulators and robots that connect themselves
-    shoal conformance --command "./my_sim --port {port} --token {token}"   # check a simulator against the protocol
+    shoal conformance --command "./my_sim --port {port}"   # check a simulator against the protocol (SHOAL_TOKEN)
 
 Each ``shoal train`` writes to a fresh ``runs/<env>__<seed>__<time>`` unless ``--run-dir`` names one.
 """
@@ -203,7 +203,6 @@ def _setup_training(argv: list[str], command: str = "train"):
               f"{config.env!r}", file=sys.stderr)
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir)
-    note_schedule(command, config, resume)
     if config.backend == "local":
         _import_torchrl_without_ray()
     import torch  # the first heavy import of a training run: after parsing, so --help stays fast
@@ -233,6 +232,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     except BaseException:
         trainer.close()
         raise
+    note_schedule(command, config, resume)  # after a resume that does not fit was refused: that error alone
     return trainer, config, resume, progress
 
 

@@ -243,7 +243,8 @@ class TrainConfig:
     """MLflow tracking server or store, e.g. ``sqlite:///mlflow.db`` or ``http://host:5000``; empty: MLflow's
     default (``MLFLOW_TRACKING_URI``, else its store in the working directory)."""
     device: str = "auto"
-    """Learner device: ``auto`` (CUDA when present), ``cpu`` or ``cuda[:i]``."""
+    """Learner device: ``auto`` (CUDA when present), ``cpu[:i]``, ``cuda[:i]`` or ``mps``. An env's own device
+    (built-in and VMAS envs) is its ``--env-kwargs device``."""
     threads: int = 1
     """torch CPU threads of the ``shoal train`` process. 1 suits small networks (matmuls this small do not split
     well, and the env steps in the same thread anyway); raise it for wide networks trained on the CPU."""

@@ -20,6 +20,9 @@ _ADAPTER_KEYWORDS = {"vmas": ("payoff", "seed"), "mpe2": ("payoff", "action_mask
                      "pettingzoo": ("payoff", "action_mask", "state", "aec")}
 
 
+#: Keywords Shoal passes itself to the envs of a family, with the flag that sets them.
+_SET_BY_SHOAL = {family: {"num_envs": "--rollout.num-envs"} for family in ("builtin", "vmas", "torchrl")}
+
 _PAYOFFS = ("cooperative", "zero_sum", "general")  # core.specs.PAYOFFS, without importing torch here
 
 
@@ -50,6 +53,11 @@ def check_values(name: str, kwargs: dict[str, Any]) -> None:
     left to the env."""
     from orchestration.config_kinds import PYTHON_WORDS, allows, describe
 
+    for key, flag in _SET_BY_SHOAL.get(name.split(":", 1)[0] if ":" in name else "", {}).items():
+        if key in kwargs:
+            raise ValueError(f"env {name!r}: --env-kwargs {key} is Shoal's to set: use {flag} {kwargs[key]}")
+    if isinstance(device := kwargs.get("device"), str) and (why := _unusable(device)):
+        raise ValueError(f"env {name!r}: --env-kwargs device {device!r}: {why}; use --env-kwargs device cpu")
     payoff = kwargs.get("payoff", "cooperative")
     if isinstance(payoff, str) and payoff not in _PAYOFFS:  # the adapters' keyword; the tree would refuse it later
         import difflib                                       # without naming the flag
@@ -72,6 +80,21 @@ def check_values(name: str, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is {PYTHON_WORDS[type(value)]}, but {key} "
                          f"takes {describe(want, PYTHON_WORDS)} (values are read as Python literals: e.g. 3, 0.5, "
                          f"True, 'text')")
+
+
+def _unusable(device: str) -> str | None:
+    """Why this process cannot put an env on ``device`` (a CUDA or MPS device it does not have), else None."""
+    import torch
+
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        return None  # not a device name: the env's own check says what it takes
+    if kind.type == "cuda" and (kind.index or 0) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        return f"no such CUDA device here (torch {torch.__version__}, {torch.cuda.device_count()} visible)"
+    if kind.type == "mps" and not torch.backends.mps.is_available():
+        return "MPS is not available here"
+    return None
 
 
 def parameters(name: str) -> dict[str, Any]:

@@ -61,13 +61,35 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
         return _make_env(name, num_envs, check=check, kwargs=kwargs, shared_state=shared_state)
     except TypeError as err:
         bad = re.search(r"unexpected keyword argument '(\w+)'", str(err))
-        if bad is None or bad.group(1) not in (kwargs or {}):
-            raise
-        from core.envsets.ids import hint
+        if bad is not None and bad.group(1) in (kwargs or {}):
+            from core.envsets.ids import hint
 
-        word = bad.group(1)
-        raise ValueError(f"env {name!r}: --env-kwargs {word} is not a keyword it takes"
-                         f"{hint(word, parameters(name), rest_as='it takes {}')} ({err})") from None
+            word = bad.group(1)
+            raise ValueError(f"env {name!r}: --env-kwargs {word} is not a keyword it takes"
+                             f"{hint(word, parameters(name), rest_as='it takes {}')} ({err})") from None
+        _blame_kwargs(name, kwargs, err)
+        raise
+    except (AssertionError, ValueError, KeyError, IndexError, ArithmeticError) as err:
+        _blame_kwargs(name, kwargs, err)
+        raise
+
+
+def _blame_kwargs(name: str, kwargs: dict[str, Any] | None, err: BaseException) -> None:
+    """Raises ValueError naming the env and its ``--env-kwargs`` when the env's own code refused them while
+    being built (a VMAS scenario's ``assert``, a ``TypeError`` deep inside, numpy's errors: they named neither);
+    returns when no keywords were given or the message names the env already (Shoal's own: raised as is)."""
+    if not kwargs or name in str(err):
+        return
+    given = " ".join(f"{k} {v!r}" for k, v in kwargs.items())
+    if str(err):
+        why = f"{type(err).__name__}: {err}"
+    else:  # a bare ``assert``: its line says what it wanted
+        import traceback
+
+        frames = traceback.extract_tb(err.__traceback__)
+        why = f"{type(err).__name__}" + (f" at `{frames[-1].line}`" if frames and frames[-1].line else "")
+    raise ValueError(f"env {name!r} failed to build with --env-kwargs {given}: {why} (check the values against "
+                     f"what the env accepts)") from err
 
 
 def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | None, shared_state: bool | None):

@@ -82,4 +82,12 @@ class ExternalConfig:
             render(self.command, host=self.host, port=self.port, seed=0, sim_id="sim-0", token="token")
 
 
-__all__ = ["ExternalConfig"]
+#: The external fleet's counters (``env/external_<name>``) that count normal traffic, not faults: the progress
+#: line's ``env_faults`` leaves them out (refusals, protocol errors, idle closes, cut episodes, lost steps and
+#: simulator restarts are faults).
+ACTIVITY_COUNTERS = frozenset(f"env/external_{name}" for name in (
+    "connections", "requests", "disconnects", "uploaded_steps", "episodes_started", "episodes_completed",
+    "steps_recorded", "approx_bootstraps", "simulators_started", "simulators_connected", "inference_batches",
+    "inference_mean_requests"))
+
+__all__ = ["ACTIVITY_COUNTERS", "ExternalConfig"]

@@ -20,6 +20,11 @@ _TOLD = 3  # refusals, fatal protocol errors and idle closes of each kind printe
 class ConnectionEndings:
     """Refusals and idle closes of one connection (called from its thread)."""
 
+    def ending(self) -> None:
+        """The run is ending: connections lost from now on (the launcher stopping its simulators) are counted as
+        ever, but not told on the log as failures."""
+        self._ending = True
+
     def _idle(self, state: dict) -> str:
         """Counts and logs a connection closed for silence; the close frame's reason."""
         if state["sim"] is None:
@@ -39,8 +44,10 @@ class ConnectionEndings:
     def _lost(self, state: dict, closed: ConnectionClosed, open_episodes: int) -> None:
         """Logs a connection that ended under the server (the simulator died, stopped answering pings, or left
         with episodes open; each cut episode is counted by its lane): an end the simulator asked for with no
-        episode open says nothing."""
+        episode open says nothing, and so does every end once the run is ending (``ExternalServer.ending``)."""
         sent, received = closed.sent, closed.rcvd
+        if self._ending:
+            return
         if sent is not None and sent.code == 1011 and "ping" in sent.reason:
             why = f"no answer to a ping within {self.config.heartbeat_s:g} s (heartbeat_s)"
         elif open_episodes == 0:

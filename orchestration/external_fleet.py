@@ -194,6 +194,7 @@ class ExternalFleet:
 
     def stop(self) -> None:
         """Stops the simulators and the server (open episodes end truncated), then delivers what they left."""
+        self.server.ending()  # the simulators' ends are the run's, not failures to tell
         if self.launcher is not None:
             self.launcher.close()
         self.server.close()

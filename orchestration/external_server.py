@@ -89,7 +89,7 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         self._told: dict[str, int] = {}  # refusals printed on the log, per error code
         self._server = None
         self._thread: threading.Thread | None = None
-        self._closed = False
+        self._closed = self._ending = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> ExternalServer:
@@ -147,7 +147,7 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         """Stops accepting, closes every connection (their episodes end truncated); idempotent."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._ending = True
         self._ready.set()  # release handlers waiting to act: they see the server closing
         if self._server is not None:
             self._server.shutdown()

@@ -15,9 +15,11 @@ import torch
 
 from orchestration.checkpoint import save_checkpoint
 from orchestration.config import TrainConfig
+from orchestration.external_config import ACTIVITY_COUNTERS
 from orchestration.fleet import CollectionInterrupted
 from orchestration.metrics_log import MetricsLog, plot_learning_curve, read_csv
 from orchestration.result_line import print_result, result_json
+from orchestration.run_notes import note_stale
 from orchestration.run_state import config_to_dict, trainer_state
 from orchestration.signals import deferred_interrupts
 
@@ -92,7 +94,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
         save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
         last_save, saved = time.monotonic(), _trained_state(trainer)
 
-    stopped = None
+    stopped, told_stale = None, False
     try:
         with _Stop(trainer.interrupt) as stop:
             while trainer.iteration < config.iterations and stop.signal is None:
@@ -102,7 +104,8 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
                     break  # a signal while no data came: nothing was trained in this iteration
                 log.write(trainer.env_steps, metrics)
                 bar.update(1)
-                faults = int(sum(v for k, v in metrics.items() if k.startswith("env/")))
+                faults = env_faults(metrics)
+                told_stale = told_stale or note_stale(command, config, metrics)
                 wins = {k.split("/", 1)[1]: f"{v:.2f}" for k, v in metrics.items() if k.startswith("win_rate/")}
                 teams = {k.rsplit("/", 1)[1]: f"{v:.1f}" for k, v in metrics.items()
                          if k.startswith("episode_return_mean/group/")}
@@ -142,6 +145,12 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     print_result({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
                   "checkpoint": str(ckpt_root), **final})
     return metrics
+
+
+def env_faults(metrics: dict[str, float]) -> int:
+    """The progress line's ``env_faults``: the ``env/*`` counters (lenient truncations, restarts, timeouts, refused
+    or cut connections...) summed, leaving out the external fleet's normal traffic (``ACTIVITY_COUNTERS``)."""
+    return int(sum(v for k, v in metrics.items() if k.startswith("env/") and k not in ACTIVITY_COUNTERS))
 
 
 def _trained_state(trainer) -> tuple:
@@ -216,4 +225,4 @@ def provenance() -> dict[str, Any]:
             "torchrl": version("torchrl"), "tensordict": version("tensordict"), "host": platform.node()}
 
 
-__all__ = ["fresh_run_dir", "provenance", "run_training"]
+__all__ = ["env_faults", "fresh_run_dir", "provenance", "run_training"]

@@ -5,6 +5,7 @@ selves no policy can take among them), and iterations past the learning rate's a
 from __future__ import annotations
 
 import sys
+from typing import Mapping
 
 from orchestration.config import TrainConfig
 
@@ -37,7 +38,7 @@ def unused_settings(config: TrainConfig) -> list[str]:
              ("env_processes", "env_timeout_s", "check", "env_polling")),
             ("external", config.env == "external" and not config.external.command,
              "simulators launched by --external.command; this run launches none",
-             ("instances", "start_timeout_s", "max_restarts", "restart_backoff_s")),
+             ("instances", "max_restarts", "restart_backoff_s")),  # start_timeout_s: the wait for the first one
             ("pretrain", not config.pretrain.dataset, "runs with --pretrain.dataset only; this run has none", every),
             ("curiosity", not config.curiosity.enabled, "--curiosity.coef > 0 only; this run's is 0", every),
             ("ppo", not config.policy.recurrent, feed_forward, ("sequence_length", "burn_in")),
@@ -99,6 +100,31 @@ def note_schedule(command: str, config: TrainConfig, resume: bool) -> None:
               f"{config.iterations} to stretch the schedule, or --no-anneal-lr", file=sys.stderr)
 
 
+#: The share of the fragments produced that, dropped as stale, :func:`note_stale` tells about.
+STALE_SHARE_TOLD = 0.25
+
+
+def note_stale(command: str, config: TrainConfig, metrics: Mapping[str, float]) -> bool:
+    """Says on stderr that a large share of what the fleet made was dropped as stale (``fragments_stale``, the
+    worst learner's, over ``fragments_produced``: at least ``STALE_SHARE_TOLD`` of 8 or more), and how to keep
+    it; True when it did (the run loop says it once)."""
+    produced = metrics.get("fragments_produced", 0)
+    stale = max((v for k, v in metrics.items() if k.rsplit("/", 1)[-1] == "fragments_stale"), default=0)
+    if produced < 8 or stale < STALE_SHARE_TOLD * produced:
+        return False
+    if config.mode == "sync":
+        why = ("simulators keep acting while the learner trains, and --mode sync trains only on steps acted by the "
+               "current weights (docs/external-protocol.md): --mode async --max-staleness 1 trains on what they "
+               "acted meanwhile" if config.env == "external" else "--mode sync trains only on data acted by the "
+               "current weights: --mode async --max-staleness 1 trains on data one version old")
+    else:
+        why = (f"they lagged the learner by more than --max-staleness {config.max_staleness} versions when it "
+               f"trained: raise it, or make fewer fragments per training (--rollout.num-workers, --rollout.num-envs)")
+    print(f"shoal {command}: {stale:.0f} of the {produced:.0f} fragments made so far were dropped as stale "
+          f"(fragments_stale, never trained on); {why}", file=sys.stderr)
+    return True
+
+
 def note_past_selves(command: str, config: TrainConfig, tree) -> None:
     """Says on stderr when no policy of the run can take the past selves ``config`` asks for."""
     from orchestration.builder import assignment_for, past_self_players
@@ -108,5 +134,5 @@ def note_past_selves(command: str, config: TrainConfig, tree) -> None:
               f"alone (feed-forward, learning), and this run has none: no past self plays", file=sys.stderr)
 
 
-__all__ = ["UnusedSettingWarning", "note_capped", "note_past_selves", "note_policy_fit", "note_schedule", "note_unused",
-           "unused_settings"]
+__all__ = ["STALE_SHARE_TOLD", "UnusedSettingWarning", "note_capped", "note_past_selves", "note_policy_fit",
+           "note_schedule", "note_stale", "note_unused", "unused_settings"]

@@ -37,6 +37,7 @@ import argparse
 import secrets
 import sys
 
+from adapters.external.command import render
 from adapters.external.conformance_launch import main_launch, token_launch
 from adapters.external.conformance_report import Findings, Report
 from adapters.external.conformance_session import SessionOptions
@@ -60,10 +61,10 @@ def run_conformance(command: str, *, episodes: int = 5, timeout_s: float = 30.0,
         The :class:`Report`; ``report.ok`` when nothing failed.
 
     Raises:
-        ValueError: an empty command, or counts below 1.
+        ValueError: an empty command, unbalanced quotes, an unknown placeholder (named), or counts below 1.
     """
-    if not command.strip():
-        raise ValueError("command must not be empty")
+    # the template's faults are the user's, found before any launch (not findings about the simulator)
+    render(command, flag="--command", host="127.0.0.1", port=0, seed=seed, sim_id="conformance-0", token="")
     if episodes < 1 or timeout_s <= 0 or max_acts < 1:
         raise ValueError("episodes and max_acts must be >= 1 and timeout_s > 0")
     report, findings = Report(command=command), Findings()
@@ -77,7 +78,8 @@ def run_conformance(command: str, *, episodes: int = 5, timeout_s: float = 30.0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``shoal conformance``: checks a simulator; exit code 0 when it conforms, 1 otherwise."""
+    """``shoal conformance``: checks a simulator; exit code 0 when it conforms, 1 otherwise, 2 for a bad command
+    line (an unknown placeholder, a count below 1)."""
     parser = argparse.ArgumentParser(prog="shoal conformance", description="Launch a simulator and check it "
                                      "against the external-environment protocol (docs/external-protocol.md).")
     parser.add_argument("--command", required=True, help="the simulator's command template, with {host}, {port}, "
@@ -88,8 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="{seed} of the launch and the random actions' seed")
     parser.add_argument("--no-token-check", action="store_true", help="skip the wrong-token launch")
     args = parser.parse_args(argv)
-    report = run_conformance(args.command, episodes=args.episodes, timeout_s=args.timeout_s, seed=args.seed,
-                             check_token=not args.no_token_check)
+    try:
+        report = run_conformance(args.command, episodes=args.episodes, timeout_s=args.timeout_s, seed=args.seed,
+                                 check_token=not args.no_token_check)
+    except ValueError as error:  # the command line's fault: one paragraph and exit code 2, as argparse's own
+        parser.error(str(error))
     print(report.format())
     return 0 if report.ok else 1
 

@@ -275,10 +275,16 @@ def test_a_command_that_cannot_start_fails():
     assert "cannot start the command" in failures(report)
 
 
-def test_a_misspelt_placeholder_is_named_as_shoal_train_names_it():
-    """The kit takes the template ``shoal train --external.command`` takes: one renderer, the same refusals."""
-    report = run_conformance(f"{sys.executable} -c pass --port {{prot}}", timeout_s=2.0, check_token=False)
-    assert "--command argument '{prot}': unknown placeholder 'prot'" in failures(report), report.format()
+def test_a_misspelt_placeholder_is_a_usage_error_named_as_shoal_train_names_it(capsys):
+    """The kit takes the template ``shoal train --external.command`` takes: one renderer, the same refusals, and,
+    as there, a fault of the command line (exit code 2, one paragraph), not a finding about the simulator."""
+    with pytest.raises(ValueError, match=r"--command argument '\{prot\}': unknown placeholder 'prot'"):
+        run_conformance(f"{sys.executable} -c pass --port {{prot}}", timeout_s=2.0, check_token=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["--command", f"{sys.executable} -c pass --port {{prot}}"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "unknown placeholder 'prot'; the placeholders are {host}" in err
+    assert "Traceback" not in err and "FAILED" not in err
 
 
 def test_main_prints_the_report_and_returns_the_verdict(sim, capsys):

@@ -182,6 +182,18 @@ def cartpole_run(tmp_path_factory):
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "N", "three"],
      "--env-kwargs N 'three' is a str, but N takes an int"),
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "max_cycle", "3"], "(did you mean 'max_cycles'?)"),
+    # keywords Shoal sets itself, a device this machine lacks, and values the env's own code refuses while built
+    (["train", "vmas:navigation", "--env-kwargs", "num_envs", "4"],
+     "env 'vmas:navigation': --env-kwargs num_envs is Shoal's to set: use --rollout.num-envs 4"),
+    (["train", "builtin:cartpole", "--env-kwargs", "num_envs", "4"], "use --rollout.num-envs 4"),
+    (["train", "vmas:navigation", "--env-kwargs", "device", "cuda:7"],
+     "env 'vmas:navigation': --env-kwargs device 'cuda:7': no such CUDA device here"),
+    (["train", "vmas:navigation", "--env-kwargs", "n_agents", "0"], "env 'vmas:navigation' failed to build with "
+     "--env-kwargs n_agents 0: AssertionError at `assert 1 <= self.agents_with_same_goal <= self.n_agents`"),
+    (["train", "vmas:balance", "--env-kwargs", "n_agents", "2.5"], "failed to build with --env-kwargs n_agents 2.5: "
+     "TypeError: 'float' object cannot be interpreted as an integer"),
+    (["train", "mpe2:simple_spread_v3", "--env-kwargs", "N", "0"],
+     "env 'mpe2:simple_spread_v3' failed to build with --env-kwargs N 0: ValueError: "),
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "payoff", "cooperativ"],
      "--env-kwargs payoff 'cooperativ' is not a payoff (did you mean 'cooperative'?)"),
     (["train", "builtin:spred"], "unknown built-in env 'builtin:spred' (did you mean 'builtin:spread'?)"),
@@ -306,6 +318,7 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
         main(["train", "--resume", "--run-dir", "g", "--iterations", "2", "--no-progress", "--rollout.num-envs", "4"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--rollout.num-envs 2 -> 4" in err and "Traceback" not in err, err
+    assert "anneals to 0" not in err, err  # past the saved schedule (1): its note would only precede the refusal
     assert (tmp_path / "g" / "config.json").read_text() == saved
     main(["train", "CartPole-v1", "--rollout.num-envs", "2", "--rollout.env-processes", "2", "--rollout.env-polling",
           "--rollout.fragment-length", "8", "--iterations", "1", "--run-dir", "p", "--no-progress"])  # polled streams
@@ -314,6 +327,7 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
         main(["train", "--resume", "--run-dir", "p", "--iterations", "2", "--no-progress", "--rollout.num-envs", "4"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--rollout.num-envs 2 -> 4" in err and "Traceback" not in err, err
+    assert "anneals to 0" not in err, err  # past the saved schedule (1): its note would only precede the refusal
 
 
 def test_evaluate_on_an_env_of_another_tree_names_it_and_the_difference(cartpole_run, capsys):

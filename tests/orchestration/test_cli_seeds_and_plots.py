@@ -131,10 +131,31 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
             "does not use it") in capsys.readouterr().err
     note_unused("serve", TrainConfig(env="external", external=ExternalConfig(instances=3, command="sim {port}")))
     assert capsys.readouterr().err == ""
+    note_unused("serve", TrainConfig(env="external", external=ExternalConfig(start_timeout_s=4)))
+    assert capsys.readouterr().err == ""  # without a launcher: the wait for the first simulator's tree
     note_unused("train", TrainConfig(policy=PolicyConfig(recurrent=True), ppo=PPOConfig(sequence_length=20),
                                      rollout=RolloutConfig(fragment_length=10)))
     assert "--ppo.sequence-length 20 is longer than --rollout.fragment-length 10: sequences are whole fragments" \
         in capsys.readouterr().err
+
+
+def test_a_large_share_of_stale_fragments_is_said_once_with_what_keeps_them(capsys):
+    """A run that drops a quarter or more of what it made as stale says so, with the setting that keeps it: an
+    external run in sync mode (its simulators act while the learner trains) is told about async mode."""
+    from orchestration.config import TrainConfig
+    from orchestration.run_notes import note_stale
+
+    external_sync = TrainConfig(env="external", mode="sync")
+    assert not note_stale("serve", external_sync, {"fragments_produced": 40, "fragments_stale": 9})
+    assert not note_stale("serve", external_sync, {"fragments_produced": 6, "fragments_stale": 5})  # too few yet
+    assert capsys.readouterr().err == ""
+    assert note_stale("serve", external_sync, {"fragments_produced": 375, "fragments_stale": 187})
+    err = capsys.readouterr().err
+    assert "shoal serve: 187 of the 375 fragments made so far were dropped as stale" in err
+    assert "simulators keep acting while the learner trains" in err and "--mode async --max-staleness 1" in err
+    two = {"fragments_produced": 20, "a/fragments_stale": 1, "b/fragments_stale": 6}  # the worst learner's
+    assert note_stale("train", TrainConfig(mode="async", max_staleness=1), two)
+    assert "6 of the 20" in (err := capsys.readouterr().err) and "more than --max-staleness 1 versions" in err
 
 
 def test_policy_settings_with_nothing_to_act_on_are_named(capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 
 import pytest
 from websockets.exceptions import ConnectionClosed
@@ -17,10 +18,11 @@ from core.specs import from_json
 from orchestration.assignment import assign
 from orchestration.config import ExternalConfig
 from orchestration.external_episodes import Lanes
+from orchestration.external_launcher import render
 from orchestration.external_server import ExternalServer
 from orchestration.inference import InferenceService
 
-from .test_external_server import TREE
+from .test_external_server import SIM, TREE, _wait
 
 
 def _closing_frame(ws):
@@ -54,3 +56,33 @@ def test_silent_connections_are_closed_with_the_reason_and_logged():
     told = log.getvalue()
     assert "closed: no hello within 0.5 s (heartbeat_s) of connecting" in told
     assert "connection of sim id 'quiet' closed: no message for 1 s (idle_timeout_s)" in told
+
+
+def test_connections_lost_while_the_run_ends_are_counted_not_told():
+    """The launcher stops its simulators when the run ends: those lost connections cut their episodes (counted)
+    but are not told on the log as the simulators' failures (every run's end read like a crash)."""
+    tree = from_json(json.dumps(TREE))
+    service = InferenceService({"agents": make_policies(tree, PolicyConfig())["agents"]}).start()
+    log = io.StringIO()
+    server = ExternalServer(ExternalConfig(token="secret"), tree, log=log).start()
+    lanes = Lanes(TreeCodec(tree), assign(tree, {}), 4, lambda *item: None)
+    server.attach(service, lanes)
+    procs = []
+    try:
+        for ending in (False, True):
+            args = render(SIM, host="127.0.0.1", port=server.port, seed=0, sim_id=f"ending-{ending}", token="secret")
+            procs.append(proc := subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            _wait(lambda: lanes.counters["steps_recorded"] > 5 and f"ending-{ending}" in server.connected)
+            if ending:
+                server.ending()
+            proc.kill()
+            _wait(lambda: f"ending-{ending}" not in server.connected, timeout=10)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        server.close()
+        service.close()
+    told = log.getvalue()
+    assert "sim id 'ending-False' lost: it dropped without a close frame" in told  # a crash: told
+    assert "ending-True" not in told and lanes.counters["episodes_cut"] >= 1, told  # the run's end: counted only

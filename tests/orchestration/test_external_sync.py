@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from orchestration.config import ExternalConfig, RayConfig, RolloutConfig, TrainConfig
+from orchestration.run_loop import env_faults
 
 from .test_external_server import MEASURED_WITH, SIM
 
@@ -26,12 +27,13 @@ def test_sync_trains_exactly_one_batch_of_fresh_steps_per_iteration(backend, req
                          run_dir=str(tmp_path), ray=RayConfig(learner_num_cpus=0, learner_num_gpus=0),
                          external=ExternalConfig(command=SIM, instances=2, start_timeout_s=60))
     trainer = build_trainer(config)
-    trained = []
+    trained, faults = [], []
     try:
         for _ in range(config.iterations):
             metrics = trainer.train()
             trained.append(metrics["env_steps_trained"])
             assert metrics["trained_max_lag"] == 0  # no fragment acted by an older version was trained on
+            faults.append((env_faults(metrics), metrics["env/external_requests"]))
         accounting = trainer.accounting()
     finally:
         trainer.close()
@@ -39,3 +41,4 @@ def test_sync_trains_exactly_one_batch_of_fresh_steps_per_iteration(backend, req
     assert accounting["fragments_produced"] == accounting["fragments_accepted"] + accounting["fragments_stale"] + \
         accounting["fragments_lost"] + accounting["fragments_in_flight"]
     assert accounting["fragments_accepted"] == config.iterations * BATCH // 16
+    assert faults[-1][0] == 0 < faults[-1][1], faults  # a healthy run's traffic is not shown as env faults

@@ -94,3 +94,33 @@ def test_faulty_envs_in_ray_workers_are_restarted_and_counted_as_locally(ray_ses
     assert counts == {"step_timeouts": 1, "worker_crashes": 1, "worker_errors": 2, "env_restarts": 4,
                       "episodes_lost": 8}
     assert metrics["workers_restarted"] == 0  # the rollout worker restarted its env processes, not Ray it
+
+
+def test_ctrl_c_to_the_whole_process_group_stops_a_run_with_env_processes_cleanly(tmp_path):
+    """A terminal's Ctrl-C reaches the env processes too (one process group): the run still stops after its
+    iteration with one line, exit 130 and a checkpoint to resume (workers killed by it read as an env fault:
+    strict mode ended in a traceback). mpe2's slow steps: most of an iteration is stepping, so the signal lands
+    there (an iteration of CartPole is mostly its update, and passed without the fix)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "train", "mpe2:simple_spread_v3",
+                                "--rollout.num-envs", "8", "--rollout.fragment-length", "32", "--rollout.env-processes",
+                                "2", "--iterations", "100000", "--no-progress", "--run-dir", str(run)], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group: ours
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.csv").exists() or len((run / "metrics.csv").read_text().splitlines()) < 3:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-2000:]
+            time.sleep(0.1)
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130 and "shoal train: stopped by SIGINT after iteration" in err, err[-3000:]
+    assert "Traceback" not in err and "EnvWorkerFault" not in err, err[-3000:]
+    assert list((run / "checkpoints").iterdir())
