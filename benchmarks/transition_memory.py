@@ -8,7 +8,8 @@ RSS before it) / transitions
 learner trains on: observations, actions, rewards, flags, log-probabilities, masks, ...) / transitions.
 Target (issue 18): ours <= 2x the reference.
 
-Each case runs ``--repeats`` times (a fresh process each) and the median ratio is reported with every run: the
+Each case runs ``--repeats`` times (a fresh process each) and the median run's ratio (odd ``--repeats``; else the
+upper middle run's) is reported with every run: the
 live memory is the same from run to run, but how much freed memory glibc's heap keeps beside it is not (it
 follows the allocation order, which moves with Python's per-process hash seed). It matters most at 1,024 envs,
 where the fragment is 6 MB: there the ratio once moved between 1.4 and 4 over runs of one commit, until the
@@ -93,7 +94,8 @@ def main() -> None:
             proc.join()
         for r in runs:
             r["ratio"] = round(r["peak_bytes_per_transition"] / r["bytes_held_per_transition"], 2)
-        result = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]  # the median run
+        # the median run (with an even --repeats, the upper of the two middle ones: a run, not an average)
+        result = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]
         result["ratio_runs"] = [r["ratio"] for r in runs]
         cases.append(result)
     print(json.dumps({"benchmark": "transition_memory", "env": "builtin:cartpole", "cases": cases,

@@ -37,7 +37,7 @@ class ConnectionEndings:
         if told <= _TOLD:
             more = " (further ones are only counted)" if told == _TOLD else ""
             sim = state["sim"] or state.get("hello_sim")
-            print(f"shoal: external connection{f' of sim id {sim!r}' if sim else ''} closed: {why}{more}",
+            print(f"shoal: external connection{f' of sim id {sim!r}' if sim else ''} closed: {why}{more}\n", end="",
                   file=self._log)
         return why
 
@@ -63,7 +63,7 @@ class ConnectionEndings:
                   f"episodes_cut and steps_lost)" if open_episodes else ""
             more = " (further ones are only counted)" if told == _TOLD else ""
             sim = state["sim"] or state.get("hello_sim")
-            print(f"shoal: external connection{f' of sim id {sim!r}' if sim else ''} lost: {why}{cut}{more}",
+            print(f"shoal: external connection{f' of sim id {sim!r}' if sim else ''} lost: {why}{cut}{more}\n", end="",
                   file=self._log)
 
     def _refuse(self, ws: ServerConnection, error: ProtocolError, state: dict, tell: bool = True) -> None:
@@ -78,7 +78,8 @@ class ConnectionEndings:
             whose = (f" claiming sim id {sim!r}" if refused else f" of sim id {sim!r}") if sim else ""
             how = "refused" if refused else "closed after a fatal error"
             # a client's text: repr'd or JSON-escaped upstream, and bounded
-            print(f"shoal: external connection{whose} {how}: {error.code}: {why}{more}", file=self._log)
+            print(f"shoal: external connection{whose} {how}: {error.code}: {why}{more}\n", end="",
+                  file=self._log)  # one write: connections' threads print side by side
         try:
             ws.send(encode(error.as_message()))
         except (ConnectionClosed, OSError):

@@ -235,7 +235,9 @@ def build_external(config: TrainConfig, *, log=None):
     server = ExternalServer(ec, given, log=log).start()
     launcher = service = teardown = discard = None
     try:
-        print(f"shoal: waiting for external environments at {server.url} (token {server.token})", file=log)
+        patience = "" if given is not None or ec.command else (  # the run needs the first one's tree
+            f"; the first must connect within {ec.start_timeout_s:g} s (--external.start-timeout-s)")
+        print(f"shoal: waiting for external environments at {server.url} (token {server.token}){patience}", file=log)
         if token_file is not None:
             token_file.parent.mkdir(parents=True, exist_ok=True)
             token_file.touch(mode=0o600)

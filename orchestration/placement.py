@@ -66,7 +66,8 @@ def gpu_problem(config: TrainConfig, ray_config: RayConfig, holders: int, have: 
     gpus = learner_gpus(ray_config.learner_num_gpus, have, holders, config.device)
     if gpus * holders > have + 1e-9:
         ranks = f" ({holders} learner processes)" if holders > 1 else ""
-        return (f"--ray.learner-num-gpus {ray_config.learner_num_gpus:g} asks for {gpus * holders:g} GPUs{ranks} but "
+        return (f"--ray.learner-num-gpus {ray_config.learner_num_gpus:g} asks for {gpus * holders:g} GPU"
+                f"{'' if gpus * holders == 1 else 's'}{ranks} but "
                 f"the cluster has {have:g}: use --ray.learner-num-gpus auto (shares the GPUs there are) or 0")
     if gpus == 0 and config.device.startswith("cuda"):
         return (f"--device {config.device}: the learners get no GPU (the cluster has {have:g}, --ray.learner-num-gpus "

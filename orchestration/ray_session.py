@@ -29,7 +29,7 @@ from orchestration.addresses import check_reachable
 from orchestration.config import RayConfig, TrainConfig
 from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
                                     learner_processes, learner_restarts, reservation_problem)
-from orchestration.signals import kept_sigterm
+from orchestration.signals import held_interrupts, kept_sigterm
 from orchestration.sweeps import config_from_params, run_trial
 
 
@@ -57,7 +57,8 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
         num_cpus = ray_config.num_cpus or max(os.cpu_count() or 1, math.ceil(min_cpus))
         if ray_config.worker_niceness is not None:  # read by Ray when it starts its worker processes
             os.environ.setdefault("RAY_worker_niceness", str(ray_config.worker_niceness))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+        with held_interrupts():  # Ray's processes start with Ctrl-C blocked; ours comes once they are up
+            ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     return True
 
 

@@ -71,4 +71,21 @@ def deferred_interrupts():
                 signal.signal(sig, handler)
 
 
-__all__ = ["Terminated", "deferred_interrupts", "kept_sigterm", "stop_on_sigterm"]
+@contextlib.contextmanager
+def held_interrupts():
+    """Ctrl-C is held (blocked) in the block and delivered when it ends (main thread, POSIX; elsewhere nothing
+    changes), and processes started inside inherit the block. Around ``ray.init``: a terminal's Ctrl-C reaches
+    the whole process group, and one while a local Ray instance started killed this process mid-start; its
+    raylet died with it (fate-shared) and the raylet's agents stayed behind for a minute. Held, it interrupts
+    the run once Ray is up, which then shuts down in order."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+__all__ = ["Terminated", "deferred_interrupts", "held_interrupts", "kept_sigterm", "stop_on_sigterm"]

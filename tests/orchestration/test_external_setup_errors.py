@@ -250,3 +250,16 @@ def test_a_client_that_reaches_something_else_than_a_shoal_server_gets_an_extern
         http.shutdown()
     with pytest.raises(ExternalError, match=r"'localhost:8765' is not a WebSocket address .*ws://host:port"):
         SimulatorClient("localhost:8765", "token", {"tree": {}}, timeout_s=5)
+
+
+def test_a_server_waiting_for_its_first_simulator_says_how_long_it_waits(tmp_path, capsys):
+    """Without a launcher or a given tree the run needs the first simulator's tree: the waiting line says how
+    long it waits (``shoal serve`` for robots quit after 60 s with nothing said before), and the timeout names
+    the flag."""
+    from orchestration.builder import build_trainer
+    from orchestration.config import TrainConfig
+
+    config = TrainConfig(env="external", run_dir=str(tmp_path), external=ExternalConfig(start_timeout_s=0.3))
+    with pytest.raises(TimeoutError, match=r"no simulator connected .* within 0.3 s.*--external.start-timeout-s"):
+        build_trainer(config)
+    assert "; the first must connect within 0.3 s (--external.start-timeout-s)" in capsys.readouterr().err

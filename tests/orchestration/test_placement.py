@@ -85,7 +85,7 @@ def test_auto_shares_the_gpus_among_every_data_parallel_rank():
 
 
 @pytest.mark.parametrize("asked, per_policy, have, named", [
-    (1.0, 1, 0.0, "--ray.learner-num-gpus 1 asks for 1 GPUs but the cluster has 0"),
+    (1.0, 1, 0.0, "--ray.learner-num-gpus 1 asks for 1 GPU but the cluster has 0"),
     (1.0, 2, 1.0, "--ray.learner-num-gpus 1 asks for 2 GPUs (2 learner processes) but the cluster has 1"),
     (0.5, 2, 1.0, None),
 ])

@@ -11,10 +11,10 @@ from orchestration.ray_session import check_resources
 
 @pytest.mark.parametrize("config, named", [
     (TrainConfig(env="builtin:cartpole", backend="ray", ray=RayConfig(learner_num_gpus=1)),
-     "--ray.learner-num-gpus 1 asks for 1 GPUs but the cluster has 0"),
+     "--ray.learner-num-gpus 1 asks for 1 GPU but the cluster has 0"),
     (TrainConfig(env="builtin:cartpole", backend="ray", ray=RayConfig(learner_num_gpus=0.5, learners_per_policy=2,
                                                                     learner_num_cpus=0.5)),
-     "--ray.learner-num-gpus 0.5 asks for 1 GPUs (2 learner processes) but the cluster has 0"),
+     "--ray.learner-num-gpus 0.5 asks for 1 GPU (2 learner processes) but the cluster has 0"),
     (TrainConfig(env="builtin:cartpole", backend="ray", device="cuda"), "--device cuda: the learners get no GPU"),
 ])
 def test_gpus_the_cluster_lacks_are_refused_on_an_own_instance_and_warned_about_on_a_joined_one(ray_session, config,
