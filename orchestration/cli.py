@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return
-    command, rest = argv[0], argv[1:]
+    command, rest, started = argv[0], argv[1:], time.time()
     if command_line:  # a supervisor's SIGTERM where no stop is handled ends the run as Ctrl-C does (clean-up too)
         stop_on_sigterm()
     try:
@@ -337,8 +337,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         how = "stopped by SIGTERM" if isinstance(stop, Terminated) else "interrupted"
         resumable = command in ("train", "serve", "league")
         run_dir = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--run-dir"),
-                       next((a.split("=", 1)[1] for a in rest if a.startswith("--run-dir=")), "RUN"))
-        wrote = resumable and (run_dir == "RUN" or any(Path(run_dir).glob("**/ckpt-*")))
+                       next((a.split("=", 1)[1] for a in rest if a.startswith("--run-dir=")), None))
+        if run_dir is None:  # the fresh directory under runs/ this process made: the newest checkpoint since start
+            fresh = [p for p in Path("runs").glob("*/checkpoints/ckpt-*") if p.stat().st_mtime >= started]
+            run_dir = str(max(fresh, key=lambda p: p.stat().st_mtime).parents[1]) if fresh else None
+        wrote = resumable and run_dir is not None and any(Path(run_dir).glob("**/ckpt-*"))
         print(f"shoal {command}: {how}" + (f" (a run keeps the checkpoints it wrote: shoal {command} --resume "
                                            f"--run-dir {run_dir} continues it)" if wrote else
                                            " before its first checkpoint: nothing to resume" if resumable else ""),

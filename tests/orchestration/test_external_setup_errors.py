@@ -118,15 +118,20 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
     assert any((run / "checkpoints").glob("ckpt-000000*"))
 
 
-def test_ctrl_c_while_waiting_for_the_first_simulator_ends_without_a_traceback(tmp_path):
+@pytest.mark.parametrize("run_dir", [True, False])
+def test_ctrl_c_while_waiting_for_the_first_simulator_ends_without_a_traceback(tmp_path, run_dir):
     """Before any simulator connected (no tree yet, nothing trained): Ctrl-C ends ``shoal serve`` with one line and
-    exit 130, as every Ctrl-C the training loop does not handle itself."""
+    exit 130, as every Ctrl-C the training loop does not handle itself; with or without ``--run-dir`` (without,
+    the hint named a literal ``--run-dir RUN``)."""
+    import os
     import signal
     import subprocess
 
+    root = str(Path(__file__).resolve().parents[2])
     process = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "serve", "--external.port", "0",
-                                "--no-progress", "--run-dir", str(tmp_path / "run")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--no-progress", *(["--run-dir", str(tmp_path / "run")] if run_dir else [])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                               env={**os.environ, "PYTHONPATH": root})
     try:
         for line in process.stderr:
             if "waiting for external environments" in line:
