@@ -178,7 +178,7 @@ HELP = __doc__.split("\n", 2)[2]
 
 def check_search(base: TrainConfig, search: Mapping[str, Any]) -> dict[str, tuple[str, list]]:
     """``{dotted key: (kind, values)}`` of a ``search:`` section, every value checked against the config
-    (:func:`orchestration.ray_session.search_space` makes Tune's param space of it).
+    (:func:`orchestration.ray_tune.search_space` makes Tune's param space of it).
 
     Raises:
         KeyError: an unknown key (with its nearest valid spelling).
@@ -330,7 +330,7 @@ def main(argv: list[str]) -> int:
         return 2
     storage = Path(args.storage).resolve()
     name = args.name or f"{Path(args.config_file).stem}__{time.strftime('%Y%m%d-%H%M%S')}"
-    from orchestration.ray_session import run_tune, search_space
+    from orchestration.ray_tune import run_tune, search_space
 
     results = run_tune(base, search_space(space), num_samples=args.num_samples,
                        max_concurrent_trials=args.max_concurrent, cpus_per_trial=args.cpus_per_trial,

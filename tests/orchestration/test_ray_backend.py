@@ -323,7 +323,7 @@ def test_config_from_params_applies_dotted_overrides():
 
 def test_tune_runs_a_grid_as_parallel_trials(ray_session, tmp_path):
     tune = pytest.importorskip("ray.tune", exc_type=ImportError)  # ray[tune]: pandas, pyarrow, tensorboardX
-    from orchestration.ray_session import run_tune
+    from orchestration.ray_tune import run_tune
 
     base = _config(iterations=2, rollout=RolloutConfig(num_envs=4, fragment_length=16))
     results = run_tune(base, {"lr": tune.grid_search([3e-4, 1e-3])}, cpus_per_trial=0.1, storage_path=str(tmp_path))
