@@ -134,7 +134,10 @@ class GymnasiumVectorEnv(_GymnasiumBase):
             rows = np.array(unchecked, dtype=np.int64)
         else:
             options = None if mask is None else {"reset_mask": mask.copy()}
-            arrays = self._flat(self.env.reset(seed=seed, options=options)[0])
+            try:
+                arrays = self._flat(self.env.reset(seed=seed, options=options)[0])
+            except ValueError as error:  # as in a step
+                raise self._misfit(error, after_step=False) from None
             rows = None
         self._current = arrays
         return arrays, rows
@@ -157,16 +160,17 @@ class GymnasiumVectorEnv(_GymnasiumBase):
         return nxt, reward, term, trunc, root, auto
 
 
-    def _misfit(self, error: ValueError) -> Exception:
-        """What a failed step raises: an :class:`EnvOutputError` naming the first sub-env whose observation does
-        not fit the observation space (a ``SyncVectorEnv`` keeps each one's), else ``error`` itself."""
+    def _misfit(self, error: ValueError, after_step: bool = True) -> Exception:
+        """What a failed step or reset raises: an :class:`EnvOutputError` naming the first sub-env whose observation
+        does not fit the observation space (a ``SyncVectorEnv`` keeps each one's), else ``error`` itself."""
         each = getattr(self._base, "_env_obs", None)
-        if not isinstance(each, list) or self._current is None:
+        if not isinstance(each, list):
             return error
-        scratch = [a.copy() for a in self._current]
+        scratch = self._obs.buffers(self._batch)
         for i, obs in enumerate(each):
             if obs is not None and (problem := self._obs.write(obs, scratch, i)) is not None:
-                return EnvOutputError(problem[1], env_index=i, agent=AGENT, key=(NEXT, AGENT, OBSERVATION, *problem[0]))
+                return EnvOutputError(problem[1], env_index=i, agent=AGENT,
+                                      key=(*((NEXT,) if after_step else ()), AGENT, OBSERVATION, *problem[0]))
         return error
 
 

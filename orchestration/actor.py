@@ -230,15 +230,23 @@ class Actor:
 
     @torch.no_grad()
     def run_episodes(self, num_episodes: int, max_steps: int = 100_000) -> dict[str, list[float]]:
-        """Plays until ``num_episodes`` episodes ended (evaluation).
+        """Plays ``num_episodes`` episodes from their first step (evaluation): envs with an episode open (a
+        previous evaluation's) are reset first, and each env counts its first ``num_episodes / E`` episodes (the
+        first ``num_episodes % E`` envs one more), so that short episodes, which end first, are not favoured.
 
         Returns:
-            ``"return"`` (all agents summed) and ``"return/<policy>"`` per finished episode.
+            ``"return"`` (all agents summed) and ``"return/<policy>"`` per counted episode, in order of ending.
         """
-        pids = list(self.policies)
-        running = torch.zeros(len(pids), self.env.num_envs, dtype=torch.float64)
+        if not bool(self._done.all()):
+            self.restart_episodes_(self.env.reset())
+        pids, num_envs = list(self.policies), self.env.num_envs
+        quota = num_episodes // num_envs + (torch.arange(num_envs) < num_episodes % num_envs).long()  # [E]
+        counted = torch.zeros(num_envs, dtype=torch.long)
+        running = torch.zeros(len(pids), num_envs, dtype=torch.float64)
         finished: list[torch.Tensor] = []
         for _ in range(max_steps):
+            if bool((counted >= quota).all()):
+                break
             nxt = self.step().get(NEXT)
             for group, assigned in self.assignment.items():
                 reward = torch.nan_to_num(nxt.get((group, "reward")).squeeze(-1).double())  # [E, A]
@@ -246,11 +254,11 @@ class Actor:
                     running[pids.index(pid)] += (reward * slots).sum(-1)
             done = nxt.get(DONE).reshape(-1)
             if done.any():
-                finished.append(running[:, done].clone())
+                take = done & (counted < quota)
+                finished.append(running[:, take].clone())
+                counted += take.long()
                 running[:, done] = 0.0
-                if sum(f.shape[1] for f in finished) >= num_episodes:
-                    break
-        per_episode = torch.cat(finished, 1)[:, :num_episodes] if finished else torch.zeros(len(pids), 0)
+        per_episode = torch.cat(finished, 1) if finished else torch.zeros(len(pids), 0)
         out = {f"return/{pid}": per_episode[i].tolist() for i, pid in enumerate(pids)}
         out["return"] = per_episode.sum(0).tolist()
         return out

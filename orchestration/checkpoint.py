@@ -109,7 +109,8 @@ def save_checkpoint(root: str | Path, step: int, *, weights: dict[str, torch.Ten
         weights: policy parameters, flat ``"policy/param"`` keys.
         tensors: any other tensors (optimizer moments, RNG states).
         state: JSON-able counters and configs.
-        keep: how many complete checkpoints to keep (older ones are removed after the new one is in place).
+        keep: how many complete checkpoints to keep (older ones are removed after the new one is in place); 0:
+            every one.
 
     Returns:
         The directory of the new checkpoint.

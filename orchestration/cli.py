@@ -39,8 +39,8 @@ import tyro
 
 from orchestration.config import TrainConfig
 from orchestration.result_line import print_result
-from orchestration.run_notes import (UnusedSettingWarning, note_past_selves, note_policy_fit, note_schedule,
-                                    note_unused)
+from orchestration.run_notes import (UnusedSettingWarning, check_resumed, note_past_selves, note_policy_fit,
+                                    note_schedule, note_unused)
 from orchestration.signals import Terminated, stop_on_sigterm
 from orchestration.user_errors import is_users_mistake, user_errors
 
@@ -198,9 +198,8 @@ def _setup_training(argv: list[str], command: str = "train"):
                       description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]),
                                                      presets=", ".join(preset_names())))
     note_unused(command, config)
-    if resume and config.env != default.env:
-        print(f"shoal {command} --resume: the run was trained on env {default.env!r} and goes on with --env "
-              f"{config.env!r}", file=sys.stderr)
+    if resume:
+        check_resumed(command, default, config)
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir)
     if config.backend == "local":

@@ -217,12 +217,16 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate every N iterations on separate envs with deterministic actors; 0 disables."""
     eval_episodes: int = 10
-    """Episodes per evaluation."""
+    """Episodes per evaluation, each played from its first step, as many from each eval env (the first to end
+    would favour short ones)."""
     checkpoint_every: int = 0
     """Write a checkpoint every N iterations (and at the end); 0: only the time-based ones and the end."""
     checkpoint_every_s: float = 600.0
     """Also write a checkpoint when this many seconds passed since the last one (0 disables). A run also
     writes one when interrupted (SIGINT, SIGTERM) or when an iteration raises."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept under ``checkpoints/``: the newest N (an older one is removed once a newer one is complete);
+    0 keeps every one (e.g. to evaluate a run's progress later)."""
     max_skipped_updates: int = 3
     """Stop with an error naming the policy and the first non-finite tensor after this many consecutive
     updates whose every step was skipped (non-finite loss or gradients); 0 never stops."""
@@ -282,6 +286,7 @@ class TrainConfig:
                                ("max_staleness", self.max_staleness >= 0, ">= 0"),
                                ("anneal_iterations", self.anneal_iterations >= 0, ">= 0"),
                                ("checkpoint_every_s", self.checkpoint_every_s >= 0, ">= 0"),
+                               ("keep_checkpoints", self.keep_checkpoints >= 0, ">= 0"),
                                ("max_skipped_updates", self.max_skipped_updates >= 0, ">= 0"),
                                ("reuse_limit", self.reuse_limit >= 1, ">= 1")):
             if not ok:

@@ -323,7 +323,7 @@ def imports_code(name: str) -> str | None:
         return None if _DOTTED.match(rest) else f"{family} module {rest!r} is not a dotted module name"
     if family == "torchrl":  # torchrl's GymEnv of a gymnasium id: safe as that id is
         return None if _GYM_ID.match(rest) else f"env id {rest!r} (through torchrl) is not a plain gymnasium id"
-    return f"env id {name!r} makes gymnasium import the module {family!r}"
+    return f"env {name!r} imports the module {family!r} (a module:factory, or gymnasium's module:EnvId)"
 
 
 def make_run_env(config, num_envs: int):

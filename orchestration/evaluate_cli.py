@@ -93,7 +93,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         per_seat = play_seats(checkpoint, opponent, episodes=episodes, seats=tuple(seats), env=config.env,
                               num_envs=num_envs, sample=sample)
         print_result({"checkpoint": str(checkpoint), "opponent": opponent, "seats": per_seat})
-        return min(r["win"] for r in per_seat.values())
+        return min((r["win"] for r in per_seat.values() if "win" in r), default=math.nan)
     tree = from_json(state["tree"])
     assignment = assignment_for(config, tree)
     policies, fixed = build_policies(config, tree, assignment)

@@ -62,7 +62,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
     """The run's TrainConfig, the LeagueConfig, whether to show progress and, with ``--resume``, the league's
     checkpoint ``(weights, tensors, state)``; ``--help`` prints both flag sets."""
     from orchestration.cli import _defaults, _refuse_a_used_run_dir, _run_dir_from, _split_train_args
-    from orchestration.run_notes import note_schedule, note_unused
+    from orchestration.run_notes import check_resumed, note_schedule, note_unused
 
     rest, league_args = split_league_args(argv)
     if "-h" in rest or "--help" in rest:
@@ -104,6 +104,8 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir, "league/checkpoints")
     note_unused("league", config)
+    if resume:
+        check_resumed("league", default, config)
     if config.past_selves != default.past_selves:  # flags gave them (a preset's for self-play are not news)
         print("shoal league: --past-selves.* does not apply to a league, whose players play its players",
               file=sys.stderr)
@@ -165,7 +167,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     """The loop of ``shoal league``: metrics every iteration, checkpoints every ``checkpoint_every`` and last."""
     from orchestration.league_roles import progress_line
     from orchestration.metrics_log import MetricsLog
-    from orchestration.run_loop import provenance
+    from orchestration.run_loop import write_provenance
     from orchestration.run_state import config_to_dict
 
     run_dir = Path(config.run_dir)
@@ -182,7 +184,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
         (run_dir / "config.json").write_text(json.dumps({"train": config_to_dict(config),
                                                          "league": dataclasses.asdict(league.league)},
                                                         indent=1, default=str))
-        (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))
+        write_provenance(run_dir, resume)
         try:
             while league.iteration < config.iterations:
                 try:
@@ -232,7 +234,8 @@ def save_league(league, run_dir: Path) -> dict:
     for player, trainer in zip(league.players, league.trainers):
         weights, tensors, state = trainer_state(trainer)
         paired[player.name] = save_checkpoint(run_dir / "players" / player.name / "checkpoints", league.iteration,
-                                              weights=weights, tensors=tensors, state=state).name
+                                              weights=weights, tensors=tensors, state=state,
+                                              keep=league.config.keep_checkpoints).name
     pool = run_dir / "league" / "pool"
     module = league.trainers[0].learners[league.group].policy if league.config.backend == "local" else None
     for i, player in enumerate(league.players):
@@ -251,7 +254,8 @@ def save_league(league, run_dir: Path) -> dict:
                       policy_id=player.name, version=i, config=league.config.policy)
     weights, tensors, state = league.state()  # last: it names the iteration every player has a checkpoint of,
     state["player_checkpoints"] = paired  # and which one (a save cut short leaves newer ones of the same iteration)
-    save_checkpoint(run_dir / "league" / "checkpoints", league.iteration, weights=weights, tensors=tensors, state=state)
+    save_checkpoint(run_dir / "league" / "checkpoints", league.iteration, weights=weights, tensors=tensors, state=state,
+                    keep=league.config.keep_checkpoints)
     (run_dir / "league" / "league.json").write_text(json.dumps({"iteration": league.iteration, **league.table()},
                                                                indent=1))
     return league_paths(league, run_dir)

@@ -42,10 +42,10 @@ class LeagueConfig:
         if self.main_agents < 1:
             raise ValueError(f"--league.main-agents must be >= 1 (got {self.main_agents}): exploiters exploit "
                              f"main agents")
-        if self.main_exploiters < 0 or self.league_exploiters < 0:
-            raise ValueError("--league.main-exploiters and --league.league-exploiters must be >= 0")
-        if self.snapshot_every < 1 or self.exploiter_min_games < 1:
-            raise ValueError("--league.snapshot-every and --league.exploiter-min-games must be >= 1")
+        for name, least in (("main_exploiters", 0), ("league_exploiters", 0), ("snapshot_every", 1),
+                            ("exploiter_min_games", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"--league.{name.replace('_', '-')} must be >= {least}, got {getattr(self, name)}")
         for name in ("self_play", "exploiter_threshold", "league_reset"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"--league.{name.replace('_', '-')} is a probability in [0, 1], got "

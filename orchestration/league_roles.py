@@ -140,11 +140,11 @@ class RoleLeague:
         self.wins = torch.zeros(size, size, dtype=torch.float64)
         self.games = torch.zeros(size, size, dtype=torch.float64)
         self.ratings = torch.full((size,), INITIAL, dtype=torch.float64)
+        self.iteration = 0
         for i, role in enumerate(league.roles):
             if role == "main":
                 self._add_snapshot(i)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.iteration = 0
         self.resets = 0
         self.finished: dict[int, dict[str, Any]] = {}
         """The players that finished the current iteration, by index: ``{"opponent", "scores", "metrics"}``,
@@ -163,8 +163,10 @@ class RoleLeague:
         return player.weights if player.historical else self.trainers[index].learners[self.group].weights()[1]
 
     def _add_snapshot(self, index: int) -> int:
-        version, weights = self.trainers[index].learners[self.group].weights()
-        self.players.append(Player(f"{self.players[index].name}@{version}", self.players[index].role, index,
+        """Freezes player ``index``'s weights as a historical player ``<name>@<league iteration>`` (not its weights'
+        version: a reset moves that past the iteration); returns its index."""
+        weights = self.trainers[index].learners[self.group].weights()[1]
+        self.players.append(Player(f"{self.players[index].name}@{self.iteration}", self.players[index].role, index,
                                    weights.detach().clone()))
         size = len(self.players)
         self.wins, self.games = grow(self.wins, size), grow(self.games, size)
@@ -240,7 +242,8 @@ class RoleLeague:
                                              dtype=torch.float64))
         metrics = {f"win_rate/{name}": float(got.mean()) if got.numel() else float("nan"),
                    f"games/{name}": float(got.numel()), f"opponent/{name}": float(opponent),
-                   f"episode_return_mean/{name}": float(result.get("episode_return_mean", float("nan"))),
+                   f"episode_return_mean/{name}": float(result.get(f"episode_return_mean/{self.group}",  # its seat's
+                                                                   float("nan"))),  # (both seats' sum to 0)
                    f"env_steps/{name}": float(trainer.env_steps), f"matched/{name}/{why}": 1.0}
         metrics.update({f"{key.rsplit('/', 1)[-1]}/{name}": float(value) for key, value in result.items()
                         if key.startswith(("fragments_", f"{self.group}/fragments_", f"{self.group}/env_steps_t"))})

@@ -4,7 +4,8 @@ For each seat (an agent of the tree), the checkpoint's policy plays that seat an
 other agent: ``random`` (uniform over legal actions), a scripted player ``scripted:MODULE:FUNCTION``
 (:mod:`orchestration.scripted`), another checkpoint of the same tree (its learning policy), or a league's
 snapshot (a historical player of ``league/pool/``). Results per seat: win, draw and loss rates with Wilson
-95% intervals (zero-sum returns: win > 0, draw 0, loss < 0), plus the mean return. The checkpoint's policy acts
+95% intervals (zero-sum returns: win > 0, draw 0, loss < 0), plus the mean return and its spread; a seat whose
+population is cooperative (a shared reward, no winner) gets the returns alone. The checkpoint's policy acts
 with its mode unless ``sample``; the opponent always samples (two deterministic players would replay one game).
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from core.specs import agent_index, from_json
+from core.specs import agent_index, from_json, groups
 from orchestration.builder import assignment_for, build_evaluator, build_policies, is_fixed
 from orchestration.checkpoint import load_checkpoint
 from orchestration.run_state import load_config
@@ -109,8 +110,10 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
         returns = torch.tensor(actor.run_episodes(episodes)[f"return/{mine}"], dtype=torch.float64)
         wins, draws = int((returns > 0).sum()), int((returns == 0).sum())
         n = len(returns)
-        out[seat] = {"games": n, "win": wins / n, "draw": draws / n, "loss": (n - wins - draws) / n,
-                     "win_ci95": list(wilson_interval(wins, n)), "return_mean": float(returns.mean())}
+        out[seat] = {"games": n, "return_mean": float(returns.mean()), "return_std": float(returns.std(correction=0))}
+        if groups(tree)[group].payoff != "cooperative":  # a shared reward has no winner: its returns alone
+            out[seat].update({"win": wins / n, "draw": draws / n, "loss": (n - wins - draws) / n,
+                              "win_ci95": list(wilson_interval(wins, n))})
     return out
 
 

@@ -197,7 +197,8 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
     return {"runs": [str(r) for r in runs], "metric": y, "final": finals, "final_env_steps": end,
             "last_env_steps": [float(xs[-1]) for xs, _ in curves],
             "final_mean": float(np.mean(finals)),
-            "final_ci95": [float(np.mean(finals)) - final_half, float(np.mean(finals)) + final_half],
+            "final_ci95": [float(np.mean(finals)) - final_half, float(np.mean(finals)) + final_half] if n > 1
+            else None,  # one run has no interval (a zero-width one would claim certainty)
             "final_iqm": interquartile_mean(finals), "plot": str(png_path)}
 
 

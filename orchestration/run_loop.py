@@ -79,7 +79,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
         print(f"shoal {command}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=1))  # no token: not a secret
-    (run_dir / "run.json").write_text(json.dumps(provenance(), indent=1))
+    write_provenance(run_dir, resume)
     # on stderr: stdout is the result line alone (``shoal train ... | jq`` reads it)
     bar = tqdm(total=config.iterations, initial=trainer.iteration, disable=not progress, unit="it",
                dynamic_ncols=True, file=sys.stderr)
@@ -91,7 +91,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
         nonlocal last_save, saved
         if saved == _trained_state(trainer):  # the same state again would push an older checkpoint out
             return
-        save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer))
+        save_checkpoint(ckpt_root, trainer.iteration, **_checkpoint_parts(trainer), keep=config.keep_checkpoints)
         last_save, saved = time.monotonic(), _trained_state(trainer)
 
     stopped, told_stale = None, False
@@ -225,4 +225,18 @@ def provenance() -> dict[str, Any]:
             "torchrl": version("torchrl"), "tensordict": version("tensordict"), "host": platform.node()}
 
 
-__all__ = ["env_faults", "fresh_run_dir", "provenance", "run_training"]
+def write_provenance(run_dir: Path, resume: bool) -> None:
+    """Writes ``run.json``: the :func:`provenance` of the run's start, with, on a resume, each resume's command
+    line, time, commit and host appended under ``resumes`` (the first command line is kept)."""
+    now, path = provenance(), run_dir / "run.json"
+    try:
+        first = json.loads(path.read_text()) if resume else None
+    except (OSError, ValueError):  # none, or not JSON: this run's start is the oldest record left
+        first = None
+    if isinstance(first, dict):
+        resumes = first.get("resumes") if isinstance(first.get("resumes"), list) else []
+        now = {**first, "resumes": [*resumes, {k: now[k] for k in ("argv", "started", "git_commit", "host")}]}
+    path.write_text(json.dumps(now, indent=1))
+
+
+__all__ = ["env_faults", "fresh_run_dir", "provenance", "run_training", "write_provenance"]

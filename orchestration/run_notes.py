@@ -1,6 +1,6 @@
 """What a run says on stderr about its own settings before it trains: settings given that it does not use (past
-selves no policy can take among them), and iterations past the learning rate's annealing horizon (``shoal train``,
-``shoal serve``, ``shoal league``)."""
+selves no policy can take among them), iterations past the learning rate's annealing horizon, and what a resume's
+flags change (``shoal train``, ``shoal serve``, ``shoal league``)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,15 @@ def unused_settings(config: TrainConfig) -> list[str]:
 
 
 def note_capped(command: str, config: TrainConfig) -> None:
-    """Says on stderr when a recurrent policy's ``--ppo.sequence-length`` exceeds the fragments it is cut from,
-    and when its ``--ppo.burn-in`` cannot act (sequences that are whole fragments have no earlier state)."""
+    """Says on stderr when a minibatch would exceed the batch, when a recurrent policy's ``--ppo.sequence-length``
+    exceeds the fragments it is cut from, and when its ``--ppo.burn-in`` cannot act (sequences that are whole
+    fragments have no earlier state)."""
     length, fragment, burn_in = config.ppo.sequence_length, config.rollout.fragment_length, config.ppo.burn_in
+    if config.ppo.minibatch_size > config.steps_per_iteration and config.env != "external":
+        print(f"shoal {command}: --ppo.minibatch-size {config.ppo.minibatch_size} is more than the "
+              f"{config.steps_per_iteration} env steps of a batch (--train-batch-size, else --rollout.num-envs x "
+              f"--rollout.fragment-length x --rollout.num-workers): each epoch is one step on the whole batch",
+              file=sys.stderr)
     if config.policy.recurrent and length is not None and length > fragment:
         print(f"shoal {command}: --ppo.sequence-length {length} is longer than --rollout.fragment-length "
               f"{fragment}: sequences are whole fragments of {fragment} steps (a longer fragment makes longer "
@@ -100,6 +106,25 @@ def note_schedule(command: str, config: TrainConfig, resume: bool) -> None:
               f"{config.iterations} to stretch the schedule, or --no-anneal-lr", file=sys.stderr)
 
 
+def check_resumed(command: str, saved: TrainConfig, config: TrainConfig) -> None:
+    """What a resume's flags change of the run's ``saved`` config: a new ``--seed`` is refused (the checkpoint's
+    random streams go on, so it would change nothing but the record); a new env or env keywords are said on stderr
+    (the keywords given replace the saved ones as a whole)."""
+    if config.seed != saved.seed:
+        raise ValueError(f"--seed {config.seed} on a resume: the run goes on with the random streams its checkpoint "
+                         f"holds (it started with --seed {saved.seed}), so a new seed would change nothing. Resume "
+                         f"without --seed, or start a new run with --seed {config.seed} in a new --run-dir")
+    if config.env != saved.env:
+        print(f"shoal {command} --resume: the run was trained on env {saved.env!r} and goes on with --env "
+              f"{config.env!r}", file=sys.stderr)
+    if config.env_kwargs != saved.env_kwargs:
+        def flag(kwargs) -> str:
+            return " ".join(f"{k} {v}" for k, v in kwargs) or "(none)"
+        print(f"shoal {command} --resume: the run was trained with --env-kwargs {flag(saved.env_kwargs)} and goes "
+              f"on with --env-kwargs {flag(config.env_kwargs)} (the keywords given replace the saved ones: repeat "
+              f"those to keep)", file=sys.stderr)
+
+
 #: The share of the fragments produced that, dropped as stale, :func:`note_stale` tells about.
 STALE_SHARE_TOLD = 0.25
 
@@ -134,5 +159,5 @@ def note_past_selves(command: str, config: TrainConfig, tree) -> None:
               f"alone (feed-forward, learning), and this run has none: no past self plays", file=sys.stderr)
 
 
-__all__ = ["STALE_SHARE_TOLD", "UnusedSettingWarning", "note_capped", "note_past_selves", "note_policy_fit",
-           "note_schedule", "note_stale", "note_unused", "unused_settings"]
+__all__ = ["STALE_SHARE_TOLD", "UnusedSettingWarning", "check_resumed", "note_capped", "note_past_selves",
+           "note_policy_fit", "note_schedule", "note_stale", "note_unused", "unused_settings"]

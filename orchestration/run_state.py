@@ -39,7 +39,7 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     """``(weights, tensors, json_state)`` of any trainer (:meth:`Trainer.state`), one format for every backend.
 
     weights: ``"<policy>/<param>"``; tensors: ``optimizer/<policy>/...``, ``rng/learner/<policy>``,
-    ``returns/<policy>/...`` (reward scaling), ``curiosity/<policy>/...`` (RND), ``actor/<i>/...``,
+    ``returns/<policy>/...`` (reward scaling), ``curiosity/<policy>/...`` (RND), ``actor/<i>/...``, ``evaluator/...``,
     ``rng/collection``, ``team_critic/weights/...``, ``team_critic/optimizer/...`` and ``rng/team_critic`` (a
     team critic); JSON: counters, history, config (with an env collection's document), tree, optimizer
     hyper-parameters, inbox ledgers, the collection's state, the team critic's version, counters and ledger.
@@ -66,6 +66,9 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     for i, actor in enumerate(raw["actors"]):
         tensors.update({f"actor/{i}/{k}": v for k, v in actor["tensors"].items()})
         state["actors"].append(actor["json"])
+    if "evaluator" in raw:  # the evaluation actor (its envs' state, generator and observations)
+        tensors.update({f"evaluator/{k}": v for k, v in raw["evaluator"]["tensors"].items()})
+        state["evaluator"] = raw["evaluator"]["json"]
     if "collection" in raw:  # an environment collection's state (orchestration.collection_driver)
         state["collection"] = raw["collection"]["json"]
         tensors["rng/collection"] = raw["collection"]["rng"]
@@ -106,6 +109,9 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
         actors.append({"tensors": {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}, "json": meta})
     extra = {"collection": {"json": state["collection"], "rng": tensors["rng/collection"]}} \
         if "collection" in state else {}
+    if "evaluator" in state:
+        extra["evaluator"] = {"tensors": {k[len("evaluator/"):]: v for k, v in tensors.items()
+                                          if k.startswith("evaluator/")}, "json": state["evaluator"]}
     if "team_critic" in state:
         entry, head = state["team_critic"], "team_critic/weights/"
         extra["team_critic"] = {

@@ -34,8 +34,12 @@ def _default_in_child() -> None:
 
 
 def stop_on_sigterm() -> None:
-    """Makes SIGTERM raise :class:`Terminated` in this process (main thread); forked children keep the default."""
+    """Makes SIGTERM raise :class:`Terminated` in this process (main thread); forked children keep the default.
+    A SIGINT ignored since the process started (a script's background job) raises KeyboardInterrupt again: the
+    training loop takes SIGINT over anyway, and one sent while starting up was lost."""
     signal.signal(signal.SIGTERM, _terminate)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     os.register_at_fork(after_in_child=_default_in_child)
 
 

@@ -340,6 +340,12 @@ def main(argv: list[str]) -> int:
     out = storage / name
     _write(rows, out)
     print(_format(rows))
+    if rows and all(r.error is not None for r in results):  # said first: the metric is missing for this reason
+        cause = getattr(results[0].error, "cause", None) or results[0].error  # a Ray task error's own exception
+        said = (str(cause).strip().splitlines() or [""])[0]
+        print(f"shoal tune: every trial failed, the first with {type(cause).__name__}: {said}; the results and each "
+              f"trial's error.txt are under {out}", file=sys.stderr)
+        return 1
     reported = sorted({k for r in results for k in (r.metrics or {}) if isinstance(r.metrics[k], (int, float))})
     if reported and all(r[args.metric] is None for r in rows):  # a misspelt metric: the trials are kept
         near = difflib.get_close_matches(args.metric, reported, n=1)

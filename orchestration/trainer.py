@@ -68,12 +68,10 @@ class Trainer:
                  on_close: Callable[[], None] | None = None, team_critic=None,
                  make_evaluator: Callable[[], Any] | None = None) -> None:
         self.config, self.fleet, self.learners, self.evaluator, self.tree = config, fleet, dict(learners), evaluator, tree
-        self._make_evaluator = make_evaluator
-        self.team_critic = team_critic
+        self._make_evaluator, self.team_critic = make_evaluator, team_critic
         self.trainable = {pid: lrn for pid, lrn in self.learners.items() if lrn.learns}
         self.weights: dict[str, tuple[int, Any]] = {pid: lrn.published() for pid, lrn in self.learners.items()}
-        self.iteration = 0
-        self.env_steps = 0
+        self.iteration = self.env_steps = 0
         self.history: dict[str, deque[float]] = {}
         """Last 100 finished episodes: ``"return"``, ``"length"``, ``"return/<policy>"``."""
         self.last_episodes: dict[str, list[float]] = {}
@@ -83,10 +81,9 @@ class Trainer:
         self._group_specs = groups(tree)
         self._produced = 0
         self._episodes_before = self._episodes_total = 0  # finished episodes before a resume, and in all
-        self._started = self._closed = False
+        self._started = self._closed = self._warned_past_budget = False  # warned: trained past the annealed budget
         self._actors_restored: bool | None = None  # set by load_state_
         self._final: dict[str, float] | None = None
-        self._warned_past_budget = False
         self._on_close = on_close
         self._env_counters: dict[int, dict[str, int]] = {}
         self.envsets = CollectionDriver.from_config(config) if config.collection is not None else None
@@ -99,7 +96,7 @@ class Trainer:
             raise RuntimeError("this trainer was closed")
         cfg = self.config
         progress = self.iteration / max(cfg.schedule_iterations, 1)
-        lr = cfg.lr * max(0.0, 1.0 - progress) if cfg.anneal_lr else None  # past the budget: stay at 0
+        lr = cfg.lr * max(0.0, 1.0 - progress) if cfg.anneal_lr else cfg.lr  # set each update: a resumed --lr too
         if lr == 0.0 and not cfg.anneal_iterations and not self._warned_past_budget:  # a Python loop past the budget
             self._warned_past_budget = True
             warnings.warn(f"Trainer.train: iteration {self.iteration + 1} is past TrainConfig.iterations="
@@ -327,14 +324,15 @@ class Trainer:
         return bool(self.fleet.resume_exact) and self._actors_restored is not False
 
     def state(self) -> dict[str, Any]:
-        """Counters, episode history, every learner's state, the fleet's actors' states and, with a
-        collection, its driver's state (:meth:`CollectionDriver.state_dict`)."""
+        """Counters, episode history, every learner's state, the fleet's actors' states, the evaluator's and, with
+        a collection, its driver's state (:meth:`CollectionDriver.state_dict`)."""
         return {"iteration": self.iteration, "env_steps": self.env_steps, "produced": self._produced,
                 "episodes_total": self._episodes_total, "history": {k: list(v) for k, v in self.history.items()},
                 "agent_history": {g: [list(r) for r in rows] for g, rows in self.agent_history.items()},
                 "learners": {pid: lrn.state() for pid, lrn in self.learners.items()},
                 "actors": self.fleet.state(), "resume_exact": self.resume_exact,
                 **({"collection": self.envsets.state_dict()} if self.envsets is not None else {}),
+                **({"evaluator": self.evaluator.state()} if self.evaluator is not None else {}),
                 **({"team_critic": self.team_critic.state()} if self.team_critic is not None else {})}
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
@@ -365,6 +363,8 @@ class Trainer:
         self._produced = sum(self.fleet.reported.values()) if restores_actors else 0
         if self.envsets is not None and "collection" in state:
             self.envsets.load_state_(state["collection"])
+        if self.evaluator is not None and "evaluator" in state:  # its envs and generator: the same evaluations
+            self.evaluator.load_state_(state["evaluator"])
 
     def interrupt(self) -> None:
         """Safe from a signal handler: a collection that waits for data that may not come (external simulators

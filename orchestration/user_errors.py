@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 
 
@@ -16,13 +17,26 @@ def user_errors(command: str):
         yield
     except (ValueError, KeyError, LookupError, FileNotFoundError, ImportError, TimeoutError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"shoal {command}: {message}", file=sys.stderr)
+        print(f"shoal {command}: {as_flags(str(message))}", file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as err:
         if not is_users_mistake(err, gymnasium=True):
             raise
-        print(f"shoal {command}: {err}", file=sys.stderr)
+        print(f"shoal {command}: {as_flags(str(err))}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+#: The config records under TrainConfig, by the flag prefix their fields take.
+_SECTIONS = {"PolicyConfig": "policy.", "PPOConfig": "ppo.", "RolloutConfig": "rollout.", "RayConfig": "ray.",
+             "TeamCriticConfig": "team-critic.", "CuriosityConfig": "curiosity.", "PretrainConfig": "pretrain.",
+             "PastSelvesConfig": "past-selves.", "ExternalConfig": "external.", "TrainConfig": ""}
+
+
+def as_flags(message: str) -> str:
+    """``message`` with the config fields that library code names (``PolicyConfig.recurrent_critic``) as the
+    command's flags (``--policy.recurrent-critic``)."""
+    return re.sub(r"\b(" + "|".join(_SECTIONS) + r")\.([a-z][a-z0-9_]*)",
+                  lambda m: f"--{_SECTIONS[m.group(1)]}{m.group(2).replace('_', '-')}", message)
 
 
 class StalledRun(RuntimeError):

@@ -160,6 +160,18 @@ def test_a_vector_sub_env_observation_of_the_wrong_shape_is_named_not_left_to_nu
     assert (info.value.env_index, info.value.agent, info.value.key) == (2, "agent", FAULTS["shape"])
 
 
+class WrongFromTheStart(BadEnv):
+    def reset(self, *, seed=None, options=None):
+        return {"pos": np.zeros(4, np.float32), "id": 0}, {}
+
+
+def test_a_first_observation_of_the_wrong_shape_is_named_too():
+    """The same at the first reset, before the adapter holds any observation (it left numpy's message)."""
+    env = GymnasiumVectorEnv(SyncVectorEnv([BadEnv, WrongFromTheStart]))
+    with pytest.raises(EnvOutputError, match=r"env 1, agent 'agent', key agent/observation/pos: .*got \(4,\)"):
+        env.reset(seed=0)
+
+
 @pytest.mark.parametrize("check", ["strict", "lenient"])
 def test_out_of_range_action_is_never_sent(check):
     raw = BadEnv()

@@ -39,8 +39,9 @@ def _rows(path) -> list[dict[str, str]]:
 
 @pytest.mark.slow
 def test_resume_in_a_new_process_equals_an_uninterrupted_run(tmp_path):
-    straight = _start("train", *ARGS, "--iterations", "4", "--run-dir", str(tmp_path / "straight"), cwd=tmp_path)
-    _shoal("train", *ARGS, "--iterations", "2", "--run-dir", str(tmp_path / "split"), cwd=tmp_path)
+    evaluated = [*ARGS, "--eval-every", "1", "--eval-episodes", "4"]  # the evaluator's envs resume too
+    straight = _start("train", *evaluated, "--iterations", "4", "--run-dir", str(tmp_path / "straight"), cwd=tmp_path)
+    _shoal("train", *evaluated, "--iterations", "2", "--run-dir", str(tmp_path / "split"), cwd=tmp_path)
     _finish(straight)
     out = _shoal("train", "--resume", "--run-dir", str(tmp_path / "split"), "--iterations", "4", "--no-progress",
                  cwd=tmp_path)
@@ -48,7 +49,8 @@ def test_resume_in_a_new_process_equals_an_uninterrupted_run(tmp_path):
     straight, split = _rows(tmp_path / "straight/metrics.csv"), _rows(tmp_path / "split/metrics.csv")
     assert len(straight) == len(split) == 4
     for a, b in zip(straight, split):
-        for key in ("env_steps", "episodes_total", "loss_policy", "loss_value", "approx_kl", "episode_return_mean"):
+        for key in ("env_steps", "episodes_total", "loss_policy", "loss_value", "approx_kl", "episode_return_mean",
+                    "eval_return_mean"):
             assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-6, abs=1e-7), key
     from safetensors.torch import load_file
 
@@ -197,6 +199,8 @@ def cartpole_run(tmp_path_factory):
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "payoff", "cooperativ"],
      "--env-kwargs payoff 'cooperativ' is not a payoff (did you mean 'cooperative'?)"),
     (["train", "builtin:spred"], "unknown built-in env 'builtin:spred' (did you mean 'builtin:spread'?)"),
+    (["train", "builtin:cartpole", "--policy.leaf-encoders", "observation", "impala"],  # was PolicyConfig.leaf_...
+     "observation: --policy.leaf-encoders gives observation the 'impala' CNN, but it is not an image"),
     (["plot", "--out", "x.png"], "shoal plot: name the run directories to draw"),
     (["plot", "nowhere"], "shoal plot: nowhere has no metrics.csv"),
     (["serve", "CartPole-v1"], "shoal serve: it trains on external environments only, not CartPole-v1"),
@@ -286,7 +290,7 @@ def test_a_yaml_config_takes_yaml_1_1_floats_and_an_inline_collection(tmp_path):
     assert json.loads(config.collection)["structure"]["test"] == ["hard"]
 
 
-def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path, monkeypatch, capsys):
+def test_a_resume_names_the_settings_it_changes_and_refuses_a_new_seed(tmp_path, monkeypatch, capsys):
     """A checkpoint whose shapes no longer fit (another network, env count or env) is refused in one paragraph
     naming the flags that changed, with their saved and new values; the run directory is left as it was."""
     from orchestration.cli import main
@@ -328,6 +332,14 @@ def test_a_resume_that_changes_the_shapes_names_the_settings_it_changes(tmp_path
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--rollout.num-envs 2 -> 4" in err and "Traceback" not in err, err
     assert "anneals to 0" not in err, err  # past the saved schedule (1): its note would only precede the refusal
+    with pytest.raises(SystemExit) as exit_:  # was taken silently: written to config.json, changing nothing
+        main(["train", "--resume", "--run-dir", "g", "--iterations", "2", "--no-progress", "--seed", "9"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--seed 9 on a resume" in err and "started with --seed 0" in err, err
+    main(["train", "--resume", "--run-dir", "g", "--iterations", "2", "--no-progress", "--env-kwargs",
+          "sutton_barto_reward", "True"])  # said: the keywords given replace the saved ones
+    assert ("trained with --env-kwargs (none) and goes on with --env-kwargs sutton_barto_reward True"
+            in capsys.readouterr().err)
 
 
 def test_evaluate_on_an_env_of_another_tree_names_it_and_the_difference(cartpole_run, capsys):

@@ -90,7 +90,7 @@ def test_env_data_that_breaks_the_tree_mid_run_and_an_env_given_as_a_path_are_to
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:  # found at the first step, once training runs: not a traceback
         main(["train", "my_envs:make_wrong_shape", "--iterations", "1", "--rollout.num-envs", "2", "--no-progress",
-              "--run-dir", "run"])
+              "--ppo.minibatch-size", "64", "--run-dir", "run"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.strip() == ("shoal train: env 0, agent 'agent', key next/agent/observation: "
                                                      "expected shape (4,), got (3,)"), err

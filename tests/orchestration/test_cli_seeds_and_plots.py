@@ -88,7 +88,8 @@ def test_plot_takes_a_metrics_file_or_a_directory_of_runs_names_a_near_metric_an
     assert [p.rsplit("/", 1)[1] for p in summary["runs"]] == ["seed_0", "seed_1"] and summary["final"] == [3.0, 3.0]
     assert "the runs end at different env steps (300 to 400); the curve and the finals stop at 300" in captured.err
     main(["plot", str(tmp_path / "seeds" / "seed_0" / "metrics.csv"), "--out", str(tmp_path / "b.png")])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"] == [4.0]
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert one["final"] == [4.0] and one["final_ci95"] is None  # was [4.0, 4.0]: no interval from one run
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path / "seeds"), "--metric", "episode_retrun_mean", "--out", str(tmp_path / "c.png")])
     assert "has no column 'episode_retrun_mean' (did you mean 'episode_return_mean'?)" in capsys.readouterr().err
@@ -137,6 +138,8 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
                                      rollout=RolloutConfig(fragment_length=10)))
     assert "--ppo.sequence-length 20 is longer than --rollout.fragment-length 10: sequences are whole fragments" \
         in capsys.readouterr().err
+    note_unused("train", TrainConfig(ppo=PPOConfig(minibatch_size=100_000)))  # was cut to the batch in silence
+    assert ("--ppo.minibatch-size 100000 is more than the 1024 env steps of a batch" in capsys.readouterr().err)
 
 
 def test_a_large_share_of_stale_fragments_is_said_once_with_what_keeps_them(capsys):

@@ -300,6 +300,23 @@ def test_resume_with_more_iterations_keeps_the_learning_rate_schedule(tmp_path, 
             "resumed), so iterations 5..6 will not learn: pass --anneal-iterations 6") in capsys.readouterr().err
 
 
+def test_a_resume_trains_with_its_new_lr_keeps_the_first_record_and_the_checkpoints_asked_for(tmp_path, monkeypatch):
+    """Without annealing, the resumed optimizer kept the checkpoint's rate while config.json said --lr's; run.json
+    kept only the resume's command line. And --keep-checkpoints 0 keeps them all (the newest 3 by default)."""
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["train", *ARGS, "--iterations", "3", "--no-anneal-lr", "--lr", "0.0025", "--run-dir", "r",
+          "--checkpoint-every", "1", "--keep-checkpoints", "0"])
+    main(["train", "--resume", "--run-dir", "r", "--iterations", "4", "--lr", "0.1", "--no-progress"])
+    assert len(list((tmp_path / "r" / "checkpoints").glob("ckpt-*"))) == 4  # --keep-checkpoints 0: every one
+    state = json.loads((ckpt.resolve(tmp_path / "r" / "checkpoints") / "state.json").read_text())
+    assert state["config"]["lr"] == 0.1
+    assert state["learners"]["agent"]["optimizer"]["param_groups"][0]["lr"] == 0.1
+    record = json.loads((tmp_path / "r" / "run.json").read_text())  # the start's record kept, the resume added
+    assert len(record["resumes"]) == 1 and record["started"] < record["resumes"][0]["started"]
+
+
 def test_training_that_only_skips_updates_stops_naming_the_policy_and_tensor():
     trainer = build_trainer(TrainConfig(env="builtin:cartpole", iterations=10, max_skipped_updates=2,
                                         rollout=RolloutConfig(num_envs=8, fragment_length=32)))

@@ -118,11 +118,12 @@ def test_a_signal_stops_a_run_waiting_for_simulators_at_once_with_a_checkpoint(t
     assert any((run / "checkpoints").glob("ckpt-000000*"))
 
 
-@pytest.mark.parametrize("run_dir", [True, False])
-def test_ctrl_c_while_waiting_for_the_first_simulator_ends_without_a_traceback(tmp_path, run_dir):
+@pytest.mark.parametrize("run_dir, ignored", [(True, False), (False, False), (False, True)])
+def test_ctrl_c_while_waiting_for_the_first_simulator_ends_without_a_traceback(tmp_path, run_dir, ignored):
     """Before any simulator connected (no tree yet, nothing trained): Ctrl-C ends ``shoal serve`` with one line and
     exit 130, as every Ctrl-C the training loop does not handle itself; with or without ``--run-dir`` (without,
-    the hint named a literal ``--run-dir RUN``)."""
+    the hint named a literal ``--run-dir RUN``), and when SIGINT came ignored (a script's background job: it was
+    lost before training, and stopped the run once training had begun)."""
     import os
     import signal
     import subprocess
@@ -131,7 +132,8 @@ def test_ctrl_c_while_waiting_for_the_first_simulator_ends_without_a_traceback(t
     process = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "serve", "--external.port", "0",
                                 "--no-progress", *(["--run-dir", str(tmp_path / "run")] if run_dir else [])],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                               env={**os.environ, "PYTHONPATH": root})
+                               env={**os.environ, "PYTHONPATH": root},
+                               preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None)
     try:
         for line in process.stderr:
             if "waiting for external environments" in line:

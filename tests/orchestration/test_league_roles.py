@@ -45,6 +45,8 @@ def test_each_role_plays_the_opponent_it_picked_and_the_league_grows_on_schedule
                 accounted = sum(metrics[f"fragments_{k}/{name}"] for k in ("accepted", "stale", "lost", "in_flight"))
                 assert metrics[f"fragments_produced/{name}"] == accounted > 0  # each player's own ledger
                 assert metrics[f"env_steps_trained/{name}"] > 0
+                own = list(trainer.history[f"return/{league.group}"])  # its seat's games, not both seats' (0)
+                assert metrics[f"episode_return_mean/{name}"] == pytest.approx(sum(own) / len(own))
                 role = league.players[i].role
                 if role == "league_exploiter":
                     assert league.players[opponent].historical  # only historical players
@@ -83,6 +85,8 @@ def test_an_exploiter_that_beats_its_targets_is_snapshotted_and_starts_over():
         assert counts["fragments_produced"] == 2 == counts["player/fragments_accepted"]
         assert counts["player/fragments_lost"] == counts["player/fragments_stale"] == 0
         assert league.resets == 2  # done again (threshold 0): its second run was snapshotted, then reset
+        names = [p.name for p in league.players if p.name.startswith("main_exploiter_0@")]
+        assert names == ["main_exploiter_0@1", "main_exploiter_0@2"]  # league iterations (the reset's version: @3)
         second = league.players[-1].weights
         assert not (second == trained).all() and not (second == league.weights_of(1)).all()
     finally:
@@ -94,6 +98,8 @@ def test_a_league_refuses_an_env_that_is_not_a_two_player_game():
         RoleLeague(TrainConfig(env="builtin:cartpole"), LeagueConfig())
     with pytest.raises(ValueError, match="main-agents"):
         LeagueConfig(main_agents=0)
+    with pytest.raises(ValueError, match="--league.exploiter-min-games must be >= 1, got 0"):  # named one of two
+        LeagueConfig(exploiter_min_games=0)
 
 
 @pytest.mark.ray

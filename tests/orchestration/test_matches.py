@@ -90,3 +90,14 @@ def test_a_league_snapshot_is_an_opponent(connect_four, tmp_path):
     seats = play_seats(connect_four, str(snap), episodes=4, seats=("player_0",),
                        env="pettingzoo:classic.connect_four_v3")
     assert seats["player_0"]["games"] == 4
+
+
+def test_a_cooperative_game_has_returns_and_no_winner(tmp_path, capsys):
+    """Every agent of builtin:spread shares one reward: it used to report 'win' 1.0 for a return above 0."""
+    run = tmp_path / "spread"
+    main(["train", "builtin:spread", "--iterations", "1", "--rollout.num-envs", "4", "--rollout.fragment-length", "16",
+          "--run-dir", str(run), "--no-progress"])
+    capsys.readouterr()
+    main(["evaluate", str(run / "checkpoints"), "--opponent", "random", "--episodes", "4", "--seats", "agents_0"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["seats"]["agents_0"]
+    assert result["games"] == 4 and "win" not in result and result["return_std"] >= 0, result

@@ -98,6 +98,10 @@ def test_a_metric_of_some_iterations_is_read_from_its_last_report_and_a_misspelt
     err = capsys.readouterr().err
     assert "no trial reported --metric 'episode_retrun_mean' (did you mean 'episode_return_mean'?)" in err, err
     assert "Traceback" not in err
+    (tmp_path / "broken.yaml").write_text(SWEEP.replace("[0, 1]", "[0]") + "env_kwargs: [[gravity, '-1.0']]\n")
+    assert main([*flags, "--config-file", str(tmp_path / "broken.yaml"), "--name", "broken"]) == 1
+    err = capsys.readouterr().err  # was: "no trial reported --metric ...; the trials reported ['pid', 'timestamp']"
+    assert "every trial failed, the first with" in err and "gravity" in err and "no trial reported" not in err, err
 
 
 def test_an_evaluation_metric_without_evaluations_is_refused_before_any_trial(tmp_path, capsys):
