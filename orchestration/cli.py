@@ -222,7 +222,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     try:
         if config.past_selves != default.past_selves:  # flags set them (a preset's for self-play are not news)
             note_past_selves(command, config, trainer.tree)
-        note_policy_fit(command, config, trainer.tree)
+        note_policy_fit(command, config, trainer.tree, learning=bool(trainer.trainable))
         if resume:
             try:
                 restore_trainer_(trainer, *load_checkpoint(ckpt_root))

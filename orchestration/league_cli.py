@@ -172,12 +172,14 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
 
     run_dir = Path(config.run_dir)
     saved_at, trained = None, 0
-    if resume and league.iteration < config.iterations:
-        print("shoal league --resume: this continuation is not bit-identical to an uninterrupted run: opponents "
-              "are drawn again for the players that had not finished the interrupted iteration"
-              + ("" if all(t.resume_exact for t in league.trainers) else
-                 ", and envs that cannot save their state were reset (a new episode starts in every env)")
-              + "; learners, optimizers, ratings and the payoff table are restored exactly.", file=sys.stderr)
+    why = [*(["opponents are drawn again for the players that had not finished the interrupted iteration"]
+             if league.finished else []),  # some had: the checkpoint was taken mid-iteration
+           *([] if all(t.resume_exact for t in league.trainers) else
+             ["envs that cannot save their state were reset (a new episode starts in every env)"])]
+    if resume and league.iteration < config.iterations and why:
+        print("shoal league --resume: this continuation is not bit-identical to an uninterrupted run: "
+              + ", and ".join(why) + "; learners, optimizers, ratings and the payoff table are restored exactly.",
+              file=sys.stderr)
     try:
         log = MetricsLog(run_dir, config=config, resume=resume, upto_iteration=league.iteration if resume else None,
                          upto_env_steps=sum(t.env_steps for t in league.trainers) if resume else None)

@@ -74,9 +74,13 @@ def note_capped(command: str, config: TrainConfig) -> None:
               f"burn in from", file=sys.stderr)
 
 
-def note_policy_fit(command: str, config: TrainConfig, tree) -> None:
+def note_policy_fit(command: str, config: TrainConfig, tree, learning: bool = True) -> None:
     """Says on stderr when the policy settings given (unlike their defaults) find nothing to act on in the env's
-    observations: image encoder settings without an image leaf, normalisation without a float vector leaf."""
+    observations: image encoder settings without an image leaf, normalisation without a float vector leaf; and
+    when no policy learns (``learning`` False: every one fixed or random)."""
+    if not learning:
+        print(f"shoal {command}: no policy learns in this run (every one is fixed: --fixed-policies, random): it "
+              f"plays and logs its episodes, and trains nothing", file=sys.stderr)
     from core.policies import PolicyConfig
     from core.policies.networks import image_layout, normalizes
     from core.specs import groups, iter_leaves

@@ -195,6 +195,8 @@ class Sampler:
             while not self._stop.is_set():
                 if self._credited():
                     self._produce()
+                else:  # between fragments, waiting for credit: weights handed over meanwhile load now (a
+                    self._load()  # sync_weights waits for them, and the training that frees credit may wait for it)
         finally:
             self._streaming = False
         self._flush()

@@ -151,6 +151,18 @@ class Spread(BuiltinEnv):
         return assemble_step(self._group, self._root(), nxt, flags, self._env_batch, self._group_batch,
                              self._state(), final_state)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything that decides the future of the batch (checkpoints resume it exactly)."""
+        return {"pos": self.pos.clone(), "vel": self.vel.clone(), "goal": self.goal.clone(),
+                "status": self.status.clone(), "steps": self.steps.clone(), "rng": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restores :meth:`state_dict` output."""
+        for name in ("pos", "vel", "goal", "status", "steps"):
+            setattr(self, name, state[name].to(getattr(self, name)).clone())
+        self._generator.set_state(state["rng"])
+        self._seeded = True
+
     def close(self) -> None:
         """Nothing to release."""
 

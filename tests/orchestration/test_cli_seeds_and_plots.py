@@ -161,7 +161,7 @@ def test_a_large_share_of_stale_fragments_is_said_once_with_what_keeps_them(caps
     assert "6 of the 20" in (err := capsys.readouterr().err) and "more than --max-staleness 1 versions" in err
 
 
-def test_policy_settings_with_nothing_to_act_on_are_named(capsys):
+def test_policy_settings_with_nothing_to_act_on_are_named(capsys, tmp_path):
     """Image encoder settings without an image observation, normalisation without a float vector, a burn-in
     without shorter sequences: each said, not ignored in silence; the same settings where they act say nothing."""
     from core.losses import PPOConfig
@@ -190,6 +190,11 @@ def test_policy_settings_with_nothing_to_act_on_are_named(capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(ValueError, match="leaf_encoders must be pairs naming each leaf once"):
         PolicyConfig(leaf_encoders=(("observation", "impala"), ("observation", "flatten")))
+    from orchestration.cli import main
+
+    main(["train", "builtin:cartpole", "--fixed-policies", "agent", "--iterations", "0", "--run-dir",
+          str(tmp_path / "fixed"), "--no-progress"])  # started in silence, no loss column
+    assert "no policy learns in this run (every one is fixed" in capsys.readouterr().err
 
 
 def test_a_seed_named_twice_is_refused_before_any_run_and_a_dropped_seed_is_said(tmp_path, capsys):

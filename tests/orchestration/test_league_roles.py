@@ -208,6 +208,7 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
     err = capsys.readouterr().err
     assert "anneals to 0 at iteration 2 (--anneal-iterations, kept from the run resumed)" in err
     assert "not bit-identical" in err and json.loads((tmp_path / "run.json").read_text())["python"]
+    assert "opponents are drawn again" not in err  # its iteration 2 had ended: no player was mid-iteration
     from orchestration.run_state import load_config
 
     assert load_config(load_checkpoint(tmp_path / "players" / "main_0" / "checkpoints")[2]).anneal_iterations == 2

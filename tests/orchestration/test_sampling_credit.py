@@ -87,3 +87,30 @@ def test_a_learner_reports_each_fragment_it_dropped_as_stale_once_so_that_its_cr
     assert [e.meta["fragment_id"] for e in inbox.take(2, take_all=True)] == [2]
     inbox.drop_stale(5)
     assert inbox.take_dropped() == []  # trained on: its training gave the credit back
+
+
+def test_a_streaming_worker_waiting_for_credit_loads_the_weights_it_is_handed():
+    """A league on Ray hands its fixed opponent new weights and waits (``sync_weights``) before its player trains;
+    a worker out of credit never reached a fragment boundary, and the training that frees credit never came."""
+    import threading
+
+    from orchestration.builder import assignment_for, build_policies
+    from orchestration.config import RolloutConfig, TrainConfig
+    from orchestration.envs import make_env
+    from orchestration.sampler import Sampler
+
+    config = TrainConfig(env="builtin:cartpole", rollout=RolloutConfig(num_envs=2, fragment_length=4))
+    tree = make_env(config.env, 1).tree
+    policies, _ = build_policies(config, tree, assignment_for(config, tree))
+    weights = {pid: (0, [TensorDict.from_module(p).detach().clone()]) for pid, p in policies.items()}
+    sampler = Sampler(config, 0, 0, weights, fetch=lambda w: w, queue_size=4, threads=1, credit=lambda _: False)
+    streaming = threading.Thread(target=sampler.run, args=(weights,), daemon=True)
+    streaming.start()
+    newer = {pid: (3, [w.apply(torch.zeros_like)]) for pid, (_, [w]) in weights.items()}
+    try:
+        assert sampler.sync_weights(newer, timeout_s=5.0) == {pid: 3 for pid in weights}  # not still 0
+    finally:
+        sampler.stop()
+        done = sampler.queue.get(timeout=5.0)  # the stream's final flush: what a sender thread would answer
+        done.set()
+        streaming.join(5.0)
