@@ -32,6 +32,7 @@ from tensordict import TensorDictBase
 from orchestration.actor import Actor
 from orchestration.collection_env import switch_member_, tag_fragment
 from orchestration.config import TrainConfig
+from orchestration.past_selves import past_selves_report
 from orchestration.statistics import EpisodeStatistics
 
 #: policy id -> (version, weights in the fleet's transport form)
@@ -170,7 +171,8 @@ class LocalFleet:
     def _report(self, actor: Actor) -> dict:
         return {"worker_id": actor.worker_id, "produced": sum(self.reported.get(w, 0) for w in actor.sequences()),
                 "push_failures": 0,
-                "monitor": {}, "env_counters": dict(getattr(actor.env, "counters", {}))}
+                "monitor": {}, "env_counters": dict(getattr(actor.env, "counters", {})),
+                "past_selves": past_selves_report(actor)}
 
     # -- synchronous mode --------------------------------------------------------------------------------
     def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int] | None = None) -> list[dict]:

@@ -253,7 +253,8 @@ def save_league(league, run_dir: Path) -> dict:
         with torch.no_grad():
             TensorDict.from_module(policy).update_(player.weights)
         save_snapshot(pool / player.name.replace("@", "-at-"), policy, league.trainers[0].tree, group=league.group,
-                      policy_id=player.name, version=i, config=league.config.policy)
+                      policy_id=player.name, version=i, config=league.config.policy,
+                      rating=float(league.ratings[i]))  # when saved, as LeagueTrainer.save_pool (league.json: now)
     weights, tensors, state = league.state()  # last: it names the iteration every player has a checkpoint of,
     state["player_checkpoints"] = paired  # and which one (a save cut short leaves newer ones of the same iteration)
     save_checkpoint(run_dir / "league" / "checkpoints", league.iteration, weights=weights, tensors=tensors, state=state,

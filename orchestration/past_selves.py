@@ -62,6 +62,7 @@ class PastSelves:
         """``(version, weights)`` of the snapshots, oldest first."""
         self.version = self.opponent_version = 0
         self.seat = None  # [E] int64: the seat a past self plays in each env (-1: none); drawn at episode starts
+        self.games = self.past_self_games = 0  # games started, and those with a past self in a seat (this process)
 
     def weights(self) -> TensorDictBase:
         """A detached copy of the current policy's weights."""
@@ -98,7 +99,10 @@ class PastSelves:
             return
         played = torch.rand(rows, generator=self.generator) < self.config.fraction
         seat = torch.randint(self.num_agents, (rows,), generator=self.generator)
-        self.seat = torch.where(start.reshape(-1), torch.where(played, seat, -1), self.seat)
+        start = start.reshape(-1)
+        self.games += int(start.sum())
+        self.past_self_games += int((start & played).sum())
+        self.seat = torch.where(start, torch.where(played, seat, -1), self.seat)
 
     def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,
                  recurrent_state: torch.Tensor | None = None, episode_start: torch.Tensor | None = None,
@@ -156,4 +160,13 @@ class PastSelves:
             TensorDict.from_module(self.opponent).update_(snapshot)
 
 
-__all__ = ["PastSelves", "PastSelvesConfig"]
+def past_selves_report(actor) -> dict[str, int]:
+    """An actor's past selves (empty without): the largest pool, the games started and those with a past self."""
+    stand_ins = [p for p in actor.policies.values() if isinstance(p, PastSelves)]
+    if not stand_ins:
+        return {}
+    return {"pool_size": max(len(p.pool) for p in stand_ins), "games": sum(p.games for p in stand_ins),
+            "past_self_games": sum(p.past_self_games for p in stand_ins)}
+
+
+__all__ = ["PastSelves", "PastSelvesConfig", "past_selves_report"]

@@ -27,6 +27,7 @@ from orchestration.allocator import keep_freed_memory
 from orchestration.builder import assignment_for, build_actor, policy_module, worker_id_of
 from orchestration.collection_env import make_actor_env, switch_member_, tag_fragment
 from orchestration.config import TrainConfig
+from orchestration.past_selves import past_selves_report
 from orchestration.statistics import PipelineMonitor, TimedEnv
 from orchestration.wire import to_wire
 
@@ -231,7 +232,8 @@ class Sampler:
         """Fragments produced and sent by this incarnation, and the pipeline monitor's window (then reset)."""
         return {"worker_id": self.worker_id, "slot": self.slot, "incarnation": self.incarnation,
                 "produced": self.produced, "produced_by": self.actor.sequences(), "sent": self.sent, "push_failures": self.push_failures,
-                "monitor": self.monitor.snapshot(reset=True), "env_counters": dict(getattr(self.env, "counters", {}))}
+                "monitor": self.monitor.snapshot(reset=True), "env_counters": dict(getattr(self.env, "counters", {})),
+                "past_selves": past_selves_report(self.actor)}
 
     def policy_weights(self, policy_id: str) -> dict:
         """The weights this worker acts with for ``policy_id`` (wire form)."""

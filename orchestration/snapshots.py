@@ -5,7 +5,7 @@ A snapshot is a directory of two plain files (no pickle; loading never runs code
 
     SNAP/weights.safetensors   the policy's parameters and buffers (TensorDict.from_module keys, "." joined)
     SNAP/snapshot.json         {"format": "shoal.snapshot/1", "policy", "group", "version", "tree" (JSON),
-                                "policy_config" (the PolicyConfig fields)}
+                                "policy_config" (the PolicyConfig fields), "rating" (a league's, when saved)}
 
 Usage::
 

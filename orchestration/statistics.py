@@ -114,6 +114,21 @@ def merge_monitors(snapshots: list[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
+def worker_counters(latest: dict[int, dict], reports: list[Mapping[str, Any]]) -> dict[str, float]:
+    """Metrics of the workers' running totals (``latest``: worker id -> the newest each reported, updated from
+    ``reports``): ``env/<name>`` summed (env faults: lenient truncations, restarts, timeouts; external traffic);
+    with past selves, ``past_selves/pool_size`` (the largest pool) and ``past_selves/game_share`` (games with a
+    past self in a seat, of the games started)."""
+    for report in reports:
+        latest[report["worker_id"]] = {"env": report.get("env_counters", {}), "past": report.get("past_selves", {})}
+    envs, past = [c["env"] for c in latest.values()], [c["past"] for c in latest.values() if c["past"]]
+    out = {f"env/{name}": float(sum(c.get(name, 0) for c in envs)) for name in sorted({k for c in envs for k in c})}
+    if past:
+        out["past_selves/pool_size"] = float(max(p["pool_size"] for p in past))
+        out["past_selves/game_share"] = sum(p["past_self_games"] for p in past) / max(sum(p["games"] for p in past), 1)
+    return out
+
+
 class EpisodeStatistics:
     """Aggregates completed episodes from all rollout workers: overall, per policy and per agent.
 
@@ -246,4 +261,4 @@ def structure_metrics(agent_history: Mapping[str, Sequence[Sequence[float]]],
 
 
 __all__ = ["STAGES", "EpisodeStatistics", "PipelineMonitor", "TimedEnv", "episode_metrics", "fragment_accounting",
-           "merge_monitors", "structure_metrics"]
+           "merge_monitors", "structure_metrics", "worker_counters"]

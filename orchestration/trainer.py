@@ -45,7 +45,8 @@ from orchestration.collection_driver import CollectionDriver, evaluate_members
 from orchestration.config import TrainConfig
 from core.specs import groups
 from orchestration.fleet import CollectionInterrupted
-from orchestration.statistics import episode_metrics, fragment_accounting, merge_monitors, structure_metrics
+from orchestration.statistics import (episode_metrics, fragment_accounting, merge_monitors, structure_metrics,
+                                      worker_counters)
 from orchestration.user_errors import StalledRun
 
 
@@ -85,7 +86,7 @@ class Trainer:
         self._actors_restored: bool | None = None  # set by load_state_
         self._final: dict[str, float] | None = None
         self._on_close = on_close
-        self._env_counters: dict[int, dict[str, int]] = {}
+        self._counters: dict[int, dict[str, dict]] = {}  # worker id -> its latest running totals
         self.envsets = CollectionDriver.from_config(config) if config.collection is not None else None
         """The collection's draws, per-env windows and structure state (None without a collection)."""
 
@@ -114,10 +115,7 @@ class Trainer:
         metrics.update(self._episodes())
         metrics.update(self.accounting())
         metrics.update(merge_monitors([r["monitor"] for r in reports]))
-        for report in reports:  # env faults: lenient truncations, restarts, timeouts (running totals per worker)
-            self._env_counters[report["worker_id"]] = report.get("env_counters", {})
-        for name in sorted({k for c in self._env_counters.values() for k in c}):
-            metrics[f"env/{name}"] = sum(c.get(name, 0) for c in self._env_counters.values())
+        metrics.update(worker_counters(self._counters, reports))  # env faults, past selves
         produced = int(metrics["fragments_produced"])  # env steps: every fragment the fleet produced, counted once
         self.env_steps += (produced - self._produced) * self.fleet.fragment_steps
         self._produced = produced

@@ -57,7 +57,8 @@ class PolicyConfig:
     image_encoder: Literal["nature", "impala", "flatten"] = "nature"
     """Encoder of image leaves (3-D boxes with 1, 3 or 4 channels first or last and sides >= 8): the Nature
     DQN CNN (Mnih et al. 2015; a 3x3 variant below 36 pixels), the IMPALA CNN (Espeholt et al. 2018), or
-    ``flatten`` (every pixel an MLP input, as vectors are)."""
+    ``flatten`` (every pixel an MLP input as it is, as vectors are: uint8 pixels stay 0-255, where the CNNs scale
+    them by 1/255)."""
     leaf_encoders: tuple[tuple[str, str], ...] = ()
     """Per-leaf overrides of ``image_encoder`` as ``(leaf, encoder)`` pairs, the leaf named as in exported
     programs (``observation`` for a bare leaf, ``observation/camera`` in a dict), e.g.

@@ -157,6 +157,7 @@ def test_shoal_league_trains_writes_checkpoints_a_pool_and_a_table(tmp_path, cap
     assert len(table["win_rates"]) == len(table["players"]) == 3 + 2 * 2
     pool = sorted((tmp_path / "league" / "pool").iterdir())
     assert len(pool) == 5 and load_snapshot(pool[0]).group == "player"
+    assert all(load_snapshot(p).rating is not None for p in pool)  # as LeagueTrainer.save_pool's have
     rows = (tmp_path / "metrics.csv").read_text().splitlines()
     assert len(rows) == 3 and "rating/main_0" in rows[0]
     main(["evaluate", summary["players"]["main_0"], "--opponent", "random", "--episodes", "2"])

@@ -146,6 +146,9 @@ def test_past_selves_on_the_ray_backend_train_as_they_do_locally(ray_session):
     for local, ray in zip(runs["local"], runs["ray"]):
         losses = [k for k in local if "loss" in k]
         assert losses and {k: ray[k] for k in losses} == pytest.approx({k: local[k] for k in losses}, rel=1e-5)
+        shown = ("past_selves/pool_size", "past_selves/game_share")  # nothing showed they played (state only)
+        assert {k: ray[k] for k in shown} == {k: local[k] for k in shown}
+    assert runs["local"][-1]["past_selves/pool_size"] >= 1 and 0 < runs["local"][-1]["past_selves/game_share"] < 1
 
 
 @pytest.mark.slow
