@@ -226,7 +226,7 @@ class TrainConfig:
     writes one when interrupted (SIGINT, SIGTERM) or when an iteration raises."""
     keep_checkpoints: int = 3
     """Checkpoints kept under ``checkpoints/``: the newest N (an older one is removed once a newer one is complete);
-    0 keeps every one (e.g. to evaluate a run's progress later)."""
+    0 keeps every one (e.g. to evaluate a run's progress later). A league keeps at least 2 of each."""
     max_skipped_updates: int = 3
     """Stop with an error naming the policy and the first non-finite tensor after this many consecutive
     updates whose every step was skipped (non-finite loss or gradients); 0 never stops."""

@@ -173,7 +173,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     run_dir = Path(config.run_dir)
     saved_at, trained = None, 0
     why = [*(["opponents are drawn again for the players that had not finished the interrupted iteration"]
-             if league.finished else []),  # some had: the checkpoint was taken mid-iteration
+             if league.mid_iteration else []),  # the checkpoint was taken while an iteration ran
            *([] if all(t.resume_exact for t in league.trainers) else
              ["envs that cannot save their state were reset (a new episode starts in every env)"])]
     if resume and league.iteration < config.iterations and why:
@@ -232,12 +232,14 @@ def save_league(league, run_dir: Path) -> dict:
     from orchestration.run_state import trainer_state
     from orchestration.snapshots import save_snapshot
 
+    # players' checkpoints are saved before the league's that names them: keep the ones the previous names too
+    keep = league.config.keep_checkpoints and max(2, league.config.keep_checkpoints)
     paired = {}
     for player, trainer in zip(league.players, league.trainers):
         weights, tensors, state = trainer_state(trainer)
         paired[player.name] = save_checkpoint(run_dir / "players" / player.name / "checkpoints", league.iteration,
                                               weights=weights, tensors=tensors, state=state,
-                                              keep=league.config.keep_checkpoints).name
+                                              keep=keep).name
     pool = run_dir / "league" / "pool"
     module = league.trainers[0].learners[league.group].policy if league.config.backend == "local" else None
     for i, player in enumerate(league.players):
@@ -258,7 +260,7 @@ def save_league(league, run_dir: Path) -> dict:
     weights, tensors, state = league.state()  # last: it names the iteration every player has a checkpoint of,
     state["player_checkpoints"] = paired  # and which one (a save cut short leaves newer ones of the same iteration)
     save_checkpoint(run_dir / "league" / "checkpoints", league.iteration, weights=weights, tensors=tensors, state=state,
-                    keep=league.config.keep_checkpoints)
+                    keep=keep)
     (run_dir / "league" / "league.json").write_text(json.dumps({"iteration": league.iteration, **league.table()},
                                                                indent=1))
     return league_paths(league, run_dir)

@@ -146,6 +146,9 @@ class RoleLeague:
                 self._add_snapshot(i)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.resets = 0
+        self.mid_iteration = False
+        """Whether opponents were drawn for an iteration that has not ended (a checkpoint taken then resumes it
+        with new draws: not bit for bit)."""
         self.finished: dict[int, dict[str, Any]] = {}
         """The players that finished the current iteration, by index: ``{"opponent", "scores", "metrics"}``,
         recorded in the table when the iteration's bookkeeping runs (non-empty only after an interrupt)."""
@@ -166,8 +169,11 @@ class RoleLeague:
         """Freezes player ``index``'s weights as a historical player ``<name>@<league iteration>`` (not its weights'
         version: a reset moves that past the iteration); returns its index."""
         weights = self.trainers[index].learners[self.group].weights()[1]
-        self.players.append(Player(f"{self.players[index].name}@{self.iteration}", self.players[index].role, index,
-                                   weights.detach().clone()))
+        name, taken, again = f"{self.players[index].name}@{self.iteration}", {p.name for p in self.players}, 1
+        while name in taken:  # a league saved when names were versions (a reset moved those past the iteration)
+            again += 1
+            name = f"{self.players[index].name}@{self.iteration}.{again}"
+        self.players.append(Player(name, self.players[index].role, index, weights.detach().clone()))
         size = len(self.players)
         self.wins, self.games = grow(self.wins, size), grow(self.games, size)
         self.ratings = torch.cat([self.ratings, self.ratings[index:index + 1]])  # starts at its parent's rating
@@ -185,6 +191,7 @@ class RoleLeague:
         roster = self.roster
         picks = {i: choose_opponent(i, roster, self.wins, self.games, self.generator, self.league.self_play)
                  for i in active}
+        self.mid_iteration = True
         for i, (opponent, _) in picks.items():  # frozen now, whatever the opponent learns meanwhile
             self.trainers[i].set_weights(OPPONENT, self.weights_of(opponent).detach().clone())
         if self.parallel:  # each trainer waits on its own Ray actors: the threads only wait
@@ -209,6 +216,7 @@ class RoleLeague:
             for i in active:
                 self._finish(i, picks[i], self.trainers[i].train())
         self.iteration += 1
+        self.mid_iteration = False
         metrics: dict[str, float] = {"iteration": float(self.iteration)}
         before = self.ratings.clone()
         a, b, scores = [], [], []
@@ -290,7 +298,7 @@ class RoleLeague:
                  "iteration": self.iteration, "env_steps": sum(t.env_steps for t in self.trainers),
                  "learners": {p.name: {"version": int(t.learners[self.group].published()[0])}
                               for p, t in zip(self.players, self.trainers)},
-                 "finished": {str(i): done for i, done in self.finished.items()},
+                 "finished": {str(i): done for i, done in self.finished.items()}, "mid_iteration": self.mid_iteration,
                  "league": {"config": dataclasses.asdict(self.league), "resets": self.resets,
                             "players": [{"name": p.name, "role": p.role, "parent": p.parent, "historical": p.historical}
                                         for p in self.players]}}
@@ -321,6 +329,7 @@ class RoleLeague:
         self.iteration, self.resets = int(state["iteration"]), int(state["league"]["resets"])
         active = [p.name for p in self.players[:len(self.trainers)]]
         self.finished = finished_from_json(state.get("finished", {}), active, len(self.players))
+        self.mid_iteration = bool(state.get("mid_iteration", True))  # older checkpoints: assume the worse
 
     def close(self) -> None:
         """Closes every player's trainer, then the Ray instance if the league started it."""

@@ -139,7 +139,8 @@ class PastSelves:
             tensors.update({f"pool/{version}/{'/'.join(k) if isinstance(k, tuple) else k}": v
                             for k, v in weights.items(True, True)})
         return {"tensors": tensors, "json": {"pool": [v for v, _ in self.pool], "version": self.version,
-                                             "opponent_version": self.opponent_version}}
+                                             "opponent_version": self.opponent_version,
+                                             "games": [self.games, self.past_self_games]}}
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
         """Restores :meth:`state`."""
@@ -155,6 +156,7 @@ class PastSelves:
                 snapshot.set(key, tensors[head + ("/".join(key) if isinstance(key, tuple) else key)].clone())
             self.pool.append((int(version), snapshot))
         self.version, self.opponent_version = int(meta["version"]), int(meta["opponent_version"])
+        self.games, self.past_self_games = (int(n) for n in meta.get("games", (0, 0)))  # older checkpoints: none
         snapshot = dict(self.pool)[self.opponent_version]
         with torch.no_grad():
             TensorDict.from_module(self.opponent).update_(snapshot)

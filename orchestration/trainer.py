@@ -34,6 +34,7 @@ Accounting (every fragment the fleet produced is exactly one of these, per learn
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections import deque
@@ -298,8 +299,8 @@ class Trainer:
         actor = self.evaluator
         if actor is None:
             raise ValueError("this trainer has no evaluation actor (TrainConfig.eval_every is 0)")
-        for pid, learner in self.learners.items():
-            actor.set_weights(pid, *learner.weights())
+        for pid, learner in self.learners.items():  # forced: a restored evaluator holds versions, not weights
+            actor.set_weights(pid, *learner.weights(), force=True)
         episodes = episodes or self.config.eval_episodes
         if self.envsets is not None:
             return evaluate_members(actor, self.envsets.collection.evaluation_ids(), episodes, self._eval_means)
@@ -362,7 +363,8 @@ class Trainer:
         if self.envsets is not None and "collection" in state:
             self.envsets.load_state_(state["collection"])
         if self.evaluator is not None and "evaluator" in state:  # its envs and generator: the same evaluations
-            self.evaluator.load_state_(state["evaluator"])
+            with contextlib.suppress(ValueError):  # a new --eval-episodes: other envs, started afresh
+                self.evaluator.load_state_(state["evaluator"])
 
     def interrupt(self) -> None:
         """Safe from a signal handler: a collection that waits for data that may not come (external simulators

@@ -87,6 +87,8 @@ def test_an_exploiter_that_beats_its_targets_is_snapshotted_and_starts_over():
         assert league.resets == 2  # done again (threshold 0): its second run was snapshotted, then reset
         names = [p.name for p in league.players if p.name.startswith("main_exploiter_0@")]
         assert names == ["main_exploiter_0@1", "main_exploiter_0@2"]  # league iterations (the reset's version: @3)
+        league._add_snapshot(1)  # a name taken already (a league saved when names were versions): kept apart
+        assert league.players[-1].name == "main_exploiter_0@2.2"
         second = league.players[-1].weights
         assert not (second == trained).all() and not (second == league.weights_of(1)).all()
     finally:
@@ -327,9 +329,11 @@ def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_ou
     restore_league_(again, tmp_path, load_checkpoint(tmp_path / "league" / "checkpoints"))
     assert (again.iteration, again.trainers[0].iteration, again.trainers[1].iteration) == (0, 1, 0)
     assert again.games.sum() == 0 and list(again.finished) == [0]  # kept, not yet in the table
+    assert again.mid_iteration  # its opponents are drawn again: said (and not after an iteration that ended)
     steps = [t.env_steps for t in again.trainers]
     metrics = again.train()
     assert [t.iteration for t in again.trainers] == [1, 1] and again.iteration == 1 and again.finished == {}
+    assert not again.mid_iteration
     assert again.trainers[0].env_steps == steps[0] and again.trainers[1].env_steps > steps[1]
     assert metrics["games/main_0"] == kept and metrics["games/main_exploiter_0"] > 0
     assert metrics["env_steps/main_0"] == steps[0] and "fragments_produced/main_0" in metrics

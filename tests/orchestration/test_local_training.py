@@ -167,3 +167,26 @@ def test_async_iteration_timeout_counts_only_time_without_data(monkeypatch):
     assert "no fragment arrived for 0.0001 s (--ray.iteration-timeout-s), with 0 of the 2048 env steps" in \
         str(stalled.value)
     trainer.close()
+
+
+def test_a_restored_evaluator_plays_the_restored_weights_and_a_new_eval_episodes_resumes():
+    """The evaluator's checkpointed state held the version it had loaded, not the weights: evaluating a restored
+    trainer played freshly initialised ones. A resume with another --eval-episodes (other eval envs) was refused."""
+    from orchestration.run_state import load_config
+
+    config = TrainConfig(env="builtin:cartpole", iterations=3, eval_every=1, eval_episodes=2,
+                         rollout=RolloutConfig(num_envs=4, fragment_length=16))
+    trainer = build_trainer(config)
+    trainer.train()
+    parts = trainer_state(trainer)
+    trainer.close()
+    for eval_episodes in (2, 3):
+        again = build_trainer(dataclasses.replace(load_config(parts[2]), eval_episodes=eval_episodes), pretrain=False)
+        try:
+            restore_trainer_(again, *parts)
+            again.evaluate(2)
+            for pid, learner in again.learners.items():
+                acting = TensorDict.from_module(again.evaluator.policies[pid])
+                assert (acting == learner.weights()[1]).all(), eval_episodes
+        finally:
+            again.close()

@@ -97,6 +97,7 @@ def test_state_round_trip_continues_with_the_same_seats_pool_and_draws():
     copy.policy.load_state_dict(stand_in.policy.state_dict())
     copy.load_state_(state)
     assert [v for v, _ in copy.pool] == [v for v, _ in stand_in.pool] == [0, 2, 4]
+    assert (copy.games, copy.past_self_games) == (stand_in.games, stand_in.past_self_games) and copy.games == E
     start = torch.rand(E, generator=torch.Generator().manual_seed(9)) < 0.3
     a, b = _act(stand_in, 5, start), _act(copy, 5, start)
     assert torch.equal(a[MASK], b[MASK]) and torch.equal(a[ACTION], b[ACTION])
