@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 
@@ -85,12 +86,11 @@ def test_an_exploiter_that_beats_its_targets_is_snapshotted_and_starts_over():
         assert counts["fragments_produced"] == 2 == counts["player/fragments_accepted"]
         assert counts["player/fragments_lost"] == counts["player/fragments_stale"] == 0
         assert league.resets == 2  # done again (threshold 0): its second run was snapshotted, then reset
-        names = [p.name for p in league.players if p.name.startswith("main_exploiter_0@")]
-        assert names == ["main_exploiter_0@1", "main_exploiter_0@2"]  # league iterations (the reset's version: @3)
-        league._add_snapshot(1)  # a name taken already (a league saved when names were versions): kept apart
-        assert league.players[-1].name == "main_exploiter_0@2.2"
         second = league.players[-1].weights
         assert not (second == trained).all() and not (second == league.weights_of(1)).all()
+        league._add_snapshot(1)  # a name taken already (a league saved when names were versions): kept apart
+        assert [p.name for p in league.players if p.name.startswith("main_exploiter_0@")] == [
+            "main_exploiter_0@1", "main_exploiter_0@2", "main_exploiter_0@2.2"]  # iterations (the reset's version: @3)
     finally:
         league.close()
 
@@ -313,14 +313,11 @@ def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_ou
 
     def interrupted():
         raise KeyboardInterrupt
-
     league.trainers[1].train = interrupted  # the second player is stopped before its iteration
     with pytest.raises(KeyboardInterrupt):
         train_league(league, config, progress=False)
     kept = league.finished[0]["metrics"]["games/main_0"]
     assert kept > 0 and list(league.finished) == [0]
-    import shutil
-
     players = tmp_path / "players" / "main_0" / "checkpoints"  # a later save of the same iteration, cut short
     shutil.copytree(players / "ckpt-000000", players / "ckpt-000000.1")  # before the league's own checkpoint:
     state = json.loads((players / "ckpt-000000.1" / "state.json").read_text())
