@@ -139,7 +139,7 @@ class EnvWorkerPool:
             self.poll(timeout_s=None)
         self._results.clear()
         self._roots.clear()
-        self._seed = seed
+        self._seed = seed if seed is not None else self._seed  # a reset that continues keeps restarts seeded
         seeds = lambda w: ("reset", None if seed is None else seed + self.offsets[w.index])  # noqa: E731
         for i, reply in _command(self._workers, seeds, self.config.step_timeout_s).items():
             if not self._accept(i, reply):

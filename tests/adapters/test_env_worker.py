@@ -260,3 +260,18 @@ def test_a_worker_whose_parent_went_away_exits_quietly():
     parent.close()  # gone before the worker's answer
     thread.join(10)
     assert not thread.is_alive() and errors == []
+
+
+def test_a_worker_restarted_after_a_reset_without_seed_is_still_seeded(pool_factory):
+    """An evaluation's reset continues (no seed); it made the pool forget the run's seed, so a worker restarted
+    after it began unseeded episodes: two runs of the same seed no longer agreed."""
+    factory = functools.partial(CartPole, CartPoleConfig(num_envs=4))
+    restarted = []
+    for _ in range(2):
+        pool = pool_factory([factory, factory])
+        pool.reset(seed=0)
+        pool.reset()
+        os.kill(pool.worker_pids[0], signal.SIGKILL)
+        out = pool.step(cartpole_actions(8, torch.Generator().manual_seed(0)))
+        restarted.append(out.get(("agent", OBSERVATION))[:4])
+    assert torch.equal(*restarted)
