@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 from core.losses import PPOConfig
 from orchestration.builder import build_trainer
+from orchestration.cli import main
 from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 from orchestration.league_config import LeagueConfig
 from core.ratings import INITIAL, elo_update
@@ -147,11 +148,11 @@ def test_the_league_trains_its_players_in_parallel_on_ray(ray_session):
 
 
 def test_shoal_league_trains_writes_checkpoints_a_pool_and_a_table(tmp_path, capsys):
-    from orchestration.cli import main
     from orchestration.snapshots import load_snapshot
 
     main(["league", GAME, "--iterations", "2", "--rollout.num-envs", "4", "--rollout.fragment-length", "16",
-          "--run-dir", str(tmp_path), "--league.snapshot-every", "1", "--league.league-exploiters", "0"])
+          "--run-dir", str(tmp_path), "--league.snapshot-every", "1", "--league.league-exploiters", "0",
+          "--checkpoint-every", "1", "--keep-checkpoints", "1"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["iterations"] == 2 and set(summary["players"]) == {"main_0", "main_exploiter_0"}
     table = json.loads((tmp_path / "league" / "league.json").read_text())
@@ -162,6 +163,7 @@ def test_shoal_league_trains_writes_checkpoints_a_pool_and_a_table(tmp_path, cap
     assert all(load_snapshot(p).rating is not None for p in pool)  # as LeagueTrainer.save_pool's have
     rows = (tmp_path / "metrics.csv").read_text().splitlines()
     assert len(rows) == 3 and "rating/main_0" in rows[0]
+    assert len(list((tmp_path / "players" / "main_0" / "checkpoints").glob("ckpt-*"))) == 2  # a league keeps 2
     main(["evaluate", summary["players"]["main_0"], "--opponent", "random", "--episodes", "2"])
     assert '"player_0"' in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:  # a misspelt snapshot: the nearest one in the pool, in full
@@ -198,7 +200,6 @@ def test_a_league_state_loads_into_a_fresh_league_with_the_same_pool_table_and_r
 
 def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_iteration(tmp_path, capsys):
     from orchestration.checkpoint import load_checkpoint
-    from orchestration.cli import main
 
     flags = ["--rollout.num-envs", "4", "--rollout.fragment-length", "16", "--run-dir", str(tmp_path),
              "--checkpoint-every", "1", "--league.league-exploiters", "0", "--league.snapshot-every", "1"]
@@ -293,8 +294,7 @@ def test_a_league_exploiter_that_is_done_without_a_restart_needs_new_games_to_be
 
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
-def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_out_its_games_kept(
-        tmp_path, backend, request):
+def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_out(tmp_path, backend, request):
     """Ctrl-C after the first player's iteration but before the second's: the checkpoint keeps the first
     player's extra iteration and its games; the resumed league trains only the second, so all are level again,
     and the iteration's bookkeeping counts both players' games, ratings and metrics (none lost, none twice)."""
