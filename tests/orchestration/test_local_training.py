@@ -169,12 +169,18 @@ def test_async_iteration_timeout_counts_only_time_without_data(monkeypatch):
     trainer.close()
 
 
-def test_a_restored_evaluator_plays_the_restored_weights_and_a_new_eval_episodes_resumes():
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_restored_evaluator_plays_the_restored_weights_and_a_new_eval_episodes_resumes(backend, request):
     """The evaluator's checkpointed state held the version it had loaded, not the weights: evaluating a restored
-    trainer played freshly initialised ones. A resume with another --eval-episodes (other eval envs) was refused."""
+    trainer played freshly initialised ones. A resume with another --eval-episodes (other eval envs) was refused.
+    The evaluator lives in the driver on either backend."""
+    from orchestration.config import RayConfig
     from orchestration.run_state import load_config
 
-    config = TrainConfig(env="builtin:cartpole", iterations=3, eval_every=1, eval_episodes=2,
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    config = TrainConfig(env="builtin:cartpole", iterations=3, eval_every=1, eval_episodes=2, backend=backend,
+                         ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0),
                          rollout=RolloutConfig(num_envs=4, fragment_length=16))
     trainer = build_trainer(config)
     trainer.train()
