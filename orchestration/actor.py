@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import FragmentBuilder
+from core.buffers.episodes import device_of
 from core.layout import (ACTION, ACTION_MASK, ACTION_PARAMS, DONE, FRAGMENT_ID, LOG_PROB, MASK, NEXT, OBSERVATION,
                          RECURRENT_STATE, SHARED)
 from core.policies import GroupPolicy
@@ -69,15 +70,18 @@ class Actor:
         self.fragment_length = fragment_length
         self.deterministic = set(self.policies) if deterministic is True else set(deterministic or ())
         self.record = record
-        self.generator = torch.Generator().manual_seed(seed)
         self.builder = FragmentBuilder(env.num_envs, worker_id=worker_id, fragment_length=fragment_length)
         self.versions = {pid: 0 for pid in self.policies}
         """Policy id -> version of the weights this actor acts with."""
         self.worker_id = worker_id
         self.env_steps = 0
         self._obs = env.reset(seed=seed)
+        self.device = device_of(self._obs)
+        """Where the env steps (``--env-kwargs device=cuda``): this actor acts there (policies, generator, flags)."""
+        _move_policies_(self.policies, self.device, env)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._rnn: dict[tuple[str, str], torch.Tensor | None] = {}
-        self._done = torch.ones(env.num_envs, 1, dtype=torch.bool)  # every env starts an episode
+        self._done = torch.ones(env.num_envs, 1, dtype=torch.bool, device=self.device)  # every env starts an episode
 
     def restart_episodes_(self, first_step: TensorDictBase) -> int:
         """Ends every open episode at the last fragment's end (not counted as finished: sums dropped, episode
@@ -167,7 +171,7 @@ class Actor:
         merged = dict(outs[assigned.policies[0]])
         for pid in assigned.policies[1:]:
             slots = assigned.slots[pid]
-            merged = {k: _where_slots(slots, outs[pid][k], v) for k, v in merged.items() if k != NEXT}
+            merged = {k: _where_slots(slots.to(self.device), outs[pid][k], v) for k, v in merged.items() if k != NEXT}
         return merged
 
     def step(self) -> TensorDictBase:
@@ -249,10 +253,10 @@ class Actor:
                 break
             nxt = self.step().get(NEXT)
             for group, assigned in self.assignment.items():
-                reward = torch.nan_to_num(nxt.get((group, "reward")).squeeze(-1).double())  # [E, A]
+                reward = torch.nan_to_num(nxt.get((group, "reward")).squeeze(-1).double()).cpu()  # [E, A]
                 for pid, slots in assigned.slots.items():
                     running[pids.index(pid)] += (reward * slots).sum(-1)
-            done = nxt.get(DONE).reshape(-1)
+            done = nxt.get(DONE).reshape(-1).cpu()
             if done.any():
                 take = done & (counted < quota)
                 finished.append(running[:, take].clone())
@@ -290,7 +294,7 @@ class Actor:
         policy = self.policies[policy_id]
         if hasattr(policy, "load_weights_"):  # central inference: the service's
             return policy.weights()
-        return TensorDict.from_module(policy).detach().clone()
+        return TensorDict.from_module(policy).detach().clone().cpu()  # a CUDA actor's too
 
     # -- state -------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -319,7 +323,7 @@ class Actor:
         meta["policies"] = {pid: p.state()["json"] for pid, p in self.policies.items() if hasattr(p, "state")}
         tensors.update({f"policy/{pid}/{k}": v for pid, p in self.policies.items() if hasattr(p, "state")
                         for k, v in p.state()["tensors"].items()})
-        return {"tensors": tensors, "json": meta}
+        return {"tensors": {k: v.cpu() for k, v in tensors.items()}, "json": meta}  # checkpoints hold CPU tensors
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
         """Loads a :meth:`state` taken from an actor of the same config (weights are loaded separately).
@@ -328,6 +332,7 @@ class Actor:
         can save their state; otherwise this actor keeps its freshly reset envs (a new episode everywhere).
         """
         tensors, meta = state["tensors"], state["json"]
+        tensors = {k: v if k == "rng" else v.to(self.device) for k, v in tensors.items()}  # a CPU rng state on any
         if (saved := tensors["episode_count"].shape[0]) != self.builder.tracker.num_envs:  # caught before a fragment
             raise ValueError(f"size mismatch for the actor's envs: the checkpoint holds {saved}, this actor "
                              f"{self.builder.tracker.num_envs}")
@@ -347,6 +352,16 @@ class Actor:
             self.env.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("env/")})
             self._obs = _unflat("obs", tensors, meta["obs"])
             self._done = tensors["episode_start"].clone().reshape(-1, 1)  # [E]: envs starting an episode
+
+
+def _move_policies_(policies: Mapping[str, Any], device: torch.device, env) -> None:
+    """Moves this actor's policy copies to its env's ``device``; stand-ins (past selves, central inference) refused."""
+    for pid, policy in policies.items() if device.type != "cpu" else ():
+        if not isinstance(policy, torch.nn.Module):
+            raise ValueError(f"policy {pid!r} acts through {type(policy).__name__}, which takes CPU steps, but the env "
+                             f"{type(env).__name__} steps on {device}: pass --env-kwargs device=cpu (or leave out "
+                             f"past selves and --rollout.central-inference)")
+        policy.to(device)
 
 
 def _flat(prefix: str, td: TensorDictBase) -> dict[str, torch.Tensor]:

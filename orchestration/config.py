@@ -248,7 +248,8 @@ class TrainConfig:
     default (``MLFLOW_TRACKING_URI``, else its store in the working directory)."""
     device: str = "auto"
     """Learner device: ``auto`` (CUDA when present), ``cpu[:i]``, ``cuda[:i]`` or ``mps``. An env's own device
-    (built-in and VMAS envs) is its ``--env-kwargs device``."""
+    (built-in and VMAS envs) is its ``--env-kwargs device``; actors act where their env steps, so with both on
+    CUDA, stepping, acting, fragments and training stay on the GPU (on Ray: ``--ray.worker-num-gpus``)."""
     threads: int = 1
     """torch CPU threads of the ``shoal train`` process. 1 suits small networks (matmuls this small do not split
     well, and the env steps in the same thread anyway); raise it for wide networks trained on the CPU."""

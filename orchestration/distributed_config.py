@@ -21,6 +21,10 @@ class RayConfig:
     """CPUs of a local Ray instance this backend starts (None: ``os.cpu_count()``, or more if reserved)."""
     worker_num_cpus: float = 1.0
     """Ray CPUs reserved per rollout worker (fractions allowed)."""
+    worker_num_gpus: float = 0.0
+    """Ray GPUs reserved per rollout worker (fractions allowed), for tensor envs that step on CUDA
+    (``--env-kwargs device=cuda``): a worker sees a GPU only when it reserves one. The learners' ``auto`` share
+    and the central inference server take the GPUs the workers leave."""
     learner_num_cpus: float = 1.0
     """Ray CPUs reserved per learner."""
     learner_num_gpus: float | Literal["auto"] = "auto"
@@ -68,6 +72,8 @@ class RayConfig:
                 raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.worker_num_cpus < 0 or self.learner_num_cpus < 0 or (self.num_cpus is not None and self.num_cpus <= 0):
             raise ValueError("RayConfig CPU counts must be >= 0 (num_cpus > 0)")
+        if not self.worker_num_gpus >= 0:
+            raise ValueError(f"--ray.worker-num-gpus must be >= 0, got {self.worker_num_gpus!r}")
         if self.learner_num_gpus != "auto" and not self.learner_num_gpus >= 0:
             raise ValueError(f"--ray.learner-num-gpus must be auto or >= 0, got {self.learner_num_gpus!r}")
 

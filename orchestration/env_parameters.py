@@ -91,7 +91,8 @@ def _unusable(device: str) -> str | None:
     except RuntimeError:
         return None  # not a device name: the env's own check says what it takes
     if kind.type == "cuda" and (kind.index or 0) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        return f"no such CUDA device here (torch {torch.__version__}, {torch.cuda.device_count()} visible)"
+        return (f"no such CUDA device here (torch {torch.__version__}, {torch.cuda.device_count()} visible; a Ray "
+                f"rollout worker sees a GPU only when it reserves one: --ray.worker-num-gpus)")
     if kind.type == "mps" and not torch.backends.mps.is_available():
         return "MPS is not available here"
     return None

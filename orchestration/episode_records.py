@@ -25,14 +25,14 @@ def episode_records(records: Mapping[str, TensorDictBase],
     per_policy: dict[str, torch.Tensor] = {}
     agents = {}
     for group, r in records.items():
-        agent_return = r.get("agent_return").squeeze(-1)  # [K, A]
+        agent_return = r.get("agent_return").squeeze(-1).cpu()  # [K, A] (an actor on CUDA records there)
         agents[f"agents/{group}"] = agent_return.double().numpy()
         for pid, slots in assignment[group].slots.items():
             part = (agent_return * slots).sum(-1)
             per_policy[pid] = per_policy[pid] + part if pid in per_policy else part
     out = {f"return/{pid}": v.double().numpy() for pid, v in per_policy.items()}
     out["return"] = torch.stack(list(per_policy.values())).sum(0).double().numpy()
-    out["length"] = next(iter(records.values())).get("length").reshape(-1).double().numpy()
+    out["length"] = next(iter(records.values())).get("length").reshape(-1).double().cpu().numpy()
     return {**out, **agents}
 
 

@@ -42,6 +42,11 @@ def learner_gpus(num_gpus: float | str, cluster_gpus: float, holders: int, devic
     return float(num_gpus)
 
 
+def worker_gpus(config: TrainConfig, ray_config: RayConfig) -> float:
+    """GPUs the rollout workers reserve (``--ray.worker-num-gpus`` each); the learners share what they leave."""
+    return config.rollout.num_workers * ray_config.worker_num_gpus
+
+
 def gpu_holders(ray_config: RayConfig, num_learners: int, critics: int = 0) -> int:
     """Processes that each take a learner's GPUs: every data-parallel rank of ``num_learners`` learners, and
     ``critics`` team critics (placed as learners)."""
@@ -60,9 +65,17 @@ def learner_restarts(ray_config: RayConfig) -> int:
     return ray_config.max_learner_restarts if ray_config.learners_per_policy == 1 else 0
 
 
-def gpu_problem(config: TrainConfig, ray_config: RayConfig, holders: int, have: float) -> str | None:
+def gpu_problem(config: TrainConfig, ray_config: RayConfig, holders: int, have: float,
+                trainers: int = 1) -> str | None:
     """Why ``holders`` learner processes of ``config`` cannot get their GPUs in a cluster of ``have`` (some would
-    wait for ever, or a CUDA learner would get none), naming the flags at fault; None when they can."""
+    wait for ever, or a CUDA learner would get none), naming the flags at fault; None when they can. The rollout
+    workers' GPUs (:func:`worker_gpus`) are taken first."""
+    if (workers := trainers * worker_gpus(config, ray_config)) > have + 1e-9:
+        count = trainers * config.rollout.num_workers
+        return (f"--ray.worker-num-gpus {ray_config.worker_num_gpus:g} asks for {workers:g} GPUs ({count} workers) "
+                f"but the cluster has {have:g}: lower it (fractions share a GPU, e.g. {have / count:.2g}) or "
+                f"--rollout.num-workers")
+    have -= workers
     gpus = learner_gpus(ray_config.learner_num_gpus, have, holders, config.device)
     if gpus * holders > have + 1e-9:
         ranks = f" ({holders} learner processes)" if holders > 1 else ""

@@ -83,7 +83,8 @@ class RayFleet:
             raise
 
     def _spawn(self, slot: int, incarnation: int, weights: Weights) -> _Slot:
-        options: dict[str, Any] = {"num_cpus": self.ray_config.worker_num_cpus, "max_restarts": 0}
+        options: dict[str, Any] = {"num_cpus": self.ray_config.worker_num_cpus, "max_restarts": 0,
+                                   "num_gpus": self.ray_config.worker_num_gpus}
         if self.ray_config.worker_strategy == "SPREAD":
             options["scheduling_strategy"] = "SPREAD"
         handle = RemoteRolloutWorker.options(**options).remote(self.config, self.ray_config, slot, incarnation,

@@ -23,7 +23,7 @@ from core.specs import Tree, to_json
 from orchestration.addresses import check_reachable
 from orchestration.config import RayConfig, TrainConfig
 from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
-                                    learner_processes, learner_restarts, reservation_problem)
+                                    learner_processes, learner_restarts, reservation_problem, worker_gpus)
 from orchestration.signals import held_interrupts, kept_sigterm
 
 
@@ -63,7 +63,7 @@ def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: in
     have = ray.cluster_resources()
     holders = trainers * gpu_holders(ray_config, num_learners)
     problem = (reservation_problem(config, ray_config, num_learners, have.get("CPU", 0.0), trainers)
-               or gpu_problem(config, ray_config, holders, have.get("GPU", 0.0)))
+               or gpu_problem(config, ray_config, holders, have.get("GPU", 0.0), trainers))
     if problem and strict:
         raise ValueError(problem)
     if problem:
@@ -100,9 +100,11 @@ def kill_actor(handle) -> None:
 
 
 def learner_options(num_cpus: float, num_gpus: float | str, holders: int,
-                    resources: Mapping[str, float] | None = None, device: str = "auto") -> dict[str, Any]:
-    """Ray resources of one of ``holders`` learner processes (:func:`orchestration.placement.learner_gpus`)."""
-    gpus = learner_gpus(num_gpus, ray.cluster_resources().get("GPU", 0.0), holders, device)
+                    resources: Mapping[str, float] | None = None, device: str = "auto",
+                    workers_gpus: float = 0.0) -> dict[str, Any]:
+    """Ray resources of one of ``holders`` learner processes (:func:`orchestration.placement.learner_gpus`), from
+    the GPUs the rollout workers leave (``workers_gpus`` reserved)."""
+    gpus = learner_gpus(num_gpus, max(ray.cluster_resources().get("GPU", 0.0) - workers_gpus, 0.0), holders, device)
     return {"num_cpus": num_cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
 
 
@@ -129,7 +131,7 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     check_resources(config, rc, placed, strict=owns_ray and not joined)
     holders = gpu_holders(rc, len(trained), critics=int(config.team_critic.enabled))
     options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, holders, dict(rc.learner_resources),
-                              config.device)
+                              config.device, worker_gpus(config, rc))
     initial = {pid: [ray.put(to_wire(TensorDict.from_module(policies[pid]).detach()))] for pid in trained}
     # The checkpoint registry stays near the driver (it reserves nothing, so it never competes with the
     # learners for pinned resources); statistics live beside the learners when they are pinned.
@@ -213,7 +215,7 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         from orchestration.team_critic import TEAM_CRITIC
 
         options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, gpu_holders(rc, len(learners), critics=1),
-                                  dict(rc.learner_resources), config.device)
+                                  dict(rc.learner_resources), config.device, worker_gpus(config, rc))
         critic = RayTeamCritic(RemoteTeamCritic.options(max_restarts=0, **options).remote(
             config, to_json(tree), teams, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads),
             [p for t in teams for p in t.policies])
@@ -226,8 +228,8 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         from orchestration.inference import InferenceConfig
         from orchestration.ray_fleet import RemoteInferenceServer
 
-        gpus = inference_gpus(rc, ray.cluster_resources().get("GPU", 0.0), len(learners), int(critic is not None),
-                              config.device)
+        gpus = inference_gpus(rc, ray.cluster_resources().get("GPU", 0.0) - worker_gpus(config, rc), len(learners),
+                              int(critic is not None), config.device)
         inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
     others = [*([critic.handle] if critic else [])]

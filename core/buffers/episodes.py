@@ -43,7 +43,7 @@ def _check(rollout: TensorDict, group: str) -> tuple[int, int, int]:
 def empty_carry(rollout: TensorDict, groups: list[str] | None = None) -> TensorDict:
     """A zero carry ``[E]`` for ``rollout``'s envs (episodes that start with the rollout)."""
     e = rollout.batch_size[0]
-    carry = TensorDict({LENGTH: torch.zeros(e, dtype=torch.int64, device=_device(rollout))}, [e])
+    carry = TensorDict({LENGTH: torch.zeros(e, dtype=torch.int64, device=device_of(rollout))}, [e])
     for group in groups if groups is not None else _reward_groups(rollout):
         reward = rollout.get((NEXT, group, REWARD))
         a = reward.shape[2]
@@ -52,7 +52,7 @@ def empty_carry(rollout: TensorDict, groups: list[str] | None = None) -> TensorD
     return carry
 
 
-def _device(td: TensorDict) -> torch.device:
+def device_of(td: TensorDict) -> torch.device:
     """The TensorDict's device, or its first leaf's when it has none (``device=None`` TensorDicts)."""
     return td.device if td.device is not None else next(iter(td.values(True, True))).device
 
@@ -158,7 +158,7 @@ def scan_episodes(
     if carry is None:
         carry = empty_carry(rollout, groups)
     records = {}
-    out = TensorDict({LENGTH: torch.zeros(e, dtype=torch.int64, device=_device(rollout))}, [e])
+    out = TensorDict({LENGTH: torch.zeros(e, dtype=torch.int64, device=device_of(rollout))}, [e])
     for group in groups:
         records[group], group_carry, length = _scan_group(rollout, group, carry)
         out.set(group, group_carry)
@@ -221,7 +221,7 @@ def agent_trajectory(
     nxt = rollout.get((NEXT, group), None)
     if nxt is not None:
         out.set(NEXT, nxt[env, :, agent])
-    out.set("time", torch.arange(t, device=_device(rollout)))
+    out.set("time", torch.arange(t, device=device_of(rollout)))
     for key in (EPISODE_ID, ENV_ID, WORKER_ID, FRAGMENT_ID):
         if key in rollout.keys():
             out.set(key, rollout.get(key)[env])

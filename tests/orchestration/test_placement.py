@@ -115,3 +115,20 @@ def test_a_cpu_device_takes_no_gpu_for_learners_or_inference_unless_asked():
     assert learner_gpus("auto", 2.0, 2, device="auto") == 1.0 and learner_gpus(0.5, 2.0, 2, device="cpu") == 0.5
     assert inference_gpus(RayConfig(), 4.0, 1, device="cpu") == 0.0
     assert inference_gpus(RayConfig(), 4.0, 1, device="cuda:0") == 1.0
+
+
+def test_rollout_workers_gpus_come_first_and_the_learners_share_what_they_leave():
+    """--ray.worker-num-gpus (tensor envs on CUDA in the workers): more than the cluster has is named with the flag;
+    the learners' GPUs are checked against what the workers leave, so a CUDA learner left none is named too."""
+    config = TrainConfig(env="builtin:cartpole", backend="ray", device="cuda",
+                         rollout=RolloutConfig(num_workers=4), ray=RayConfig(worker_num_gpus=0.5))
+    assert gpu_problem(config, config.ray, 1, have=3.0) is None  # 2 for the workers, 1 left for the learner
+    left_none = gpu_problem(config, config.ray, 1, have=2.0)
+    assert left_none.startswith("--device cuda: the learners get no GPU")
+    too_many = gpu_problem(config, config.ray, 1, have=1.0)
+    assert too_many.startswith("--ray.worker-num-gpus 0.5 asks for 2 GPUs (4 workers) but the cluster has 1")
+    assert "e.g. 0.25" in too_many
+    two_trainers = gpu_problem(config, config.ray, 1, have=3.0, trainers=2)
+    assert two_trainers.startswith("--ray.worker-num-gpus 0.5 asks for 4 GPUs (8 workers)")
+    with pytest.raises(ValueError, match="--ray.worker-num-gpus must be >= 0, got -1"):
+        RayConfig(worker_num_gpus=-1)
