@@ -162,7 +162,9 @@ class GymnasiumVectorEnv(_GymnasiumBase):
 
     def _misfit(self, error: ValueError, after_step: bool = True) -> Exception:
         """What a failed step or reset raises: an :class:`EnvOutputError` naming the first sub-env whose observation
-        does not fit the observation space (a ``SyncVectorEnv`` keeps each one's), else ``error`` itself."""
+        does not fit the observation space (a ``SyncVectorEnv`` keeps each one's); after a step whose observations
+        all fit, one naming the scalars gymnasium could not store (a reward or flag that is not one number: the
+        vector env keeps no trace of which sub-env sent it); else ``error`` itself."""
         each = getattr(self._base, "_env_obs", None)
         if not isinstance(each, list):
             return error
@@ -171,6 +173,10 @@ class GymnasiumVectorEnv(_GymnasiumBase):
             if obs is not None and (problem := self._obs.write(obs, scratch, i)) is not None:
                 return EnvOutputError(problem[1], env_index=i, agent=AGENT,
                                       key=(*((NEXT,) if after_step else ()), AGENT, OBSERVATION, *problem[0]))
+        if after_step and "array element with a sequence" in str(error):
+            return EnvOutputError(f"a sub-env's step returned a reward, terminated or truncated that is not one number "
+                                  f"(gymnasium's vector env could not store it: {error}); step() returns a real reward "
+                                  f"and two bools", env_index=None, agent=AGENT, key=(NEXT, AGENT, REWARD))
         return error
 
 

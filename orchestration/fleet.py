@@ -47,6 +47,14 @@ def fragment_rounds(steps: int, fragment_steps: int, workers: int) -> int:
     return math.ceil(max(steps, 0) / (fragment_steps * workers))
 
 
+def one_per_worker(env_ids: Sequence[str], workers: int) -> list[str]:
+    """``env_ids`` as a list, refused unless it names one collection member per worker (``Fleet.set_env_ids``)."""
+    if len(env_ids) != workers:
+        raise ValueError(f"set_env_ids takes one collection member per worker ({workers}), got {len(env_ids)}: "
+                         f"{list(env_ids)}")
+    return list(env_ids)
+
+
 def collect_in_rounds(target_steps: int, fragment_steps: int, workers: int,
                       run_rounds: Callable[[dict[int, int]], list[dict]], fresh_steps: Callable[[], int] | None,
                       attempts: int = 1) -> list[dict]:
@@ -213,7 +221,7 @@ class LocalFleet:
     def set_env_ids(self, env_ids: Sequence[str]) -> None:
         """Actor ``i`` acts in collection member ``env_ids[i]`` from its next fragment on (every actor is at a
         fragment boundary between calls: the switch happens now; :func:`switch_member_`)."""
-        for actor, env_id in zip(self.actors, env_ids, strict=True):
+        for actor, env_id in zip(self.actors, one_per_worker(env_ids, len(self.actors))):
             switch_member_(actor, env_id)
 
     # -- statistics, state -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from tensordict import TensorDictBase
 
 from orchestration.builder import stream_worker_ids, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
-from orchestration.fleet import collect_in_rounds, resumes_exactly, worker_states_saved
+from orchestration.fleet import collect_in_rounds, one_per_worker, resumes_exactly, worker_states_saved
 from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
 from orchestration.sampling_credit import CreditLedger, CreditPool, batch_fragments
@@ -171,7 +171,7 @@ class RayFleet:
     def set_env_ids(self, env_ids) -> None:
         """Collection member per worker: sent with the next collect (or run) call, and to streaming workers now
         (each switches at its next fragment boundary)."""
-        self.env_ids = list(env_ids)
+        self.env_ids = one_per_worker(env_ids, len(self.slots))
         for slot in self.slots:
             if slot.run_ref is not None:
                 slot.handle.set_env_id.remote(self.env_ids[slot.slot])

@@ -12,7 +12,7 @@ from gymnasium import spaces
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 from tensordict import TensorDict
 
-from adapters.checking import validate_step
+from adapters.checking import EnvOutputError, validate_step
 from adapters.gymnasium_env import GymnasiumEnv, GymnasiumVectorEnv, make_gymnasium
 from adapters.protocol import BatchedEnv
 from core.specs import AgentNode, groups, zeros
@@ -191,3 +191,32 @@ def test_composite_actions_and_observations_round_trip(vector):
     assert out["next", "truncated"].all() and not out["next", "terminated"].any()
     env.close()
     env.close()  # idempotent
+
+
+class ArrayRewardEnv(gym.Env):
+    """A real gymnasium env whose second step returns a reward array instead of one number (a user's mistake)."""
+
+    action_space, observation_space = spaces.Discrete(2), spaces.Box(-1, 1, (3,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(3, np.float32), np.ones(2) if self.t == 2 else 1.0, False, False, {}
+
+
+def test_a_reward_that_is_not_one_number_is_named_with_its_key():
+    """gymnasium's vector env fails to store it ("setting an array element with a sequence"): the error names the
+    key and says what a step returns (a user's mistake: one paragraph at the CLI), not numpy's words alone."""
+    env = GymnasiumVectorEnv(SyncVectorEnv([ArrayRewardEnv] * 2))
+    env.reset(seed=0)
+    act = TensorDict({"agent": TensorDict({"action": torch.zeros(2, 1, dtype=torch.int64)}, batch_size=(2, 1))},
+                     batch_size=(2,))
+    env.step(act)
+    with pytest.raises(EnvOutputError, match=r"^agent 'agent', key next/agent/reward: a sub-env's step returned a "
+                                             r"reward, terminated or truncated that is not one number"):
+        env.step(act)
+    env.close()
