@@ -152,6 +152,11 @@ class DataParallelRank:
     def in_sync(self) -> bool:
         return check_in_sync(self.learner.policy)
 
+    def load_state_(self, state: Mapping[str, Any]) -> None:
+        """Loads rank 0's :meth:`PPOLearner.state` (a resumed group: every rank's state equals rank 0's, as each
+        step averages the gradients and the normalisers' moments and every rank draws the same minibatches)."""
+        self.learner.load_state_(state)
+
     def published(self) -> tuple[int, dict]:
         version, weights = self.learner.published()
         return version, to_wire(weights)

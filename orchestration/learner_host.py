@@ -95,14 +95,17 @@ class LearnerHost(LearnerProbes):
 
     # -- a data-parallel group (rank 0 here), a restart -------------------------------------------------
     def join_group(self, peers: Sequence[Any], address: str, port: int,
-                   send: Callable[[Any, TensorDict, float, float], Any], wait: Callable[[list], Any]) -> None:
+                   send: Callable[[Any, TensorDict, float, float], Any], wait: Callable[[list], Any],
+                   load: Callable[[Any, Mapping], Any]) -> None:
         """Becomes rank 0 of a group with ``peers`` (:class:`orchestration.data_parallel.DataParallelRank`s
         joining concurrently). Every batch is then split by env rows into one equal shard per rank: each peer
         gets its own through ``send(peer, shard, progress, lr)``, rank 0 trains the first, and ``wait`` (the
-        list of what ``send`` returned) returns once every rank ran the same number of averaged steps."""
+        list of what ``send`` returned) returns once every rank ran the same number of averaged steps. A loaded
+        state reaches every peer too, through ``load(peer, state)`` (a resumed group goes on as one)."""
         init_process_group(0, len(peers) + 1, address, port, self.learner.device)
         data_parallel_(self.learner)
         self._peers = list(peers)
+        self._load_peers = lambda state: wait([load(peer, state) for peer in self._peers])
 
         def train_shards(fragments: list, progress: float, team: Any = None) -> dict:  # a team critic never
             shards = shard_by_rows(fragments, len(self._peers) + 1, self.policy_id)   # runs with these (config)
@@ -145,6 +148,8 @@ class LearnerHost(LearnerProbes):
 
     def load_state(self, state: Mapping[str, Any]) -> tuple[int, list]:
         self.learner.load_state_(state)
+        if self._peers:  # their copies would go on from their own (fresh) weights and optimizer state
+            self._load_peers(state)
         self.publish()
         return self.published()
 
