@@ -45,7 +45,8 @@ class RolloutConfig:
     env_polling: bool = False
     """With ``env_processes`` >= 2: act for whichever env processes are ready instead of waiting for all of them
     (``orchestration.polling_actor``), so a slow or hung process holds back only its own envs. Each process is
-    then its own fragment stream ``[num_envs / env_processes, T]`` with its own worker id."""
+    then its own fragment stream ``[num_envs / env_processes, T]`` with its own worker id. Which process is ready
+    first depends on timing, so a run with polling is not reproducible from its seed (nor resumed bit for bit)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

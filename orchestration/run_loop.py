@@ -53,6 +53,16 @@ class _Stop:
             signal.signal(sig, handler)
 
 
+def inexact_resume(config: TrainConfig) -> str:
+    """Why a resumed run of ``config`` whose fleet does not resume exactly (:func:`orchestration.fleet.
+    resumes_exactly`) differs from an uninterrupted one, said to its user."""
+    if config.mode != "sync":
+        return "asynchronous mode: fragments waiting in a learner's pool and in flight at the checkpoint are not restored"
+    if config.rollout.central_inference:
+        return "the central inference service's sampling stream is not saved (actions are drawn afresh)"
+    return "envs that cannot save their state were reset (a new episode starts in every env)"
+
+
 def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
                  command: str = "train") -> dict[str, float]:
     """The training loop of ``shoal train`` (``command`` names it in messages: ``serve`` trains too): metrics,
@@ -64,10 +74,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     if resume:
         if not trainer.resume_exact:
             print(f"shoal {command} --resume: this continuation is not bit-identical to an uninterrupted run: "
-                  + ("envs that cannot save their state were reset (a new episode starts in every env)"
-                     if config.mode == "sync" else "asynchronous mode: fragments waiting in a learner's pool and "
-                     "in flight at the checkpoint are not restored")
-                  + "; learners, optimizers and schedules are restored exactly.",
+                  + inexact_resume(config) + "; learners, optimizers and schedules are restored exactly.",
                   file=sys.stderr)
     try:
         log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None,

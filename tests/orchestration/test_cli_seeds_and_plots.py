@@ -255,3 +255,17 @@ def test_a_trainer_built_from_python_warns_of_settings_it_does_not_use_and_the_c
         main(["train", *ARGS, "--iterations", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
               "--ray.num-cpus", "4"])  # the CLI's note, not a warning (which would raise here)
     assert capsys.readouterr().err.count("--ray.num-cpus applies to --backend ray only") == 1
+
+
+def test_a_resume_with_central_inference_says_its_sampling_stream_is_drawn_afresh(tmp_path, monkeypatch, capsys):
+    """Local central inference resumes every env's state; what a checkpoint lacks is the service's generator. The
+    note said envs that cannot save their state were reset (built-in envs save theirs)."""
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["train", *ARGS, "--rollout.central-inference", "--iterations", "1", "--run-dir", "run"])
+    capsys.readouterr()
+    main(["train", "--resume", "--run-dir", "run", "--iterations", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert "not bit-identical to an uninterrupted run: the central inference service's sampling stream is not saved" \
+           in err and "cannot save their state" not in err
