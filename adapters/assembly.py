@@ -209,6 +209,8 @@ class AdapterBase:
 
     _tree: Tree
     _num_envs: int
+    last_cut: np.ndarray = np.zeros(0, dtype=np.int64)
+    """The env indices whose episode the last ``step`` cut with a lenient repair (:mod:`adapters.protocol`)."""
 
     @property
     def tree(self) -> Tree:

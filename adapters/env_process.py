@@ -82,6 +82,24 @@ def step_template(tree: Tree, num_envs: int) -> TensorDict:
     return root
 
 
+def truncate_(out: TensorDict, last: TensorDict, sl: slice, tree: Tree) -> None:
+    """Ends the episodes of envs ``sl`` of a step ``out`` (:func:`step_template`'s layout) as truncated, with
+    ``last`` (their last returned root, batch ``[len(sl)]``) as the final observation: a restarted worker's."""
+    nxt = out.get(NEXT)
+    for g in groups(tree):
+        present = last.get((g, MASK))
+        group = nxt.get(g)
+        group[sl] = TensorDict({OBSERVATION: last.get((g, OBSERVATION)), REWARD: torch.zeros(*present.shape, 1),
+                                TERMINATED: torch.zeros(*present.shape, 1, dtype=torch.bool),
+                                TRUNCATED: present.unsqueeze(-1), DONE: present.unsqueeze(-1), MASK: present},
+                               batch_size=present.shape)
+    if SHARED in last.keys():
+        nxt.get(SHARED)[sl] = last.get(SHARED)
+    nxt.get(TERMINATED)[sl] = False
+    nxt.get(TRUNCATED)[sl] = True
+    nxt.get(DONE)[sl] = True
+
+
 def _write(src: TensorDict, leaves: list) -> None:
     """Copies ``src``'s leaves into the shared buffers ``leaves`` (``[(key tuple, buffer)]``).
 
@@ -123,11 +141,13 @@ def worker_main(conn, factory: Callable[[], BatchedEnv], threads: int, niceness:
             if cmd == "close":
                 env.close()
                 return
+            cut = []  # the envs whose episode the step cut (a lenient repair: adapters.protocol)
             if cmd == "reset":
                 _write(env.reset(seed=arg), root_leaves)
             else:
                 _write(env.step(clone_td(actions)), leaves)  # the env may keep what it is given
-            conn.send(("ok", dict(env.counters)))
+                cut = [int(i) for i in getattr(env, "last_cut", ())]
+            conn.send(("ok", dict(env.counters), cut))
     except (EOFError, ConnectionError, KeyboardInterrupt):
         return  # the parent is gone (its end of the pipe closed or reset) or stopping us
     except BaseException:  # noqa: BLE001 - reported to the parent, which restarts us

@@ -42,12 +42,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from core.layout import ACTION, DONE, MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
+from core.layout import ACTION, NEXT
 from core.specs import Tree, from_json, groups, zeros
 from core.tensordicts import clone_td
 
 from .checking import EnvOutputError
-from .env_process import EnvWorkerConfig, EnvWorkerFault, step_template
+from .env_process import EnvWorkerConfig, EnvWorkerFault, step_template, truncate_
 from .env_process import WorkerProcess as _Worker
 from .env_process import collect_replies as _collect, command as _command
 from .env_process import kill_all as _kill_all
@@ -69,6 +69,8 @@ class EnvWorkerPool:
             self._ctx.set_forkserver_preload(["core", "torch", "tensordict", "core.specs"])  # core first: its dynamo deferral
         self._own = dict.fromkeys(_OWN_COUNTERS, 0)
         self._worker_counters: list[dict] = [{} for _ in factories]
+        self._cut: list[list[int]] = [[] for _ in factories]  # per worker: its last step's cut envs (local indices)
+        self.last_cut = np.zeros(0, dtype=np.int64)  # the envs whose episode the last step() cut (adapters.protocol)
         self._past_counters: dict[str, int] = {}
         self._seed, self._last, self._closed = None, None, False
         self._fault: tuple[str, object] = ("error", "")
@@ -168,11 +170,13 @@ class EnvWorkerPool:
         for i in failed:
             self._restart(i)
             self._own["episodes_lost"] += self._sizes[i]
+            self._cut[i] = list(range(self._sizes[i]))
         out = clone_td(self._out)
         for i in failed:
             sl = self._slice(i)
-            self._truncate(out, self._last[sl], sl)
+            truncate_(out, self._last[sl], sl, self._tree)
         self._last = out.exclude(NEXT)
+        self.last_cut = np.array([o + j for o, cut in zip(self.offsets, self._cut) for j in cut], dtype=np.int64)
         return out
 
     # -- split phase -----------------------------------------------------------------------------------------
@@ -280,10 +284,16 @@ class EnvWorkerPool:
                 self._raise(k)
             self._restart(k)
             self._own["episodes_lost"] += self._sizes[k]
+            self._cut[k] = list(range(self._sizes[k]))
             out = clone_td(self._views[k])  # the root: the restarted env's first observations
-            self._truncate(out, self._root(k), slice(None))
+            truncate_(out, self._root(k), slice(None), self._tree)
         self._results[k] = out
         self._roots[k] = out.exclude(NEXT)
+
+    def cut(self, k: int) -> list[int]:
+        """The envs of worker ``k`` (indices within it) whose episode its last finished step cut: a lenient
+        repair inside it, or all of them when it was restarted (:attr:`last_cut` for :meth:`step`)."""
+        return list(self._cut[k])
 
     def _receive(self, k: int):
         w = self._workers[k]
@@ -316,9 +326,10 @@ class EnvWorkerPool:
 
     # -- faults ----------------------------------------------------------------------------------------------
     def _accept(self, i: int, reply) -> bool:
-        kind, payload = reply
+        kind, payload, *cut = reply
         if kind == "ok":
             self._worker_counters[i] = payload
+            self._cut[i] = cut[0] if cut else []  # worker-local indices of the envs its step cut
             return True
         self._own[{"timeout": "step_timeouts", "dead": "worker_crashes"}.get(kind, "worker_errors")] += 1
         self._fault = (kind, payload)
@@ -377,23 +388,6 @@ class EnvWorkerPool:
             if self._accept(i, _command([w], lambda w: ("reset", seed), self.config.step_timeout_s)[i]):
                 return
             w.kill()
-
-    def _truncate(self, out: TensorDict, last: TensorDict, sl: slice) -> None:
-        """Ends the episodes of envs ``sl`` of ``out`` as truncated, ``last`` (their last returned root, batch
-        ``[len(sl)]``) as the final observation."""
-        nxt = out.get(NEXT)
-        for g in groups(self._tree):
-            present = last.get((g, MASK))
-            group = nxt.get(g)
-            group[sl] = TensorDict({OBSERVATION: last.get((g, OBSERVATION)), REWARD: torch.zeros(*present.shape, 1),
-                                    TERMINATED: torch.zeros(*present.shape, 1, dtype=torch.bool),
-                                    TRUNCATED: present.unsqueeze(-1), DONE: present.unsqueeze(-1), MASK: present},
-                                   batch_size=present.shape)
-        if SHARED in last.keys():
-            nxt.get(SHARED)[sl] = last.get(SHARED)
-        nxt.get(TERMINATED)[sl] = False
-        nxt.get(TRUNCATED)[sl] = True
-        nxt.get(DONE)[sl] = True
 
 
 __all__ = ["EnvWorkerConfig", "EnvWorkerFault", "EnvWorkerPool", "step_template"]

@@ -114,10 +114,12 @@ class _GymnasiumBase(AdapterBase):
         self._check_obs(nxt, True)
         if self._reward_check.bad(reward, 2) is not None:
             self._checker.values(self._reward_check, reward, 2, (NEXT, AGENT, REWARD), self._names)
+        self.last_cut = AdapterBase.last_cut
         if self._checker.pending:  # lenient (strict raised already): repair, truncate, count
             errors = self._checker.take()
             bad = np.zeros(e, dtype=bool)
             bad[[err.env_index for err in errors]] = True
+            self.last_cut = np.flatnonzero(bad)
             keep = bad.reshape(e, 1)
             nxt = [np.where(keep.reshape(e, *[1] * (a.ndim - 1)), prev, a) for a, prev in zip(nxt, self._root)]
             reward = np.where(np.isfinite(reward), reward, 0.0)

@@ -352,8 +352,10 @@ class _PettingZooBase(AdapterBase):
             env_ended[ended] = True
             env_trunc = env_ended & np.any([t.any(-1) for t in nxt[TRUNCATED]], axis=0) \
                 if nxt[TRUNCATED] is not None else np.zeros_like(env_ended)
+        self.last_cut = AdapterBase.last_cut
         if self._checker.pending:
             bad = self._repair(nxt, self._checker.take(), present)
+            self.last_cut = np.flatnonzero(bad)
             if env_ended is None:
                 env_ended, env_trunc = bad, bad.copy()
             else:

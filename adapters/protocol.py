@@ -34,7 +34,10 @@ Agents that are absent (not joined, dead, not their turn) have ``mask`` False; t
 never sent to the environment. ``terminated`` of an agent that leaves is True at its last step.
 
 Counters (``env.counters``) accumulate what the adapter had to fix, for honest accounting: e.g.
-``{"invalid_output_truncations": 2, "env_restarts": 0}``.
+``{"invalid_output_truncations": 2, "env_restarts": 0}``. An adapter that ends episodes for a fault (lenient
+mode's repairs, a restarted env process) says which after each ``step`` in ``last_cut``: the env indices whose
+episode that step cut (empty, or absent, when none): they train as truncated, but their partial returns are
+not completed episodes and stay out of the return statistics.
 """
 
 from __future__ import annotations

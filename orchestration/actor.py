@@ -61,10 +61,8 @@ class Actor:
 
     def __init__(self, env, policies: Mapping[str, GroupPolicy], assignment: Mapping[str, GroupAssignment], *,
                  fragment_length: int = 128, seed: int = 0, worker_id: int = 0,
-                 deterministic: bool | Collection[str] = False,
-                 record: bool = True) -> None:
-        missing = [g for g in groups(env.tree) if g not in assignment]
-        if missing:
+                 deterministic: bool | Collection[str] = False, record: bool = True) -> None:
+        if missing := [g for g in groups(env.tree) if g not in assignment]:
             raise KeyError(f"no policy assigned to groups {missing}")
         self.env, self.policies, self.assignment = env, dict(policies), dict(assignment)
         self.fragment_length = fragment_length
@@ -182,6 +180,8 @@ class Actor:
         if self.record:
             entries[NEXT] = nxt if type(nxt) is TensorDict else _plain(nxt)  # the builder walks a plain one
             self.builder.add_step_(entries)
+            if len(cut := getattr(self.env, "last_cut", ())):  # episodes a fault ended (adapters.protocol)
+                self.builder.mark_cut_(cut)
         self._done = get_str(nxt, DONE)  # [E, 1]; reshaped only when a recurrent policy reads it (act)
         self._obs = out  # the next step to act on; "next" rides along unread (cheaper than exclude)
         self.env_steps += self.env.num_envs
@@ -199,9 +199,8 @@ class Actor:
         return {self.worker_id: self.builder.sequence}
 
     def fragment_meta(self, fragment: TensorDictBase) -> dict[str, Any]:
-        """The delivery metadata of the fragment just built (:mod:`orchestration.inbox`): its id, worker,
-        sequence number, the version of every policy that acted, its env steps and, in a collection, the
-        ``env_id`` of the member it ran."""
+        """The delivery metadata of the fragment just built (:mod:`orchestration.inbox`): id, worker, sequence
+        number, every acting policy's version, env steps and, in a collection, the member's ``env_id``."""
         meta = {"fragment_id": int(fragment.get(FRAGMENT_ID)[0, 0]), "worker_id": self.worker_id,
                 "sequence": self.builder.sequence - 1, "policy_versions": dict(self.versions),
                 "env_steps": fragment.batch_size.numel()}
@@ -259,6 +258,7 @@ class Actor:
             done = nxt.get(DONE).reshape(-1).cpu()
             if done.any():
                 take = done & (counted < quota)
+                take[torch.as_tensor(getattr(self.env, "last_cut", ()), dtype=torch.long)] = False  # a fault's end
                 finished.append(running[:, take].clone())
                 counted += take.long()
                 running[:, done] = 0.0
@@ -290,11 +290,10 @@ class Actor:
         return True
 
     def policy_weights(self, policy_id: str) -> TensorDictBase:
-        """A copy of the weights this actor acts with for ``policy_id``."""
+        """A CPU copy of the weights this actor acts with for ``policy_id`` (central inference: the service's)."""
         policy = self.policies[policy_id]
-        if hasattr(policy, "load_weights_"):  # central inference: the service's
-            return policy.weights()
-        return TensorDict.from_module(policy).detach().clone().cpu()  # a CUDA actor's too
+        return policy.weights() if hasattr(policy, "load_weights_") else \
+            TensorDict.from_module(policy).detach().clone().cpu()
 
     # -- state -------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

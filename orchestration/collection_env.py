@@ -98,6 +98,11 @@ class CollectionEnv:
     def step(self, actions: TensorDict) -> TensorDict:
         return self._env.step(actions)
 
+    @property
+    def last_cut(self):
+        """The current member's envs whose episode its last step cut (:mod:`adapters.protocol`)."""
+        return getattr(self._env, "last_cut", ())
+
     def switch_(self, env_id: str) -> TensorDict:
         """Runs ``env_id`` from now on (building it on first use) and resets all of its rows; returns the first
         step to act on. Call at a fragment boundary only (:func:`switch_member_` does)."""

@@ -30,7 +30,8 @@ class RolloutConfig:
     """Bad env output: raise a named error (strict) or restart and count it (lenient). Lenient runs keep the
     envs in a subprocess (``env_processes``, at least one), so that an env that raises, returns an observation of
     the wrong shape, hangs or dies is restarted: the episodes of every env of its process end truncated and are
-    counted (``env/episodes_lost``); more processes lose fewer episodes per fault."""
+    counted (``env/episodes_lost``), their partial returns left out of the return statistics; more processes lose
+    fewer episodes per fault."""
     env_processes: int = 0
     """Run each actor's envs in this many subprocesses (``adapters.env_worker.EnvWorkerPool``): slow Python envs
     use more cores, and an env that hangs, crashes or raises is restarted, its episodes truncated and counted

@@ -171,7 +171,7 @@ class PollingActor:
         """
         waiting = any(s.entries is None for s in self.streams)
         for k in self.env.poll(0.0 if waiting else self.poll_timeout_s):
-            self._record(self.streams[k], self.env.result(k))
+            self._record(self.streams[k], self.env.result(k), self.env.cut(k))
         ready = [s for s in self.streams if s.entries is None]
         if ready:
             self._act(ready)
@@ -198,11 +198,13 @@ class PollingActor:
                 s.versions = {pid: min(v, versions[pid]) for pid, v in s.versions.items()}
             start += n
 
-    def _record(self, s: _Stream, out: TensorDict) -> None:
+    def _record(self, s: _Stream, out: TensorDict, cut: list[int]) -> None:
         nxt = out.get(NEXT)
         entries, s.entries = s.entries, None
         entries[NEXT] = nxt
         s.builder.add_step_(entries)
+        if cut:  # episodes a fault ended (a restarted process, a lenient repair): not completed episodes
+            s.builder.mark_cut_(cut)
         s.done = nxt.get(DONE)
         s.obs = out
         s.steps += 1

@@ -96,6 +96,9 @@ class FragmentBuilder:
         self._layout: StepLayout | None = None
         self._num_steps = 0
         self._completed: dict[str, list[TensorDict]] = {}
+        self._cut: list[tuple[int, torch.Tensor]] = []  # (step, env rows) of this fragment's cut episodes
+        self.episodes_cut = 0
+        """Episodes that ended in a cut (:meth:`mark_cut_`), left out of the completed-episode records."""
 
     def __len__(self) -> int:
         """Number of steps in the current (unbuilt) fragment."""
@@ -122,6 +125,14 @@ class FragmentBuilder:
             self._layout = StepLayout(step, self.num_envs, self._declared_sizes, self.fragment_length)
         self._layout.collect_(step, self._num_steps)
         self._num_steps += 1
+
+    def mark_cut_(self, rows) -> None:
+        """Marks the episodes of env ``rows`` (indices) that the last added step ended as cut: ended by a fault
+        (an env restarted, an output repaired), not by the env. They train as truncated episodes do, but they
+        are not completed episodes: their partial returns stay out of :meth:`pop_completed_episodes`."""
+        if self._num_steps == 0:
+            raise ValueError("mark_cut_ marks the last added step's episodes: add a step first")
+        self._cut.append((self._num_steps - 1, torch.as_tensor(rows, dtype=torch.int64).reshape(-1)))
 
     def peek(self) -> TensorDict:
         """The steps added so far, stacked to ``[E, t]``, without metadata. Changes no state."""
@@ -167,8 +178,12 @@ class FragmentBuilder:
         td.set(EPISODE_ID, self.tracker.episode_ids(done))
         td.set(ENV_ID, torch.arange(e, device=dev).unsqueeze(1).repeat(1, t))
         if self.track_episodes:
+            cut = _cut_mask(self._cut, e, t, dev) if self._cut else None  # [E, T]; a cut ends its episode
             for group, records in self.tracker.update_(td).items():
+                if cut is not None:  # the records ending at a cut step of their env are left out
+                    records = records[~cut[records.get(ENV_ID), records.get("end_time")]]
                 self._completed.setdefault(group, []).append(records)
+            self.episodes_cut += 0 if cut is None else int(cut.sum())
         else:
             self.tracker.advance_ids_(done)
         self.sequence += 1
@@ -180,6 +195,7 @@ class FragmentBuilder:
         if self._layout is not None:
             self._layout.clear_()
         self._num_steps = 0
+        self._cut = []
 
     def pop_completed_episodes(self) -> dict[str, TensorDict]:
         """Records (``[K]``, see ``scan_episodes``) of episodes that ended since the last pop, per group.
@@ -189,6 +205,14 @@ class FragmentBuilder:
         out = {g: torch.cat(parts, 0) for g, parts in self._completed.items()}
         self._completed = {}
         return out
+
+
+def _cut_mask(cut: list[tuple[int, torch.Tensor]], e: int, t: int, device) -> torch.Tensor:
+    """``[E, T]`` bool: True at each (env, step) that :meth:`FragmentBuilder.mark_cut_` marked."""
+    mask = torch.zeros(e, t, dtype=torch.bool)
+    for step, rows in cut:
+        mask[rows, step] = True
+    return mask.to(device)
 
 
 def _end_episodes_(td: TensorDict, end: torch.Tensor) -> None:

@@ -269,3 +269,31 @@ def test_slots_of_a_leaf_that_repeats_its_first_tensor_stack_like_a_list(reuse, 
     got.fill_(-1)
     assert torch.equal(first, torch.arange(first.numel(), dtype=torch.float32).reshape(first.shape))
     assert len(slots) == (0 if consume else len(kept))
+
+
+@given(stream=step_streams(), pick=st.randoms(use_true_random=False))
+def test_episodes_marked_cut_are_left_out_of_the_completed_ones_and_counted(stream, pick):
+    """A random half of the episode ends marked cut (``mark_cut_`` after their step): the completed records are
+    exactly the unmarked ends', in order, and ``episodes_cut`` counts the marked ones."""
+    plain, cut = FragmentBuilder(stream.num_envs, worker_id=7), FragmentBuilder(stream.num_envs, worker_id=7)
+    marked = set()
+    for k in range(stream.num_fragments):
+        for j, step in enumerate(stream.steps[k * stream.fragment_length:(k + 1) * stream.fragment_length]):
+            plain.add_step_(step)
+            cut.add_step_(step)
+            t = k * stream.fragment_length + j
+            rows = [e for e in range(stream.num_envs) if stream.done[e][t] and pick.random() < 0.5]
+            if rows:
+                cut.mark_cut_(rows)
+                marked |= {(e, t) for e in rows}
+        plain.build({GROUP: k})
+        cut.build({GROUP: k})
+    every, kept = plain.pop_completed_episodes(), cut.pop_completed_episodes()
+    assert cut.episodes_cut == len(marked) and plain.episodes_cut == 0
+    if not every:
+        return
+    ends = [(int(e), int(f) * stream.fragment_length + int(t)) for e, f, t in zip(
+        every[GROUP][ENV_ID], every[GROUP][FRAGMENT_ID] & 0xFFFFFFFF, every[GROUP]["end_time"])]
+    keep = torch.tensor([end not in marked for end in ends], dtype=torch.bool)
+    assert torch.equal(kept[GROUP]["agent_return"], every[GROUP]["agent_return"][keep])
+    assert torch.equal(kept[GROUP][EPISODE_ID], every[GROUP][EPISODE_ID][keep])

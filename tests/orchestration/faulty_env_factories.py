@@ -93,3 +93,32 @@ class _Raising(gymnasium.Wrapper):
 
 def make_raising():
     return _Raising(gymnasium.make("CartPole-v1"))
+
+
+class _FiveSteps(gymnasium.Env):
+    """Episodes of exactly 5 steps, reward 1 each (return 5), cut at their second step by a fault in about half
+    of them: ``nan`` returns a NaN reward (a lenient repair truncates the episode), ``raise`` raises (lenient mode
+    restarts the env's process). Which episodes are cut follows the reset seed, so restarts differ."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def __init__(self, fault: str) -> None:
+        self.fault, self.t, self.cut = fault, 0, False
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.cut = 0, bool(self.np_random.random() < 0.5)
+        return self.observation_space.low * 0, {}
+
+    def step(self, action):
+        self.t += 1
+        if self.cut and self.t == 2:
+            if self.fault == "raise":
+                raise RuntimeError("the simulator raised")
+            return self.observation_space.low * 0, float("nan"), False, False, {}
+        return self.observation_space.low * 0, 1.0, self.t == 5, False, {}
+
+
+def make_five_steps(fault: str = "nan"):
+    return _FiveSteps(fault)

@@ -1,0 +1,46 @@
+"""Episodes a fault cut (lenient mode: a repaired output, a restarted env process) train as truncated ones but
+are not completed episodes: their partial returns stay out of the return statistics, on both backends, with
+and without polling. The env: 5-step episodes of return 5, about half of them cut at their second step."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.losses import PPOConfig
+from orchestration.builder import build_trainer
+from orchestration.config import RolloutConfig, TrainConfig
+
+ENV = "tests.orchestration.faulty_env_factories:make_five_steps"
+
+
+def _metrics(fault: str, backend: str = "local", **rollout) -> dict:
+    config = TrainConfig(env=ENV, env_kwargs=(("fault", repr(fault)),), backend=backend, iterations=2,
+                         ppo=PPOConfig(minibatch_size=64, num_epochs=1),
+                         rollout=RolloutConfig(num_envs=4, fragment_length=20, check="lenient", **rollout))
+    trainer = build_trainer(config)
+    try:
+        totals: dict[str, float] = {}
+        for _ in range(2):
+            metrics = trainer.train()
+            totals["episodes"] = totals.get("episodes", 0) + metrics["episodes"]
+        return {**metrics, **totals}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("fault, rollout, counter", [
+    ("nan", {}, "env/invalid_output_truncations"),
+    ("raise", {}, "env/episodes_lost"),
+    ("raise", {"env_processes": 2, "env_polling": True}, "env/episodes_lost"),
+], ids=["repaired", "restarted", "restarted_polled"])
+def test_cut_episodes_are_counted_but_not_averaged_into_the_returns(fault, rollout, counter):
+    metrics = _metrics(fault, **rollout)
+    assert metrics[counter] > 0  # cuts happened
+    assert metrics["episodes"] > 0 and metrics["episode_return_mean"] == 5.0 and metrics["episode_length_mean"] == 5.0
+
+
+@pytest.mark.ray
+def test_cut_episodes_stay_out_of_the_returns_on_ray_too(ray_session):
+    metrics = _metrics("raise", backend="ray", num_workers=1)
+    assert metrics["env/episodes_lost"] > 0
+    assert metrics["episodes"] > 0 and metrics["episode_return_mean"] == 5.0
