@@ -54,9 +54,9 @@ class RolloutConfig:
         for name in ("num_envs", "fragment_length", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.env_processes < 0 or self.env_timeout_s < 0:
-            raise ValueError(f"RolloutConfig.env_processes and env_timeout_s must be >= 0, got "
-                             f"{self.env_processes} and {self.env_timeout_s}")
+        for name in ("env_processes", "env_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.env_processes > self.num_envs:
             raise ValueError(f"RolloutConfig.env_processes ({self.env_processes}) cannot exceed num_envs "
                              f"({self.num_envs}): every process runs at least one env")
@@ -123,11 +123,12 @@ class CuriosityConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.coef < 0 or not self.lr > 0 or self.epochs < 1 or not 0 < self.proportion <= 1 \
-                or not 0 <= self.gamma < 1 or self.hidden_size < 1 or self.features < 1:
-            raise ValueError(f"CuriosityConfig: coef must be >= 0, lr > 0, epochs >= 1, proportion in (0, 1], gamma "
-                             f"in [0, 1), hidden_size and features >= 1; got {self.coef}, {self.lr}, {self.epochs}, "
-                             f"{self.proportion}, {self.gamma}, {self.hidden_size}, {self.features}")
+        rules = {"coef": (self.coef >= 0, ">= 0"), "lr": (self.lr > 0, "> 0"), "epochs": (self.epochs >= 1, ">= 1"),
+                 "proportion": (0 < self.proportion <= 1, "in (0, 1]"), "gamma": (0 <= self.gamma < 1, "in [0, 1)"),
+                 "hidden_size": (self.hidden_size >= 1, ">= 1"), "features": (self.features >= 1, ">= 1")}
+        for name, (ok, rule) in rules.items():  # the first field at fault, named alone
+            if not ok:
+                raise ValueError(f"CuriosityConfig.{name} must be {rule}, got {getattr(self, name)!r}")
 
     @property
     def enabled(self) -> bool:

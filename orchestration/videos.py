@@ -8,7 +8,8 @@ Shoal's built-in envs, VMAS scenarios and external simulators cannot (:class:`Vi
 
 Encoders: MP4 (H.264) through ``imageio-ffmpeg`` (``pip install 'shoal[video]'``: it ships its own ffmpeg), else
 an animated GIF through Pillow (installed with matplotlib). The adapters reset a finished env inside the step
-that ends its episode, so an episode's video ends on the frame before its last action.
+that ends its episode, so the frame after each step is taken inside the env's own ``step``, before that reset:
+an episode of T steps gives T + 1 frames, its last one the state its last action led to.
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ class _Filming:
 
     def __init__(self, env, source, env_name: str, on_frame) -> None:
         self._env, self._source, self._name, self._on_frame = env, source, env_name, on_frame
+        self._stepped: np.ndarray | None = None  # the frame right after the source's last step, before any reset
+        step = source.step
+
+        def filmed_step(*args, **kwargs):  # the adapter resets an ended episode inside its own step: film first
+            out = step(*args, **kwargs)
+            self._stepped = self._frame()
+            return out
+
+        source.step = filmed_step
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._env, name)
@@ -86,9 +96,12 @@ class _Filming:
         return out
 
     def step(self, actions):
+        self._stepped = None
         out = self._env.step(actions)
-        done = bool(out.get((NEXT, DONE)).reshape(-1)[0])
-        self._on_frame(self._frame(), done)  # after an episode's end: the first frame of the next one
+        stepped = self._stepped if self._stepped is not None else self._frame()
+        self._on_frame(stepped, False)  # at an episode's end: its last frame
+        if bool(out.get((NEXT, DONE)).reshape(-1)[0]):
+            self._on_frame(self._frame(), True)  # the next episode's first frame (the adapter reset it)
         return out
 
 

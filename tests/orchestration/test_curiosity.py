@@ -189,3 +189,14 @@ def test_shoal_train_with_curiosity_on_the_ray_backend(tmp_path, ray_session, ca
 def test_curiosity_and_data_parallel_learners_are_refused_in_one_message():
     with pytest.raises(ValueError, match="learners_per_policy"):
         dataclasses.replace(_config(curiosity=ON), ray=RayConfig(learners_per_policy=2))
+
+
+@pytest.mark.parametrize("field, value, rule", [("coef", -1.0, ">= 0"), ("epochs", 0, ">= 1"),
+                                                ("proportion", 1.5, "in (0, 1]")])
+def test_a_curiosity_setting_out_of_range_is_named_alone(field, value, rule):
+    """The message named every field and listed every value, so the one at fault had to be found by eye."""
+    with pytest.raises(ValueError) as error:
+        CuriosityConfig(**{field: value})
+    assert str(error.value) == f"CuriosityConfig.{field} must be {rule}, got {value!r}"
+    with pytest.raises(ValueError, match=r"^RolloutConfig.env_processes must be >= 0, got -1$"):
+        RolloutConfig(env_processes=-1)
