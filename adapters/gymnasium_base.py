@@ -119,7 +119,8 @@ class _GymnasiumBase(AdapterBase):
             errors = self._checker.take()
             bad = np.zeros(e, dtype=bool)
             bad[[err.env_index for err in errors]] = True
-            self.last_cut = np.flatnonzero(bad)
+            # an episode the env ended with a valid reward is whole (only its final observation was repaired)
+            self.last_cut = np.flatnonzero(bad & ~((term | trunc) & np.isfinite(reward[:, 0])))
             keep = bad.reshape(e, 1)
             nxt = [np.where(keep.reshape(e, *[1] * (a.ndim - 1)), prev, a) for a, prev in zip(nxt, self._root)]
             reward = np.where(np.isfinite(reward), reward, 0.0)

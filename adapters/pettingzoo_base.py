@@ -354,8 +354,10 @@ class _PettingZooBase(AdapterBase):
                 if nxt[TRUNCATED] is not None else np.zeros_like(env_ended)
         self.last_cut = AdapterBase.last_cut
         if self._checker.pending:
+            # an episode the env ended with valid rewards is whole (only a final observation was repaired)
+            whole = np.all([np.isfinite(r).all(axis=tuple(range(1, r.ndim))) for r in nxt["reward"]], axis=0)
             bad = self._repair(nxt, self._checker.take(), present)
-            self.last_cut = np.flatnonzero(bad)
+            self.last_cut = np.flatnonzero(bad & ~(whole & (env_ended if env_ended is not None else False)))
             if env_ended is None:
                 env_ended, env_trunc = bad, bad.copy()
             else:

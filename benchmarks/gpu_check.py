@@ -84,15 +84,15 @@ def train_rate(env: str, kwargs: dict, n: int, steps: int, iterations: int, devi
     try:
         trainer.train()  # warm-up: first-use costs, the allocator's pools
         _reset_peak(device)
-        sampling = wall = 0.0
-        for _ in range(iterations):
+        sampling, wall, metrics = 0.0, 0.0, {}
+        for _ in range(max(iterations, 1)):
             metrics = trainer.train()
             sampling += metrics["time_collect"]
             wall += metrics["time_iteration"]
         actor_device = str(trainer.fleet.actors[0].device) if hasattr(trainer.fleet, "actors") else None
     finally:
         trainer.close()
-    frames = n * steps * iterations
+    frames = n * steps * max(iterations, 1)
     peak = _peak(device)
     return {"collect_env_steps_per_s": round(frames / sampling), "env_steps_per_s": round(frames / wall),
             "peak_bytes": peak, "peak_bytes_per_transition": None if peak is None else round(peak / (n * steps)),

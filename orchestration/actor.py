@@ -331,7 +331,8 @@ class Actor:
         can save their state; otherwise this actor keeps its freshly reset envs (a new episode everywhere).
         """
         tensors, meta = state["tensors"], state["json"]
-        tensors = {k: v if k == "rng" else v.to(self.device) for k, v in tensors.items()}  # a CPU rng state on any
+        # generator states stay CPU byte tensors on every device; an env (and a policy's pool) moves its own
+        tensors = {k: v if k.startswith(("rng", "env/", "policy/")) else v.to(self.device) for k, v in tensors.items()}
         if (saved := tensors["episode_count"].shape[0]) != self.builder.tracker.num_envs:  # caught before a fragment
             raise ValueError(f"size mismatch for the actor's envs: the checkpoint holds {saved}, this actor "
                              f"{self.builder.tracker.num_envs}")

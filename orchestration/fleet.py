@@ -47,8 +47,12 @@ def fragment_rounds(steps: int, fragment_steps: int, workers: int) -> int:
     return math.ceil(max(steps, 0) / (fragment_steps * workers))
 
 
-def one_per_worker(env_ids: Sequence[str], workers: int) -> list[str]:
-    """``env_ids`` as a list, refused unless it names one collection member per worker (``Fleet.set_env_ids``)."""
+def one_per_worker(config: TrainConfig, env_ids: Sequence[str], workers: int) -> list[str]:
+    """``env_ids`` as a list, refused unless the run has a collection and they name one member per worker
+    (``Fleet.set_env_ids``, on every backend)."""
+    if not config.collection:
+        raise ValueError(f"cannot switch to collection members {list(env_ids)}: this run's env ({config.env}) is not "
+                         f"a collection (a run of one is built with --collection FILE)")
     if len(env_ids) != workers:
         raise ValueError(f"set_env_ids takes one collection member per worker ({workers}), got {len(env_ids)}: "
                          f"{list(env_ids)}")
@@ -221,7 +225,7 @@ class LocalFleet:
     def set_env_ids(self, env_ids: Sequence[str]) -> None:
         """Actor ``i`` acts in collection member ``env_ids[i]`` from its next fragment on (every actor is at a
         fragment boundary between calls: the switch happens now; :func:`switch_member_`)."""
-        for actor, env_id in zip(self.actors, one_per_worker(env_ids, len(self.actors))):
+        for actor, env_id in zip(self.actors, one_per_worker(self.config, env_ids, len(self.actors))):
             switch_member_(actor, env_id)
 
     # -- statistics, state -------------------------------------------------------------------------------

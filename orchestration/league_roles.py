@@ -115,15 +115,15 @@ class RoleLeague:
         build = build or build_trainer
         mapping = ((agents[1 - league.seat], OPPONENT),)
         self.trainers: list[Any] = []
-        self._shutdown = None
+        self._shutdown, each = None, config
         if config.backend == "ray":  # room for every player's actors at once, or they would wait for ever
             from orchestration.ray_session import init_ray_for
 
-            self._shutdown = init_ray_for(config, len(league.roles))
+            self._shutdown, each = init_ray_for(config, len(league.roles))
         try:
             for i, role in enumerate(league.roles):
                 self.trainers.append(build(dataclasses.replace(  # its opponents are the league's players: no
-                    config, seed=config.seed + 1000 * i, policy_mapping=mapping, fixed_policies=(OPPONENT,),
+                    each, seed=config.seed + 1000 * i, policy_mapping=mapping, fixed_policies=(OPPONENT,),
                     eval_every=0, run_dir="", past_selves=PastSelvesConfig())))  # past selves (never used here)
         except BaseException:
             self.close()

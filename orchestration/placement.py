@@ -4,6 +4,8 @@ cluster's totals (the Ray calls that read those and place the actors are in :mod
 
 from __future__ import annotations
 
+import dataclasses
+
 from orchestration.config import RayConfig, TrainConfig
 
 
@@ -45,6 +47,18 @@ def learner_gpus(num_gpus: float | str, cluster_gpus: float, holders: int, devic
 def worker_gpus(config: TrainConfig, ray_config: RayConfig) -> float:
     """GPUs the rollout workers reserve (``--ray.worker-num-gpus`` each); the learners share what they leave."""
     return config.rollout.num_workers * ray_config.worker_num_gpus
+
+
+def side_by_side(config: TrainConfig, trainers: int, cluster_gpus: float) -> TrainConfig:
+    """``config`` for each of ``trainers`` trainers run side by side (a league's players, one learning policy
+    each): ``--ray.learner-num-gpus auto`` becomes the share of every trainer's learner processes in what all of
+    their rollout workers leave (each trainer alone would share the cluster's GPUs among its own learners)."""
+    rc = config.ray
+    if rc.learner_num_gpus != "auto":
+        return config
+    have = max(cluster_gpus - trainers * worker_gpus(config, rc), 0.0)
+    share = learner_gpus("auto", have, trainers * gpu_holders(rc, 1), config.device)
+    return dataclasses.replace(config, ray=dataclasses.replace(rc, learner_num_gpus=share))
 
 
 def gpu_holders(ray_config: RayConfig, num_learners: int, critics: int = 0) -> int:

@@ -171,7 +171,7 @@ class RayFleet:
     def set_env_ids(self, env_ids) -> None:
         """Collection member per worker: sent with the next collect (or run) call, and to streaming workers now
         (each switches at its next fragment boundary)."""
-        self.env_ids = one_per_worker(env_ids, len(self.slots))
+        self.env_ids = one_per_worker(self.config, env_ids, len(self.slots))
         for slot in self.slots:
             if slot.run_ref is not None:
                 slot.handle.set_env_id.remote(self.env_ids[slot.slot])

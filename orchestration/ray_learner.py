@@ -65,7 +65,8 @@ class LearnerServer(LearnerHost):
     def join_data_parallel(self, peers: Sequence[Any], address: str, port: int) -> None:
         """Rank 0 of a group with ``peers`` (:meth:`LearnerHost.join_group`; shards go out through the object store)."""
         self.join_group(peers, address, port, wait=ray.get, send=lambda peer, shard, progress, lr: peer.train.remote(
-            ray.put(to_wire(shard)), progress=progress, lr=lr), load=lambda peer, state: peer.load_state_.remote(state))
+            ray.put(to_wire(shard)), progress=progress, lr=lr), load=lambda peer, state: peer.load_state_.remote(state),
+            returns=lambda peer: peer.returns_state.remote())
 
     def publish(self) -> None:
         super().publish()

@@ -23,7 +23,8 @@ from core.specs import Tree, to_json
 from orchestration.addresses import check_reachable
 from orchestration.config import RayConfig, TrainConfig
 from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
-                                    learner_processes, learner_restarts, reservation_problem, worker_gpus)
+                                    learner_processes, learner_restarts, reservation_problem, side_by_side,
+                                    worker_gpus)
 from orchestration.signals import held_interrupts, kept_sigterm
 
 
@@ -70,9 +71,10 @@ def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: in
         warnings.warn(problem, stacklevel=3)
 
 
-def init_ray_for(config: TrainConfig, trainers: int) -> Callable[[], None] | None:
+def init_ray_for(config: TrainConfig, trainers: int) -> tuple[Callable[[], None] | None, TrainConfig]:
     """:func:`init_ray` with room for ``trainers`` trainers of ``config`` side by side, one learning policy
-    each (a league's players), checked strictly; ``ray.shutdown`` when this call started Ray, else None."""
+    each (a league's players), checked strictly. Returns ``ray.shutdown`` when this call started Ray (else None)
+    and the config each trainer is built from (:func:`orchestration.placement.side_by_side`: its GPU share)."""
     owns = init_ray(config, config.ray, trainers * cpus_needed(config, config.ray, 1))
     try:
         check_resources(config, config.ray, 1, strict=True, trainers=trainers)
@@ -80,7 +82,7 @@ def init_ray_for(config: TrainConfig, trainers: int) -> Callable[[], None] | Non
         if owns:
             ray.shutdown()
         raise
-    return ray.shutdown if owns else None
+    return ray.shutdown if owns else None, side_by_side(config, trainers, ray.cluster_resources().get("GPU", 0.0))
 
 
 def try_get(ref, timeout: float | None = None):

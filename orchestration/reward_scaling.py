@@ -61,7 +61,8 @@ class ReturnStreams:
                 carry = self.carry.get((worker, group))
                 if carry is None or carry.shape != (e, a):
                     carry = torch.zeros(e, a, dtype=torch.float64, device=reward.device)
-                returns, self.carry[(worker, group)] = discounted_returns(reward, g_next.get(DONE), self.gamma, carry)
+                returns, self.carry[(worker, group)] = discounted_returns(reward, g_next.get(DONE), self.gamma,
+                                                                          carry.to(reward.device))  # a restored one
                 mask = fragment.get((group, MASK), None)
                 if slots is not None:
                     slots = slots.to(returns.device)

@@ -97,8 +97,6 @@ class FragmentBuilder:
         self._num_steps = 0
         self._completed: dict[str, list[TensorDict]] = {}
         self._cut: list[tuple[int, torch.Tensor]] = []  # (step, env rows) of this fragment's cut episodes
-        self.episodes_cut = 0
-        """Episodes that ended in a cut (:meth:`mark_cut_`), left out of the completed-episode records."""
 
     def __len__(self) -> int:
         """Number of steps in the current (unbuilt) fragment."""
@@ -183,7 +181,6 @@ class FragmentBuilder:
                 if cut is not None:  # the records ending at a cut step of their env are left out
                     records = records[~cut[records.get(ENV_ID), records.get("end_time")]]
                 self._completed.setdefault(group, []).append(records)
-            self.episodes_cut += 0 if cut is None else int(cut.sum())
         else:
             self.tracker.advance_ids_(done)
         self.sequence += 1

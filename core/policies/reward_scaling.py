@@ -124,7 +124,7 @@ class RewardScaler(nn.Module):
     def observe_(self, returns: Tensor, mask: Tensor | None = None, reduce=None) -> None:
         """Merges the returns ``[*B]`` where ``mask`` ``[*B]`` (bool) is True. Mutates the buffers. ``reduce``:
         adds :func:`sums_of` up over copies training on shards of one batch (data-parallel ranks)."""
-        x = returns.reshape(-1)
+        x = returns.reshape(-1).to(self.return_mean.device)  # fragments may live elsewhere (an env on CUDA)
         if mask is not None:
             x = x[mask.reshape(-1).to(x.device)]
         stats = (self.return_mean, self.return_var, self.return_count)

@@ -98,7 +98,8 @@ def make_raising():
 class _FiveSteps(gymnasium.Env):
     """Episodes of exactly 5 steps, reward 1 each (return 5), cut at their second step by a fault in about half
     of them: ``nan`` returns a NaN reward (a lenient repair truncates the episode), ``raise`` raises (lenient mode
-    restarts the env's process). Which episodes are cut follows the reset seed, so restarts differ."""
+    restarts the env's process); ``final_obs`` cuts none, but returns an observation out of its space at the
+    last step (repaired, the episode whole). Which episodes fault follows the reset seed, so restarts differ."""
 
     observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,))
     action_space = gymnasium.spaces.Discrete(2)
@@ -113,10 +114,12 @@ class _FiveSteps(gymnasium.Env):
 
     def step(self, action):
         self.t += 1
-        if self.cut and self.t == 2:
+        if self.cut and self.t == 2 and self.fault != "final_obs":
             if self.fault == "raise":
                 raise RuntimeError("the simulator raised")
             return self.observation_space.low * 0, float("nan"), False, False, {}
+        if self.cut and self.t == 5 and self.fault == "final_obs":  # a whole episode, its last observation repaired
+            return self.observation_space.high + 4, 1.0, True, False, {}
         return self.observation_space.low * 0, 1.0, self.t == 5, False, {}
 
 

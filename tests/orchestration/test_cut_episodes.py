@@ -32,11 +32,14 @@ def _metrics(fault: str, backend: str = "local", **rollout) -> dict:
     ("nan", {}, "env/invalid_output_truncations"),
     ("raise", {}, "env/episodes_lost"),
     ("raise", {"env_processes": 2, "env_polling": True}, "env/episodes_lost"),
-], ids=["repaired", "restarted", "restarted_polled"])
+    ("final_obs", {}, "env/invalid_output_truncations"),
+], ids=["repaired", "restarted", "restarted_polled", "whole_but_repaired"])
 def test_cut_episodes_are_counted_but_not_averaged_into_the_returns(fault, rollout, counter):
     metrics = _metrics(fault, **rollout)
-    assert metrics[counter] > 0  # cuts happened
+    assert metrics[counter] > 0  # repairs or restarts happened
     assert metrics["episodes"] > 0 and metrics["episode_return_mean"] == 5.0 and metrics["episode_length_mean"] == 5.0
+    if fault == "final_obs":  # every episode ended by the env with its rewards: all 2 x 4 x 20 / 5 of them count
+        assert metrics["episodes"] == 32
 
 
 @pytest.mark.ray

@@ -319,8 +319,9 @@ def test_set_env_ids_on_a_run_without_a_collection_or_with_one_id_short_is_named
     """The Fleet loop's ``set_env_ids`` line is for collections: without one it says so; with one, a list of the
     wrong length says how many it takes (a bare AttributeError and zip's ValueError before)."""
     plain = build_trainer(TrainConfig(env="builtin:cartpole", rollout=RolloutConfig(num_envs=2, fragment_length=4)))
-    with pytest.raises(ValueError, match=r"cannot switch to collection member 'easy': this actor's env \(CartPole\) "
-                                         r"is not a collection \(a run of one is built with --collection FILE\)"):
+    with pytest.raises(ValueError, match=r"cannot switch to collection members \['easy'\]: this run's env "
+                                         r"\(builtin:cartpole\) is not a collection \(a run of one is built with "
+                                         r"--collection FILE\)"):
         plain.fleet.set_env_ids(["easy"])
     plain.close()
     two = build_trainer(TrainConfig(collection=curriculum(100.0), rollout=RolloutConfig(num_envs=2, fragment_length=4,

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from adapters.builtin import CartPole, CartPoleConfig
-from core.policies import make_policies
+from core.policies import PolicyConfig, make_policies
 from orchestration.actor import Actor
 from orchestration.assignment import assign
 from orchestration.builder import build_trainer
 from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+from orchestration.run_state import restore_trainer_, trainer_state
 from orchestration.service_policy import ServicePolicy
 
 
@@ -37,10 +38,45 @@ def test_a_stand_in_policy_on_an_env_off_the_cpu_is_refused_by_name():
         Actor(env, {"agent": stand_in}, assign(env.tree))
 
 
+def test_an_actor_off_the_cpu_restores_its_envs_generator_states_as_cpu_byte_tensors():
+    """A resumed actor moves its observations and flags to its device, but not the env's state: generator states
+    are CPU byte tensors on every device (torch refuses others) and an env moves the rest itself. ``meta`` stands
+    in for CUDA (set after a CPU start: it cannot step); the env's load raised TypeError before."""
+    env = CartPole(CartPoleConfig(num_envs=2))
+    actor = Actor(env, make_policies(env.tree), assign(env.tree), fragment_length=4)
+    actor.collect()
+    state = actor.state()
+    actor.device = torch.device("meta")
+    actor.load_state_(state)
+    assert actor.builder.tracker.episode_count.device.type == "meta"  # the actor's own tensors moved
+    assert torch.equal(env.state_dict()["rng"], state["tensors"]["env/rng"])  # the env's generator restored
+
+
 def _cuda_config(backend: str = "local", **kwargs) -> TrainConfig:
     return TrainConfig(env="builtin:cartpole", env_kwargs=(("device", "'cuda'"),), device="cuda", backend=backend,
-                       iterations=3, eval_every=1, eval_episodes=4,
+                       iterations=3, eval_every=1, eval_episodes=4, policy=PolicyConfig(scale_rewards=True),
                        rollout=RolloutConfig(num_envs=256, fragment_length=16, **kwargs.pop("rollout", {})), **kwargs)
+
+
+@pytest.mark.gpu
+def test_a_cuda_run_with_reward_scaling_resumes_exactly():
+    """The checkpoint holds CPU tensors; a resumed trainer moves each where it acts: the actors' observations,
+    the envs' states (their generators stay CPU byte tensors), the return accumulators beside CUDA rewards."""
+    whole = build_trainer(_cuda_config())
+    try:
+        whole.train()
+        saved = trainer_state(whole)
+        expected = whole.train()
+    finally:
+        whole.close()
+    resumed = build_trainer(_cuda_config())
+    try:
+        restore_trainer_(resumed, *saved)
+        got = resumed.train()
+    finally:
+        resumed.close()
+    for key in ("loss_policy", "loss_value", "grad_norm", "reward_scale", "episode_return_mean"):
+        assert got.get(key) == expected.get(key), key
 
 
 @pytest.mark.gpu

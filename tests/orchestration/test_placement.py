@@ -6,7 +6,7 @@ import pytest
 
 from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
-                                    reservation_problem)
+                                    reservation_problem, side_by_side)
 
 
 def _config(workers: int = 2) -> TrainConfig:
@@ -132,3 +132,15 @@ def test_rollout_workers_gpus_come_first_and_the_learners_share_what_they_leave(
     assert two_trainers.startswith("--ray.worker-num-gpus 0.5 asks for 4 GPUs (8 workers)")
     with pytest.raises(ValueError, match="--ray.worker-num-gpus must be >= 0, got -1"):
         RayConfig(worker_num_gpus=-1)
+
+
+def test_trainers_side_by_side_share_the_gpus_their_workers_leave_among_all_of_their_learners():
+    """A league's players: each trainer alone shared the cluster's GPUs among its own learner, so two players on
+    one GPU asked for one each and the second waited for ever."""
+    config = TrainConfig(env="builtin:cartpole", backend="ray", rollout=RolloutConfig(num_workers=1))
+    assert side_by_side(config, 2, cluster_gpus=1.0).ray.learner_num_gpus == 0.5
+    workers = TrainConfig(env="builtin:cartpole", backend="ray", ray=RayConfig(worker_num_gpus=0.25))
+    assert side_by_side(workers, 2, cluster_gpus=1.0).ray.learner_num_gpus == 0.25  # (1 - 2 x 0.25) / 2
+    assert side_by_side(config, 2, cluster_gpus=0.0).ray.learner_num_gpus == 0.0
+    explicit = TrainConfig(env="builtin:cartpole", backend="ray", ray=RayConfig(learner_num_gpus=1.0))
+    assert side_by_side(explicit, 2, cluster_gpus=4.0) is explicit

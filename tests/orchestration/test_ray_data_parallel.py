@@ -118,11 +118,14 @@ def test_ray_backend_trains_each_policy_with_two_data_parallel_learners(ray_sess
 
 def test_a_resumed_data_parallel_group_goes_on_as_an_uninterrupted_one(ray_session):
     """Rank 0's checkpointed state reaches its peers on resume: they went on from their fresh weights and Adam
-    state, so the group's next step averaged gradients taken at different weights (and the copies drifted)."""
+    state, so the group's next step averaged gradients taken at different weights (and the copies drifted). With
+    reward scaling, each peer's own return accumulators (its rows) are checkpointed and restored too."""
+    from core.policies import PolicyConfig
     from orchestration.config import RayConfig
     from orchestration.run_state import restore_trainer_, trainer_state
 
     config = TrainConfig(env="builtin:cartpole", seed=0, iterations=3, backend="ray", anneal_lr=False, lr=0.01,
+                         policy=PolicyConfig(scale_rewards=True, normalize_observations=True),
                          rollout=RolloutConfig(num_envs=4, fragment_length=16, num_workers=2),
                          ppo=PPOConfig(minibatch_size=32, num_epochs=2),
                          ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0, learners_per_policy=2))
@@ -143,5 +146,5 @@ def test_a_resumed_data_parallel_group_goes_on_as_an_uninterrupted_one(ray_sessi
         assert all(ray_session.get([server.in_sync.remote()] + [p.in_sync.remote() for p in peers]))
     finally:
         resumed.close()
-    for key in ("loss_policy", "loss_value", "grad_norm", "approx_kl", "policy_version"):
+    for key in ("loss_policy", "loss_value", "grad_norm", "approx_kl", "policy_version", "reward_scale"):
         assert got[key] == expected[key], key

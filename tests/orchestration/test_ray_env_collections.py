@@ -93,3 +93,16 @@ def test_streaming_ray_workers_switch_members_at_their_next_fragment(ray_session
     finally:
         trainer.close()
     assert "hard" in trained_on, "no fragment of the promoted stage was trained on"
+
+
+def test_set_env_ids_on_ray_without_a_collection_is_refused_at_the_call(ray_session):
+    """As on the local backend: the fleet says so when called (the worker's error came at its next collect)."""
+    from orchestration.config import RolloutConfig, TrainConfig
+
+    trainer = build_trainer(TrainConfig(env="builtin:cartpole", backend="ray",
+                                        rollout=RolloutConfig(num_envs=2, fragment_length=4)))
+    try:
+        with pytest.raises(ValueError, match=r"this run's env \(builtin:cartpole\) is not a collection"):
+            trainer.fleet.set_env_ids(["easy"])
+    finally:
+        trainer.close()
