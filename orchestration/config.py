@@ -27,11 +27,13 @@ class RolloutConfig:
     num_workers: int = 1
     """Rollout workers (actors), each with ``num_envs`` envs."""
     check: Literal["strict", "lenient"] = "strict"
-    """Bad env output: raise a named error (strict) or restart and count it (lenient). Lenient runs keep the
-    envs in a subprocess (``env_processes``, at least one), so that an env that raises, returns an observation of
-    the wrong shape, hangs or dies is restarted: the episodes of every env of its process end truncated and are
-    counted (``env/episodes_lost``), their partial returns left out of the return statistics; more processes lose
-    fewer episodes per fault."""
+    """Bad env output: raise a named error (strict) or repair or restart and count it (lenient). Lenient runs keep
+    the envs in a subprocess (``env_processes``, at least one). An output the adapter can repair in place (a NaN
+    reward, a value out of its space; a wrong shape in a PettingZoo env) ends that env's episode truncated
+    (``env/invalid_output_truncations``). An env that raises, hangs, dies or returns what its adapter cannot
+    store (a gymnasium observation of the wrong shape) is restarted: the episodes of every env of its process
+    end truncated (``env/episodes_lost``); more processes lose fewer episodes per fault. Either way the cut
+    episodes' partial returns stay out of the return statistics; evaluation envs count theirs as ``eval_env/*``."""
     env_processes: int = 0
     """Run each actor's envs in this many subprocesses (``adapters.env_worker.EnvWorkerPool``): slow Python envs
     use more cores, and an env that hangs, crashes or raises is restarted, its episodes truncated and counted

@@ -86,9 +86,11 @@ def gpu_problem(config: TrainConfig, ray_config: RayConfig, holders: int, have: 
     workers' GPUs (:func:`worker_gpus`) are taken first."""
     if (workers := trainers * worker_gpus(config, ray_config)) > have + 1e-9:
         count = trainers * config.rollout.num_workers
-        return (f"--ray.worker-num-gpus {ray_config.worker_num_gpus:g} asks for {workers:g} GPUs ({count} workers) "
-                f"but the cluster has {have:g}: lower it (fractions share a GPU, e.g. {have / count:.2g}) or "
-                f"--rollout.num-workers")
+        way = (f"lower it (fractions share a GPU, e.g. {have / count:.2g}) or --rollout.num-workers" if have else
+               "leave it at 0: the workers' envs then step on the CPU (--env-kwargs device cpu)")
+        return (f"--ray.worker-num-gpus {ray_config.worker_num_gpus:g} asks for {workers:g} GPU"
+                f"{'' if workers == 1 else 's'} ({count} worker{'' if count == 1 else 's'}) but the cluster has "
+                f"{have:g}: {way}")
     have -= workers
     gpus = learner_gpus(ray_config.learner_num_gpus, have, holders, config.device)
     if gpus * holders > have + 1e-9:

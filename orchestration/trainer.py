@@ -85,8 +85,7 @@ class Trainer:
         self._episodes_before = self._episodes_total = 0  # finished episodes before a resume, and in all
         self._started = self._closed = self._warned_past_budget = False  # warned: trained past the annealed budget
         self._actors_restored: bool | None = None  # set by load_state_
-        self._final: dict[str, float] | None = None
-        self._on_close = on_close
+        self._final, self._on_close = None, on_close
         self._counters: dict[int, dict[str, dict]] = {}  # worker id -> its latest running totals
         self.envsets = CollectionDriver.from_config(config) if config.collection is not None else None
         """The collection's draws, per-env windows and structure state (None without a collection)."""
@@ -291,7 +290,7 @@ class Trainer:
         """Mean returns of the deterministic evaluator with the newest weights over ``episodes`` episodes:
         ``eval_return_mean`` (all agents) and, with several policies, ``eval_return_mean/<policy>``. With a
         collection: ``episodes`` in each evaluation env, those keys over all of them and per env id
-        (``eval_return_mean/env:<id>``)."""
+        (``eval_return_mean/env:<id>``). ``eval_env/<counter>``: the evaluation envs' fault counters."""
         if self._closed:
             raise RuntimeError("this trainer was closed")
         if self.evaluator is None and self._make_evaluator is not None:  # asked for once, without eval_every
@@ -302,9 +301,10 @@ class Trainer:
         for pid, learner in self.learners.items():  # forced: a restored evaluator holds versions, not weights
             actor.set_weights(pid, *learner.weights(), force=True)
         episodes = episodes or self.config.eval_episodes
-        if self.envsets is not None:
-            return evaluate_members(actor, self.envsets.collection.evaluation_ids(), episodes, self._eval_means)
-        return self._eval_means(actor.run_episodes(episodes))
+        out = evaluate_members(actor, self.envsets.collection.evaluation_ids(), episodes, self._eval_means) \
+            if self.envsets is not None else self._eval_means(actor.run_episodes(episodes))
+        # what the evaluation envs' adapters repaired or restarted, over the run (as env/<counter> is training's)
+        return {**out, **{f"eval_env/{k}": float(v) for k, v in getattr(actor.env, "counters", {}).items()}}
 
     def _eval_means(self, returns: Mapping[str, list[float]]) -> dict[str, float]:
         out = {}

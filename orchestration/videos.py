@@ -22,6 +22,7 @@ from typing import Any, Collection, Literal, Mapping
 import numpy as np
 
 from core.layout import DONE, NEXT
+from orchestration.user_errors import is_users_mistake
 
 Format = Literal["auto", "mp4", "gif"]
 
@@ -100,8 +101,9 @@ class _Filming:
         out = self._env.step(actions)
         stepped = self._stepped if self._stepped is not None else self._frame()
         self._on_frame(stepped, False)  # at an episode's end: its last frame
-        if bool(out.get((NEXT, DONE)).reshape(-1)[0]):
-            self._on_frame(self._frame(), True)  # the next episode's first frame (the adapter reset it)
+        if bool(out.get((NEXT, DONE)).reshape(-1)[0]):  # the next episode's first frame (the adapter reset it); an
+            cut = 0 in np.asarray(getattr(self._env, "last_cut", ()))  # episode a lenient repair cut is not scored:
+            self._on_frame(self._frame(), True, cut)                    # its video is dropped
         return out
 
 
@@ -187,10 +189,10 @@ def record_episodes(config, policies: Mapping[str, Any], assignment: Mapping[str
     written: list[Path] = []
     writer: list[_Writer] = []  # the episode being filmed
 
-    def on_frame(frame: np.ndarray, new_episode: bool) -> None:
+    def on_frame(frame: np.ndarray, new_episode: bool, cut: bool = False) -> None:
         if new_episode:
             if writer and (path := writer.pop().close()) is not None:
-                written.append(path)
+                path.unlink() if cut else written.append(path)
             if len(written) >= episodes:
                 return
             writer.append(_Writer(out / f"episode_{len(written):03d}.{fmt}", fmt, fps))
@@ -204,9 +206,15 @@ def record_episodes(config, policies: Mapping[str, Any], assignment: Mapping[str
         actor = Actor(filming, {pid: p.cpu() for pid, p in policies.items()}, assignment,
                       seed=config.seed + 10**6, record=False, deterministic=[p for p in policies if p not in fixed])
         returns = actor.run_episodes(episodes)
+    except Exception as error:  # the env's own fault while filmed (VideoErrors and the user's mistakes pass)
+        if isinstance(error, VideoError) or is_users_mistake(error, gymnasium=True):
+            raise
+        raise VideoError(f"--video: env {name!r} failed while it was filmed ({type(error).__name__}: {error}); "
+                         f"videos play the env in this process, where --rollout.check lenient cannot restart it: "
+                         f"evaluate without --video to score it, or film a checkpoint of an env that runs") from None
     finally:
-        if writer:  # an episode cut short (an error): close its file, keep nothing half-written in the list
-            writer.pop().close()
+        if writer and (path := writer.pop().close()) is not None:  # an episode cut short: no half-written file
+            path.unlink()
         env.close()
     return returns, written
 

@@ -125,3 +125,27 @@ class _FiveSteps(gymnasium.Env):
 
 def make_five_steps(fault: str = "nan"):
     return _FiveSteps(fault)
+
+
+def make_raising_filmable(render_mode=None):
+    """:func:`make_raising` that renders (a video's env raising at its third step)."""
+    return _Raising(gymnasium.make("CartPole-v1", render_mode=render_mode))
+
+
+class _NanEveryOther(gymnasium.Wrapper):
+    """CartPole whose every other episode returns a NaN reward at its second step (a lenient repair cuts it)."""
+
+    episodes = 0
+
+    def reset(self, **kwargs):
+        self.steps, self.episodes = 0, self.episodes + 1
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        self.steps += 1
+        obs, reward, *rest = self.env.step(action)
+        return (obs, float("nan") if self.episodes % 2 == 0 and self.steps == 2 else reward, *rest)
+
+
+def make_nan_filmable(render_mode=None):
+    return _NanEveryOther(gymnasium.make("CartPole-v1", render_mode=render_mode))

@@ -145,3 +145,40 @@ def test_evaluate_films_every_evaluation_env_of_a_collection(tmp_path, capsys, m
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["videos"] == [str(tmp_path / "v" / "t" / f"episode_00{k}.gif") for k in range(2)]
     assert result["eval_return_mean/env:t"] <= 5 and not (tmp_path / "v" / "a").exists()  # capped at 5 steps
+
+
+def test_an_env_that_raises_while_filmed_is_one_paragraph_and_leaves_no_half_written_video(
+        cartpole_checkpoint, tmp_path, capsys):
+    from orchestration.cli import main
+
+    with pytest.raises(SystemExit) as exit_:  # was the env's traceback, and a video of an unfinished episode
+        main(["evaluate", str(cartpole_checkpoint), "--env", "tests.orchestration.faulty_env_factories:"
+              "make_raising_filmable", "--episodes", "1", "--video", str(tmp_path / "v")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and "failed while it was filmed (RuntimeError" in err, err
+    assert list((tmp_path / "v").iterdir()) == []
+
+
+def test_episodes_a_lenient_repair_cut_are_not_filmed_as_scored_ones(cartpole_checkpoint, tmp_path, monkeypatch):
+    """Every other episode gets a NaN reward at its second step: cut, not scored, and now not filmed either (its
+    two frames were a video of their own among the scored episodes')."""
+    import dataclasses
+
+    import orchestration.videos as videos
+    from core.specs import from_json
+    from orchestration.builder import assignment_for, build_policies
+    from orchestration.checkpoint import load_checkpoint
+    from orchestration.run_state import load_config
+
+    monkeypatch.setattr(videos, "video_format", lambda _fmt="auto": "gif")
+    weights, _, state = load_checkpoint(cartpole_checkpoint)
+    config = load_config(state)
+    config = dataclasses.replace(config, env="tests.orchestration.faulty_env_factories:make_nan_filmable",
+                                 rollout=dataclasses.replace(config.rollout, check="lenient"))
+    assignment = assignment_for(config, from_json(state["tree"]))
+    policies, fixed = build_policies(config, from_json(state["tree"]), assignment)
+    for pid, policy in policies.items():
+        policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
+    returns, paths = videos.record_episodes(config, policies, assignment, fixed, episodes=3, out_dir=tmp_path / "v")
+    assert len(returns["return"]) == 3 and len(paths) == 3 == len(list((tmp_path / "v").iterdir()))
+    assert [_frame_count(p) for p in paths] == [round(r) + 1 for r in returns["return"]]

@@ -13,8 +13,9 @@ from orchestration.config import RolloutConfig, TrainConfig
 ENV = "tests.orchestration.faulty_env_factories:make_five_steps"
 
 
-def _metrics(fault: str, backend: str = "local", **rollout) -> dict:
+def _metrics(fault: str, backend: str = "local", eval_every: int = 0, **rollout) -> dict:
     config = TrainConfig(env=ENV, env_kwargs=(("fault", repr(fault)),), backend=backend, iterations=2,
+                         eval_every=eval_every, eval_episodes=8,
                          ppo=PPOConfig(minibatch_size=64, num_epochs=1),
                          rollout=RolloutConfig(num_envs=4, fragment_length=20, check="lenient", **rollout))
     trainer = build_trainer(config)
@@ -47,3 +48,9 @@ def test_cut_episodes_stay_out_of_the_returns_on_ray_too(ray_session):
     metrics = _metrics("raise", backend="ray", num_workers=1)
     assert metrics["env/episodes_lost"] > 0
     assert metrics["episodes"] > 0 and metrics["episode_return_mean"] == 5.0
+
+
+def test_evaluations_score_whole_episodes_and_count_their_envs_faults():
+    """The evaluation envs' repairs were counted nowhere (a new user's faults did not add up)."""
+    metrics = _metrics("nan", eval_every=1)
+    assert metrics["eval_return_mean"] == 5.0 and metrics["eval_env/invalid_output_truncations"] > 0

@@ -132,6 +132,10 @@ def test_rollout_workers_gpus_come_first_and_the_learners_share_what_they_leave(
     assert two_trainers.startswith("--ray.worker-num-gpus 0.5 asks for 4 GPUs (8 workers)")
     with pytest.raises(ValueError, match="--ray.worker-num-gpus must be >= 0, got -1"):
         RayConfig(worker_num_gpus=-1)
+    one = TrainConfig(env="builtin:cartpole", backend="ray", ray=RayConfig(worker_num_gpus=0.5))
+    assert gpu_problem(one, one.ray, 1, have=0.0) == (  # no GPU at all: fewer workers would not help
+        "--ray.worker-num-gpus 0.5 asks for 0.5 GPUs (1 worker) but the cluster has 0: leave it at 0: the workers' "
+        "envs then step on the CPU (--env-kwargs device cpu)")
 
 
 def test_trainers_side_by_side_share_the_gpus_their_workers_leave_among_all_of_their_learners():
