@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tensordict import TensorDictBase
 
+from core.specs import to_json
 from orchestration.builder import assignment_for, build_learners, build_policies
 from orchestration.config import TrainConfig
 from adapters.external.codec import TreeCodec
@@ -228,8 +229,11 @@ def build_external(config: TrainConfig, *, log=None):
     from orchestration.learner import FixedLearner
 
     ec, log = config.external, sys.stderr if log is None else log  # resolved now: a default binds at import
-    given = _given_tree(ec.tree) if ec.tree else None
-    token_file = Path(config.run_dir) / "external_token" if config.run_dir else None
+    run_dir = Path(config.run_dir) if config.run_dir else None
+    tree_file = run_dir / "tree.json" if run_dir else None  # the run's tree, written once known
+    # a resumed run keeps its tree: a simulator with another one is refused (spec_mismatch), not adopted
+    given = _given_tree(ec.tree or str(tree_file)) if ec.tree or tree_file and tree_file.is_file() else None
+    token_file = run_dir / "external_token" if run_dir else None
     if not ec.token and token_file is not None and token_file.is_file():  # a resumed run: simulators keep theirs
         ec = dataclasses.replace(ec, token=token_file.read_text().strip())
     server = ExternalServer(ec, given, log=log).start()
@@ -264,6 +268,9 @@ def build_external(config: TrainConfig, *, log=None):
                 raise TimeoutError(f"no simulator connected to {server.url} within {patience:g} s, so the "
                                    f"environment's tree is unknown: {todo}")
         tree = server.tree
+        if tree_file is not None and not tree_file.is_file():
+            tree_file.parent.mkdir(parents=True, exist_ok=True)
+            tree_file.write_text(to_json(tree))
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
         if config.backend == "ray":

@@ -65,13 +65,9 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         if not is_loopback(config.host) and not config.tls_cert and not config.insecure:
             raise ValueError(f"--external.host {config.host!r} is not a loopback address: give --external.tls-cert and "
                              f"--external.tls-key (wss://), or pass --external.insecure to serve it unencrypted")
-        # hex: a generated token goes into launch commands (`--token {token}`), where a leading '-' (1 in 64
-        # URL-safe tokens) would read as an option
-        self.token = config.token or secrets.token_hex(24)
+        self.token = config.token or secrets.token_hex(24)  # hex: a leading '-' would read as an option in a command
         self._log = sys.stderr if log is None else log  # resolved now: a default would bind at import
-        self._tree_doc: dict | None = None
-        self._hash: str | None = None
-        self.tree: Tree | None = None
+        self._tree_doc, self._hash, self.tree = None, None, None  # the run's tree: given, or the first simulator's
         self.tree_ready = threading.Event()
         if tree is not None:
             self._adopt(tree)
@@ -87,8 +83,7 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0, uploaded_steps=0,
                              idle_closed=0)
         self._told: dict[str, int] = {}  # refusals printed on the log, per error code
-        self._server = None
-        self._thread: threading.Thread | None = None
+        self._server, self._thread = None, None
         self._closed = self._ending = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -271,13 +266,16 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         while not self._closed:
             frames = [ws.recv(timeout=self.config.idle_timeout_s)]
             # websockets' queue of frames received (an internal: without it, recv(timeout=0) tells)
-            empty = getattr(getattr(getattr(ws, "recv_messages", None), "frames", None), "empty", None)
+            empty, closed = getattr(getattr(getattr(ws, "recv_messages", None), "frames", None), "empty", None), None
             while len(frames) < _DRAIN:
                 if empty is not None and empty():
                     break  # nothing more has arrived (recv(timeout=0) would raise TimeoutError: ~8 us)
                 try:
                     frames.append(ws.recv(timeout=0))
                 except TimeoutError:
+                    break
+                except ConnectionClosed as error:  # what came before the close is served first (an end, a bye)
+                    closed = error
                     break
             pending = []
             for frame in frames:
@@ -299,6 +297,8 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
                 elif kind == "hello":
                     raise ProtocolError("bad_message", "'hello' comes once, first")
             self._answer(ws, pending, episodes)
+            if closed is not None:
+                raise closed
 
     def _start_act(self, ws, message: Mapping[str, Any], episodes: dict[str, Episode], pending: list) -> None:
         request_id = field(message, "id", int)

@@ -147,8 +147,11 @@ def note_stale(command: str, config: TrainConfig, metrics: Mapping[str, float]) 
                "acted meanwhile" if config.env == "external" else "--mode sync trains only on data acted by the "
                "current weights: --mode async --max-staleness 1 trains on data one version old")
     else:
+        fewer = ("fewer simulators (--external.instances) or a larger batch (--train-batch-size)"
+                 if config.env == "external" else "fewer fragments per training (--rollout.num-workers, "
+                 "--rollout.num-envs)")
         why = (f"they lagged the learner by more than --max-staleness {config.max_staleness} versions when it "
-               f"trained: raise it, or make fewer fragments per training (--rollout.num-workers, --rollout.num-envs)")
+               f"trained: raise it, or make {fewer}")
     print(f"shoal {command}: {stale:.0f} of the {produced:.0f} fragments made so far were dropped as stale "
           f"(fragments_stale, never trained on); {why}", file=sys.stderr)
     return True

@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 
+import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -86,3 +87,33 @@ def test_connections_lost_while_the_run_ends_are_counted_not_told():
     told = log.getvalue()
     assert "sim id 'ending-False' lost: it dropped without a close frame" in told  # a crash: told
     assert "ending-True" not in told and lanes.counters["episodes_cut"] >= 1, told  # the run's end: counted only
+
+
+def test_an_end_and_a_bye_sent_just_before_the_close_are_served_not_cut(served_for_endings):
+    """A simulator that ends its last episode and closes at once: the end and the bye arrived with the close, and
+    reading past them raised, so the episode was cut (and its final rewards lost) in about half of such runs."""
+    server, lanes = served_for_endings
+    obs = np.zeros(4, np.float32)
+    for k in range(12):
+        ws = connect(server.url, proxy=None, legacy=True)
+        ws.send(encode({"type": "hello", "protocol": 1, "token": "secret", "sim_id": f"s{k}", "tree": TREE}))
+        ws.recv(timeout=10)  # the welcome
+        ws.send(encode({"type": "act", "id": 0, "episode": "e", "agents": {"agents_0": {"observation": obs}}}))
+        ws.recv(timeout=10)  # the actions
+        ws.send(encode({"type": "end", "episode": "e", "outcome": "terminated", "rewards": {"agents_0": 1.0}}))
+        ws.send(encode({"type": "bye"}))
+        ws.close()
+    _wait(lambda: lanes.counters["episodes_completed"] + lanes.counters["episodes_cut"] == 12)
+    assert (lanes.counters["episodes_completed"], lanes.counters["episodes_cut"]) == (12, 0)
+
+
+@pytest.fixture
+def served_for_endings():
+    tree = from_json(json.dumps(TREE))
+    service = InferenceService({"agents": make_policies(tree, PolicyConfig())["agents"]}).start()
+    lanes = Lanes(TreeCodec(tree), assign(tree, {}), 4, lambda *item: None)
+    server = ExternalServer(ExternalConfig(token="secret"), tree, log=io.StringIO()).start()
+    server.attach(service, lanes)
+    yield server, lanes
+    server.close()
+    service.close()

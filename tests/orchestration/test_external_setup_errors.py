@@ -270,3 +270,27 @@ def test_a_server_waiting_for_its_first_simulator_says_how_long_it_waits(tmp_pat
     with pytest.raises(TimeoutError, match=r"no simulator connected .* within 0.3 s.*--external.start-timeout-s"):
         build_trainer(config)
     assert "; the first must connect within 0.3 s (--external.start-timeout-s)" in capsys.readouterr().err
+
+
+def test_a_run_writes_its_tree_and_a_resumed_run_refuses_a_simulator_with_another(tmp_path):
+    """docs/external-protocol.md: the server writes run_dir/tree.json. A resumed run read it back: it adopted the
+    first simulator's tree, a different one, and crashed loading the checkpoint's weights."""
+    from adapters.external.client import ExternalError, SimulatorClient
+    from orchestration.config import TrainConfig
+    from orchestration.external_fleet import build_external
+
+    (tmp_path / "given.json").write_text(json.dumps(TREE))
+    first = TrainConfig(env="external", run_dir=str(tmp_path / "run"),
+                        external=ExternalConfig(tree=str(tmp_path / "given.json"), token="t"))
+    fleet, _, _, teardown = build_external(first, log=io.StringIO())
+    fleet.close()
+    assert json.loads((tmp_path / "run" / "tree.json").read_text()) == json.loads(json.dumps(TREE))
+    resumed = TrainConfig(env="external", run_dir=str(tmp_path / "run"), external=ExternalConfig(token="t"))
+    fleet, _, tree, teardown = build_external(resumed, log=io.StringIO())  # no simulator needed: the tree is known
+    try:
+        other = json.loads(json.dumps(TREE))
+        other["tree"]["array"]["template"]["observation"]["shape"] = [5]
+        with pytest.raises(ExternalError, match="spec_mismatch"):
+            SimulatorClient(fleet.server.url, "t", other, "other")
+    finally:
+        fleet.close()
