@@ -56,6 +56,9 @@ class _Stop:
 def inexact_resume(config: TrainConfig) -> str:
     """Why a resumed run of ``config`` whose fleet does not resume exactly (:func:`orchestration.fleet.
     resumes_exactly`) differs from an uninterrupted one, said to its user."""
+    if config.env == "external":
+        return ("an external run's open episodes are not checkpointed, and its server's counters (env/external_*, "
+                "fragments_produced) start again")
     if config.mode != "sync":
         return "asynchronous mode: fragments waiting in a learner's pool and in flight at the checkpoint are not restored"
     if config.rollout.central_inference:

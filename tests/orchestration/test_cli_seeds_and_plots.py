@@ -269,3 +269,16 @@ def test_a_resume_with_central_inference_says_its_sampling_stream_is_drawn_afres
     err = capsys.readouterr().err
     assert "not bit-identical to an uninterrupted run: the central inference service's sampling stream is not saved" \
            in err and "cannot save their state" not in err
+
+
+def test_a_resume_says_what_it_cannot_continue_for_each_kind_of_run():
+    """An external run's counters restarted after a resume with nothing said (its note blamed envs' state)."""
+    from orchestration.config import RolloutConfig, TrainConfig
+    from orchestration.run_loop import inexact_resume
+
+    assert inexact_resume(TrainConfig(env="external")).startswith("an external run's open episodes are not "
+                                                                  "checkpointed, and its server's counters")
+    assert inexact_resume(TrainConfig(env="CartPole-v1", mode="async")).startswith("asynchronous mode")
+    central = TrainConfig(env="CartPole-v1", rollout=RolloutConfig(central_inference=True))
+    assert inexact_resume(central).startswith("the central inference service's sampling stream")
+    assert inexact_resume(TrainConfig(env="CartPole-v1")).startswith("envs that cannot save their state")
