@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = SimulatorClient(f"{scheme}://{args.host}:{args.port}", args.token, TREE, args.sim_id)
     except (OSError, ExternalError) as error:
-        print(f"external_sim {args.sim_id}: cannot connect: {error}", file=sys.stderr)
+        said = error if isinstance(error, ExternalError) else f"cannot connect: {error}"  # it says "cannot connect"
+        print(f"external_sim {args.sim_id}: {said}", file=sys.stderr)
         return 1
     played = 0
     actor: object = client

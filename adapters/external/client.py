@@ -83,8 +83,9 @@ class SimulatorClient:
             raise ExternalError("connect", f"{url!r} is not a WebSocket address ({error}): ws://host:port, or "
                                            f"wss://host:port for a server with TLS") from None
         except InvalidHandshake as error:  # something answers there, but not a WebSocket server
+            tls = "; a server with TLS is reached with wss://" if url.startswith("ws://") else ""
             raise ExternalError("connect", f"cannot connect to {url}: it did not answer as a Shoal server does "
-                                           f"({error}); check the host and port") from None
+                                           f"({error}); check the host and port{tls}") from None
         except SSLCertVerificationError as error:
             raise ExternalError("connect", f"cannot connect to {url}: the server's certificate is not trusted "
                                            f"({error.verify_message}); pass an ssl context that trusts it") from None

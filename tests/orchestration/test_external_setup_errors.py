@@ -250,7 +250,8 @@ def test_a_client_that_reaches_something_else_than_a_shoal_server_gets_an_extern
     threading.Thread(target=http.serve_forever, daemon=True).start()
     try:
         with pytest.raises(ExternalError, match=r"cannot connect to ws://127.0.0.1:\d+: it did not answer as a Shoal "
-                                                r"server does .*check the host and port") as info:
+                                                r"server does .*check the host and port; a server with TLS is "
+                                                r"reached with wss://") as info:
             SimulatorClient(f"ws://127.0.0.1:{http.server_address[1]}", "token", {"tree": {}}, timeout_s=5)
         assert info.value.code == "connect"
     finally:
