@@ -183,8 +183,9 @@ def switch_member_(actor, env_id: str, *, force: bool = False) -> int:
         The number of open episodes ended (counted in ``collection/switch_truncations``).
     """
     if not hasattr(actor.env, "switch_"):  # (a worker's TimedEnv forwards a collection's methods)
-        raise ValueError(f"cannot switch to collection member {env_id!r}: this actor's env ({type(actor.env).__name__}) "
-                         f"is not a collection (a run of one is built with --collection FILE)")
+        raise ValueError(f"cannot switch to collection member {env_id!r}: this actor's env "
+                         f"({type(actor.env).__name__}) is not a collection (a run of one is built with "
+                         f"--collection FILE)")
     if env_id == actor.env.member_id and not force:
         return 0
     if len(actor.builder):

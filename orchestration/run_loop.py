@@ -60,7 +60,8 @@ def inexact_resume(config: TrainConfig) -> str:
         return ("an external run's open episodes are not checkpointed, and its server's counters (env/external_*, "
                 "fragments_produced) start again")
     if config.mode != "sync":
-        return "asynchronous mode: fragments waiting in a learner's pool and in flight at the checkpoint are not restored"
+        return ("asynchronous mode: fragments waiting in a learner's pool and in flight at the checkpoint are not "
+                "restored")
     if config.rollout.central_inference:
         return "the central inference service's sampling stream is not saved (actions are drawn afresh)"
     return "envs that cannot save their state were reset (a new episode starts in every env)"

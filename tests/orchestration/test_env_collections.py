@@ -326,7 +326,8 @@ def test_set_env_ids_on_a_run_without_a_collection_or_with_one_id_short_is_named
     plain.close()
     two = build_trainer(TrainConfig(collection=curriculum(100.0), rollout=RolloutConfig(num_envs=2, fragment_length=4,
                                                                                         num_workers=2)))
-    with pytest.raises(ValueError, match=r"set_env_ids takes one collection member per worker \(2\), got 1: \['hard'\]"):
+    with pytest.raises(ValueError, match=r"set_env_ids takes one collection member per worker \(2\), got 1: "
+                                         r"\['hard'\]"):
         two.fleet.set_env_ids(["hard"])
     two.fleet.set_env_ids(["hard", "easy"])
     two.close()
