@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"external_sim {args.sim_id}: the end of {error.episode} refused: {error}", file=sys.stderr)
             client.refused.clear()
             played += 1
-    except (ExternalError, OSError) as error:  # the server went away: training is over
+    except (ExternalError, OSError) as error:  # the server went away (training is over), or refused us
         print(f"external_sim {args.sim_id}: stopped after {played} episodes: {error}", file=sys.stderr)
+        if isinstance(error, ExternalError) and error.code not in ("closed", "timeout"):
+            return 1  # refused (too large, a spec mismatch, ...): this simulator's fault, not the run's end
     finally:
         try:
             client.close()

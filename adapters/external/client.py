@@ -242,8 +242,13 @@ class SimulatorClient:
             self._send({"type": "pong", "t": message.get("t", 0)})
 
     def _send(self, message: Mapping[str, Any]) -> None:
+        frame = encode(message)
+        if len(frame) > self._max:  # the server would close the connection (1009) without a word on what
+            raise ExternalError("too_large", f"this {message.get('type')!r} message ({len(frame)} bytes) is over "
+                                             f"the server's max_message_bytes ({self._max}, told in its welcome); "
+                                             f"send fewer agents per request, or raise --external.max-message-bytes")
         try:
-            self._ws.send(encode(message))
+            self._ws.send(frame)
         except ConnectionClosed as closed:
             raise ExternalError("closed", f"the server closed the connection ({closed})") from None
 

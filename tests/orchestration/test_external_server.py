@@ -141,6 +141,18 @@ def test_a_bad_request_ends_only_its_episode(served):
     assert lanes.counters["episodes_started"] == 3  # the refused requests never opened an episode
 
 
+def test_a_message_over_the_servers_limit_is_refused_by_the_client_before_it_is_sent(served):
+    """The server closes such a connection (1009) without a word on why; the client knows the limit from the
+    welcome, says so and keeps its connection."""
+    server, _, _ = served
+    with SimulatorClient(server.url, "secret", TREE, "sim") as client:
+        with pytest.raises(ExternalError, match=r"this 'act' message \(\d+ bytes\) is over the server's "
+                                                r"max_message_bytes \(4096, told in its welcome\)") as error:
+            client.act("big", {"agents_0": np.zeros(2000, np.float32)})
+        assert error.value.code == "too_large"
+        assert client.act("small", {"agents_0": OBS}).episode == "small"
+
+
 def test_too_many_episodes_on_one_connection_are_refused_one_by_one(served):
     server, lanes, _ = served
     with SimulatorClient(server.url, "secret", TREE, "sim") as client:
