@@ -185,6 +185,8 @@ def check_hello(message: dict[str, Any], *, token: str, sim_id: str | None) -> t
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
         out.failures.append(("hello.sim_id", f"'sim_id' must be a string of 1-{MAX_NAME} characters, got "
                                              f"{short(name)}"))
+        out.fatal = ("bad_message", "hello: 'sim_id' must be a short string")  # as the server refuses it
+        return out, None
     elif sim_id is not None and name != sim_id:
         out.warnings.append(("hello.sim_id", f"sim_id {name!r} is not the {{sim_id}} it was launched with "
                                              f"({sim_id!r})"))
@@ -205,6 +207,8 @@ def check_hello(message: dict[str, Any], *, token: str, sim_id: str | None) -> t
         if claimed != own:
             out.failures.append(("hello.spec_hash", f"spec_hash {short(claimed)} is not the SHA-256 of the tree "
                                                     f"document it sent ({own}); see 'The tree' in the doc"))
+            out.fatal = ("spec_mismatch", "hello: spec_hash is not the hash of the tree sent")  # as the server's
+            return out, None
     else:
         out.notes.append("hello carries no spec_hash (optional): the hash was not checked")
     out.warnings += [(f"hello.extra.{k}", f"unknown field {k!r} (ignored)") for k in sorted(set(message) - _HELLO)]
