@@ -54,6 +54,9 @@ class LocalPolicyHandlers:
             versions = self._uploaded_versions(message, what, request_id)
             steps = field(message, "steps", list, fatal=False, request=request_id)
             episode = episodes.get(name)
+            if episode is None and not steps:  # as an end for it would be: nothing to start an episode with
+                raise ProtocolError("unknown_episode", f"{what}: no steps, and no such episode is running on this "
+                                                       f"connection", fatal=False)
             if episode is None:
                 if len(episodes) >= self.config.max_episodes:
                     raise ProtocolError("busy", f"{what}: a connection runs at most {self.config.max_episodes} "

@@ -39,6 +39,9 @@ def test_a_simulator_acting_with_its_own_policy_uploads_what_a_server_would_have
             client.upload("future", {"agents": 999}, step)
         with pytest.raises(ExternalError, match=r"version -5.*never published"):
             client.upload("past", {"agents": -5}, step)
+        with pytest.raises(ExternalError, match=r"no steps, and no such episode is running") as error:
+            client.upload("never", {"agents": 0}, [], end={"outcome": "terminated"})  # accepted, as 0 steps
+        assert error.value.code == "unknown_episode" and not error.value.fatal  # as a plain end for it is
         with pytest.raises(ExternalError, match=r"log_prob 5.0 is above 0.*discrete"):
             client.upload("certain", {"agents": 0}, [{"agents": {"agents_0": {"observation": OBS, "action": 1,
                                                                               "log_prob": 5.0}}}])
