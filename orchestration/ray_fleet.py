@@ -1,15 +1,9 @@
-"""The rollout fleet on Ray (seed 004): :class:`RayFleet` (driver side, the Fleet protocol of
-:mod:`orchestration.fleet`) creates, supervises and re-creates the rollout workers of
-:mod:`orchestration.ray_worker`. Synchronous mode: each worker collects its share of ``train_batch_size``
-with the current weights (seed 000), and what dead workers lost is re-collected. Asynchronous mode: workers
-stream until stopped, each fragment on a credit (:mod:`orchestration.sampling_credit`), and get new weights
-refs as published. A dead worker is re-created as a new
-incarnation (new ``worker_id`` and seed stream). Incarnation 0 has the local backend's worker ids and seeds:
-a synchronous Ray run reproduces a local run bit for bit.
-
-Central inference (``rollout.central_inference``): one threaded actor hosts an
-:class:`orchestration.service_policy.InferenceServer`, which batches the requests of all workers;
-:class:`RemoteService` is the workers' proxy on it.
+"""The rollout fleet on Ray (seed 004): :class:`RayFleet`, the Fleet protocol of :mod:`orchestration.fleet` over
+the workers of :mod:`orchestration.ray_worker`. Sync: each worker collects its share with the current weights,
+dead workers' losses re-collected; async: workers stream on credits (:mod:`orchestration.sampling_credit`). A dead
+worker comes back as a new incarnation (new worker id and seeds; incarnation 0's are the local backend's, so a sync
+Ray run reproduces a local one). Central inference: one threaded :class:`InferenceServer` actor, proxied by
+:class:`RemoteService`.
 """
 
 from __future__ import annotations
@@ -48,12 +42,8 @@ class _Slot:
 
 class RayFleet:
     """Creates, drives and re-creates ``config.rollout.num_workers`` rollout workers (driver side; no data).
-
-    ``learners`` (policy id -> learner actor handle) and ``stats`` (an :class:`EpisodeStatistics` actor) are
-    handed to every worker; ``weights`` start them. Weights handed over as TensorDicts (fixed policies, a
-    league's opponent) are put in the object store once per version. ``consumers``: the learners whose trainings
-    give credit back (asynchronous mode; a team critic receives fragments too, but paces nothing).
-    """
+    ``learners`` (policy id -> actor handle) and ``stats`` go to every worker, ``weights`` start them (TensorDicts
+    are put once per version); ``consumers``: the learners whose trainings give credit back (async mode)."""
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, learners: Mapping[str, Any], stats,
                  weights: Weights, inference=None, consumers: int = 1) -> None:
@@ -93,10 +83,8 @@ class RayFleet:
         return _Slot(slot, incarnation, handle)
 
     def restart(self, index: int, weights: Weights, cause: BaseException | None = None) -> None:
-        """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``. Only a worker that
-        died is replaced: an error its own code or envs raised ends the run as on the local backend (the user's
-        mistake as itself, :func:`orchestration.user_errors.users_mistake_within`; a faulty env restarts inside
-        the worker with ``rollout.check='lenient'``)."""
+        """Replaces the worker in slot ``index`` by a new incarnation started from ``weights``; only a dead one:
+        an error its code or envs raised ends the run, as on the local backend (the user's mistake as itself)."""
         if (mistake := users_mistake_within(cause)) is not None:
             raise mistake from None
         if _raised_by_worker(cause):  # its code or its envs raised: the run ends there, as on the local backend
@@ -126,8 +114,7 @@ class RayFleet:
 
     # -- synchronous mode --------------------------------------------------------------------------------
     def collect(self, target_steps: int, weights: Weights, new_steps: Callable[[], int] | None) -> list[dict]:
-        """Has the workers deliver at least ``target_steps`` env steps acting with ``weights``; their reports
-        (:func:`orchestration.fleet.collect_in_rounds`: a dead worker is re-created, what it lost topped up)."""
+        """At least ``target_steps`` env steps acted with ``weights``; the reports (:func:`collect_in_rounds`)."""
         weights = self._refs(weights)
         self._collecting = True  # stays set if this raises: the workers' states may be mid-fragment
 
@@ -159,8 +146,7 @@ class RayFleet:
             slot.run_ref = slot.handle.run.remote(weights, self.env_ids[slot.slot])
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:
-        """Hands new weights refs to every worker, loaded at its next fragment boundary (fire-and-forget: a
-        dead worker is found by :meth:`check`), or with ``wait`` loaded now by all before returning."""
+        """New weights refs to every worker, loaded at its next fragment boundary (``wait``: by all, now)."""
         weights = self._refs(weights)
         if wait:
             ray.get([slot.handle.sync_weights.remote(weights, force) for slot in self.slots])
@@ -169,8 +155,7 @@ class RayFleet:
             slot.handle.set_latest.remote(weights, force)
 
     def set_env_ids(self, env_ids) -> None:
-        """Collection member per worker: sent with the next collect (or run) call, and to streaming workers now
-        (each switches at its next fragment boundary)."""
+        """Collection member per worker, from its next fragment boundary."""
         self.env_ids = one_per_worker(self.config, env_ids, len(self.slots))
         for slot in self.slots:
             if slot.run_ref is not None:
@@ -192,21 +177,19 @@ class RayFleet:
         return len(done)
 
     def pump(self, weights: Weights, hungry: bool = False) -> None:
-        """Asynchronous mode: replaces dead workers, tops the credit pool up when due (``hungry``: a learner
-        waits for data), then leaves the workers a moment to produce."""
+        """Async mode: replaces dead workers, tops the credit pool up when due (``hungry``), waits a moment."""
         self.check(weights)
         if self._ledger is not None and self._ledger.top_up_due(hungry):
             self.credits.top_up.remote()
         time.sleep(self.ray_config.poll_interval_s)
 
     def trained(self, fragment_ids, learner: str = "") -> None:
-        """Asynchronous mode: gives the pool the credit freed by ``learner`` being done with ``fragment_ids``."""
+        """Async mode: the credit ``learner`` freed by training on ``fragment_ids`` goes back to the pool."""
         if self._ledger is not None and (returned := self._ledger.returned(fragment_ids, learner)):
             self.credits.grant.remote(returned)
 
     def episodes(self) -> dict[str, Any]:
-        """Episodes the statistics actor got since the last call (:meth:`EpisodeStatistics.drain`)."""
-        try:
+        try:  # EpisodeStatistics.drain
             return ray.get(self.stats.drain.remote())
         except ray.exceptions.RayActorError:  # its node died: it restarts empty, the episodes it held are gone
             return {"episodes": {}, "summary": {}}
@@ -217,12 +200,10 @@ class RayFleet:
 
     @property
     def resume_exact(self) -> bool:
-        """Whether a resumed run continues bit for bit (:func:`orchestration.fleet.resumes_exactly`)."""
         return resumes_exactly(self.config, self._env_state, self.restarts)
 
     def state(self) -> list[dict]:
-        """Every worker's actor state (taken between collects), or ``[]`` (:func:`orchestration.fleet.
-        worker_states_saved`, and when a worker does not answer: the checkpoint is still written, without them)."""
+        """Every worker's actor state, or ``[]`` (:func:`worker_states_saved`; a worker that does not answer)."""
         if not worker_states_saved(self.config, self.restarts, self._collecting):
             return []
         try:
@@ -231,7 +212,7 @@ class RayFleet:
             return []
 
     def load_state_(self, states) -> None:
-        """Inverse of :meth:`state`; the produced-fragment counts follow the workers' sequence numbers."""
+        """Inverse of :meth:`state` (the produced counts follow the workers' sequence numbers)."""
         if states and worker_states_saved(self.config, self.restarts, self._collecting):
             for counts in ray.get([s.handle.load_state_.remote(st) for s, st in zip(self.slots, states)]):
                 self.reported.update(counts)
@@ -246,8 +227,7 @@ class RayFleet:
         return reports
 
     def interrupt(self) -> None:
-        """Nothing to give up: the workers' collections end by themselves (an env that hangs inside a worker holds
-        its collection until ``rollout.env_timeout_s`` restarts it; 0, the default, waits for good)."""
+        """Nothing to give up: collections end by themselves (a hung env: ``rollout.env_timeout_s``)."""
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ends streaming; waits until each worker delivered what it built (its final report)."""
@@ -294,8 +274,7 @@ RemoteInferenceServer = ray.remote(max_concurrency=64)(InferenceServer)
 
 
 class RemoteService:
-    """A rollout worker's handle on the server, with the :class:`orchestration.service_policy.ActionService`
-    methods (each call waits for its answer)."""
+    """A rollout worker's handle on the server: the :class:`ActionService` methods, each call waiting."""
 
     def __init__(self, handle) -> None:
         self.handle = handle

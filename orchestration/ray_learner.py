@@ -1,18 +1,10 @@
-"""Learners on Ray: a :class:`PPOLearner` in an actor (:class:`LearnerServer`: the plain
-:class:`orchestration.learner_host.LearnerHost` on Ray's transport), and the driver's handle on it with the
-Learner protocol (:class:`RayLearner`). Wiring only: what to train on is the learner's inbox.
-
-Fragments arrive as metadata and a *nested* object ref (:meth:`LearnerServer.push`), read without a copy:
-learners on one node share one object-store copy (read-only; training never writes into a fragment).
-Weights go out once per version: one ``to_wire`` + ``ray.put``, one ref for every worker.
-
-Restarts (Ray's ``max_restarts``): the driver registers each learner's latest state with a
-:class:`LearnerCheckpoints` actor, which a re-constructed learner loads before serving any call; what it had
-received since is counted lost (the sequence-gap rule, ``settle``), and its versions keep rising.
-Data parallelism (``RayConfig.learners_per_policy > 1``): the server is rank 0 of a torch.distributed group
-of :class:`DataParallelRank` actors; each batch is split by env rows into one shard per rank.
-A team critic (:class:`TeamCriticServer`, :class:`RayTeamCritic`) takes pushes too; its values reach the
-member learners as one ref. It is not restarted: its death ends the run.
+"""Learners on Ray: :class:`LearnerServer` (the plain :class:`orchestration.learner_host.LearnerHost` in an actor)
+and the driver's :class:`RayLearner` (the Learner protocol). Wiring only: what to train on is the learner's inbox.
+Fragments arrive as a *nested* object ref, read without a copy; weights go out as one ref per version. Restarts:
+the driver registers each learner's state with a :class:`LearnerCheckpoints` actor, which a re-constructed
+learner loads first (what it received since counts lost; its versions keep rising). ``learners_per_policy > 1``:
+the server is rank 0 of :class:`DataParallelRank` actors. A team critic (:class:`TeamCriticServer`,
+:class:`RayTeamCritic`) takes pushes too; it is not restarted.
 """
 
 from __future__ import annotations
@@ -36,9 +28,8 @@ from orchestration.wire import from_wire, to_wire
 
 
 class LearnerServer(LearnerHost):
-    """The learner actor of ``policy_id`` (:class:`LearnerHost` on Ray), started from ``initial_weights`` (a
-    :func:`to_wire` message; None: those registered in ``checkpoints``, the registry or its actor name: the
-    driver passes no object ref, which a restart might not read again, ray-project/ray#53727)."""
+    """The learner actor of ``policy_id``, started from ``initial_weights`` (None: those registered in
+    ``checkpoints``, the registry or its name: a restart might not read an object ref again, ray#53727)."""
 
     def __init__(self, policy_id: str, config: TrainConfig, tree_json: str, initial_weights: Mapping | None, *,
                  resolve_timeout_s: float = 30.0, num_threads: int = 1, checkpoints: Any = None) -> None:
@@ -54,8 +45,7 @@ class LearnerServer(LearnerHost):
         self.publish()
 
     def push(self, meta: Mapping[str, Any], refs: Sequence[ray.ObjectRef]) -> int:
-        """Takes one fragment: ``meta`` + ``[ref]`` of its wire message, nested so that Ray does not resolve it
-        before the call (a re-delivery is never fetched; a ref that cannot be read is counted lost)."""
+        """One fragment: ``meta`` + ``[ref]`` of its wire message, nested: resolved here or counted lost."""
         return super().push(meta, lambda: ray.get(refs[0], timeout=self.resolve_timeout_s))
 
     def rendezvous(self) -> tuple[str, int]:
@@ -63,7 +53,7 @@ class LearnerServer(LearnerHost):
         return ray.util.get_node_ip_address(), free_port()
 
     def join_data_parallel(self, peers: Sequence[Any], address: str, port: int) -> None:
-        """Rank 0 of a group with ``peers`` (:meth:`LearnerHost.join_group`; shards go out through the object store)."""
+        """Rank 0 of a group with ``peers`` (:meth:`LearnerHost.join_group`)."""
         self.join_group(peers, address, port, wait=ray.get, send=lambda peer, shard, progress, lr: peer.train.remote(
             ray.put(to_wire(shard)), progress=progress, lr=lr), load=lambda peer, state: peer.load_state_.remote(state),
             returns=lambda peer: peer.returns_state.remote())
@@ -104,8 +94,7 @@ class TeamCriticServer(TeamCriticLearner):
 
 
 class RayTeamCritic:
-    """The driver's handle on the team critic actor, with the interface the Trainer uses (local: the
-    :class:`TeamCriticLearner` itself)."""
+    """The driver's handle on the team critic actor (local: the :class:`TeamCriticLearner` itself)."""
 
     def __init__(self, handle, members: Sequence[str]) -> None:
         self.handle, self.members = handle, set(members)
@@ -163,11 +152,8 @@ def _registered(checkpoints, policy_id: str, timeout_s: float) -> list:
 
 
 class RayLearner:
-    """The driver's handle on a learner actor, with the Learner protocol (:mod:`orchestration.learner`).
-
-    Takes the learner's in-memory checkpoint every ``checkpoint_every`` training steps and whenever its state
-    is read; when the actor died, waits for Ray to restart it (it resumed from that checkpoint) and goes on.
-    """
+    """The driver's handle on a learner actor (the Learner protocol). Registers the learner's state every
+    ``checkpoint_every`` steps and when read; a dead actor is waited for while Ray restarts it from that state."""
 
     learns = True
 
@@ -208,9 +194,7 @@ class RayLearner:
         self._published = ray.get(self.handle.published.remote())
 
     def finish(self, ref) -> dict | None:
-        """The result of a training request: None when the learner had no batch, or died (its batch is lost;
-        it resumed from its checkpoint). Takes the new weights and, every ``checkpoint_every`` steps, a
-        checkpoint."""
+        """A training request's result (None: no batch, or the learner died and lost it); new weights taken."""
         result = self._get(ref)
         if result is not None:
             self._published = (result["version"], result["weights"])
@@ -221,9 +205,7 @@ class RayLearner:
 
     # -- the Learner protocol ----------------------------------------------------------------------------
     def receive(self, fragment: TensorDict, meta: Mapping[str, Any]) -> None:
-        """Hands a fragment made in this process (external environments) to the learner actor, without waiting:
-        the object store holds it until the actor took it; calls reach the actor in order, so a later
-        ``submit`` sees it."""
+        """A fragment made in this process (external envs), put and pushed without waiting (calls stay ordered)."""
         self.handle.push.remote(dict(meta), [ray.put(to_wire(fragment, meta))])
 
     def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False,
@@ -255,7 +237,7 @@ class RayLearner:
         self.snapshot()  # a crash from now on resumes the restored state
 
     def snapshot(self) -> dict[str, Any]:
-        """Takes the learner's state and registers a driver-owned copy for restarts; returns it."""
+        """The learner's state, registered (a driver-owned copy) for restarts."""
         state = self._call("state")
         ray.get(self.registry.save.remote(self.policy_id, [ray.put(state)], state["version"]))
         return state

@@ -1,10 +1,6 @@
-"""A Ray run's wiring: joining or starting Ray, checking reservations, placing the learner actors, the
-statistics actor and the fleet (:func:`build_ray_parts`), and the two tolerant calls on actor handles that
-may have died (:func:`try_get`, :func:`kill_actor`).
-
-:func:`init_ray` is the only ``ray.init`` of the project; the composition root
-(:func:`orchestration.builder.build_trainer`) calls :func:`build_ray_parts`, which calls it.
-Sweeps on Ray Tune are :mod:`orchestration.ray_tune`'s.
+"""A Ray run's wiring: joining or starting Ray (:func:`init_ray`, the project's only ``ray.init``), checking
+reservations, placing the learner, statistics and fleet actors (:func:`build_ray_parts`, called by
+:func:`orchestration.builder.build_trainer`), and two tolerant calls on handles (:func:`try_get`, :func:`kill_actor`).
 """
 
 from __future__ import annotations
@@ -30,13 +26,9 @@ from orchestration.signals import held_interrupts, kept_sigterm
 
 @kept_sigterm()  # ray.init installs a SIGTERM handler of its own
 def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) -> bool:
-    """Connects this process to Ray; returns True when this call started or joined it (and owns shutdown).
-
-    Order: an already initialised Ray (a test session, a Tune trial) is reused; else ``config.address``,
-    else ``RAY_ADDRESS`` is joined; else a local instance starts with ``ray_config.num_cpus`` CPUs (default:
-    ``os.cpu_count()``, raised to ``min_cpus``: Ray's CPUs are scheduling slots, and a local run should not
-    fail because its reservations exceed the cores) and ``ray_config.worker_niceness``.
-    """
+    """Connects to Ray; True when this call started or joined it (and owns shutdown): Ray already up is reused,
+    else ``--address`` / ``RAY_ADDRESS`` is joined, else a local instance starts with ``ray_config.num_cpus`` CPUs
+    (default: the cores, raised to ``min_cpus``: Ray's CPUs are scheduling slots)."""
     if ray.is_initialized():
         return False
     address = config.address or os.environ.get("RAY_ADDRESS")
@@ -59,8 +51,7 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
 
 def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool,
                     trainers: int = 1) -> None:
-    """Warns (``strict``: raises ValueError) when the run does not fit the cluster's CPUs or GPUs
-    (:func:`orchestration.placement.reservation_problem`, :func:`~orchestration.placement.gpu_problem`)."""
+    """Warns (``strict``: raises ValueError) when the run does not fit the cluster's CPUs or GPUs."""
     have = ray.cluster_resources()
     holders = trainers * gpu_holders(ray_config, num_learners)
     problem = (reservation_problem(config, ray_config, num_learners, have.get("CPU", 0.0), trainers)
@@ -94,7 +85,7 @@ def try_get(ref, timeout: float | None = None):
 
 
 def kill_actor(handle) -> None:
-    """``ray.kill`` without restart; an actor that is already gone is fine."""
+    """``ray.kill`` without restart (one already gone is fine)."""
     try:
         ray.kill(handle, no_restart=True)
     except Exception:  # already gone
@@ -112,14 +103,9 @@ def learner_options(num_cpus: float, num_gpus: float | str, holders: int,
 
 def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
                        fixed: set[str]) -> tuple[dict[str, Any], dict[str, Any], dict, Callable[[], None]]:
-    """Ray and the learner actors (one per learning policy; GPUs when the cluster has them), started from
-    ``policies`` (seeded by the builder exactly as a local run).
-
-    Returns:
-        ``(policy id -> RayLearner, policy id -> actor handle, placement options, teardown)``; the teardown
-        releases the checkpoint registry and a Ray instance this call started. The learner actors may still
-        be starting: :func:`await_started` waits for them.
-    """
+    """Ray and the learner actors (one per learning policy), started from ``policies``. Returns ``(policy id ->
+    RayLearner, policy id -> handle, placement options, teardown)``; the actors may still be starting
+    (:func:`await_started`); the teardown releases the registry and a Ray instance this call started."""
     from orchestration.assignment import groups_of
     from orchestration.builder import assignment_for
     from orchestration.ray_learner import RayLearner, RemoteLearner, RemoteLearnerCheckpoints, RemoteRank
@@ -180,8 +166,7 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
 
 def await_started(learners: Mapping[str, Any], teardown: Callable[[], None],
                   others: Sequence[Any] = ()) -> None:
-    """Waits until every learner actor is constructed; on a construction error kills them, ``others`` (actor
-    handles) and runs ``teardown`` before raising it (a shared Ray instance keeps no half-built run)."""
+    """Waits until every learner actor is built; on an error discards them and ``others`` (:func:`discard_learners`)."""
     try:
         ray.get([learner.started() for learner in learners.values()])
     except BaseException:
@@ -190,8 +175,7 @@ def await_started(learners: Mapping[str, Any], teardown: Callable[[], None],
 
 
 def discard_learners(learners: Mapping[str, Any], teardown: Callable[[], None], others: Sequence[Any] = ()) -> None:
-    """Kills ``others`` (actor handles) and every learner's actor and data-parallel peers, then runs ``teardown``
-    (a build that fails after the learners started leaves nothing behind)."""
+    """Kills ``others`` and every learner's actor and peers, then runs ``teardown`` (a failed build leaves nothing)."""
     for actor in others:
         kill_actor(actor)
     for learner in learners.values():
@@ -201,12 +185,8 @@ def discard_learners(learners: Mapping[str, Any], teardown: Callable[[], None], 
 
 def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any], fixed: set[str],
                     teams: Sequence = ()) -> tuple[Any, dict[str, Any], Any, Callable[[], None]]:
-    """The learner actors (:func:`build_ray_learners`), the team critic's actor when there are ``teams``
-    (:func:`orchestration.team_critic.teams_for`), the statistics actor and the rollout workers' fleet.
-
-    Returns:
-        ``(fleet, policy id -> RayLearner, RayTeamCritic or None, teardown)``.
-    """
+    """The learner actors, the team critic's when there are ``teams``, the statistics actor and the fleet:
+    ``(fleet, policy id -> RayLearner, RayTeamCritic or None, teardown)``."""
     from orchestration.ray_fleet import RayFleet, RemoteEpisodeStatistics
 
     learners, handles, placement, teardown = build_ray_learners(config, tree, policies, fixed)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,26 +21,23 @@ def trainable(params: dict[str, Any], base: TrainConfig) -> None:
     """Tune function trainable: :func:`orchestration.sweeps.run_trial` with Tune's checkpoint and reports."""
     from ray import tune
 
-    restored = tune.get_checkpoint()
+    restored, config = tune.get_checkpoint(), config_from_params(base, params)
+    trial_dir = tune.get_context().get_trial_dir()
 
     def report(metrics: dict[str, float], directory: str | None) -> None:
         tune.report(metrics, **({"checkpoint": tune.Checkpoint.from_directory(directory)} if directory else {}))
 
-    if restored is None:
-        run_trial(config_from_params(base, params), tune.get_context().get_trial_dir(), None, report)
-    else:
-        with restored.as_directory() as directory:
-            run_trial(config_from_params(base, params), tune.get_context().get_trial_dir(), directory, report)
+    with restored.as_directory() if restored is not None else contextlib.nullcontext() as directory:
+        run_trial(config, trial_dir, directory, report)
 
 
 def run_tune(base: TrainConfig, param_space: Mapping[str, Any], *, num_samples: int = 1,
              max_concurrent_trials: int | None = None,
              cpus_per_trial: float = 1.0, storage_path: str | None = None, name: str | None = None,
              max_failures: int = 0, restore: bool = False, verbose: int = 0):
-    """Runs one trial per point of ``param_space`` (times ``num_samples``) in parallel; returns Tune's ResultGrid.
-    Tune is told no metric, so a metric that some reports lack (``eval_return_mean`` between evaluations) ends no
-    trial: name one to ``ResultGrid.get_best_result(metric, mode)``, or read the table of ``shoal tune``.
-    Runs in the Ray instance this process has (:func:`init_ray`), or in one it starts and shuts down after.
+    """One trial per point of ``param_space`` (times ``num_samples``); Tune's ResultGrid. Tune is told no metric
+    (one some reports lack would end trials): pick one in ``get_best_result``. Runs in this process's Ray, or in
+    one it starts and shuts down.
 
     Args:
         base: the config every trial starts from.

@@ -1,10 +1,6 @@
-"""A rollout worker on Ray (seed 004): a :class:`orchestration.sampler.Sampler` (the actor the one builder
-makes, a bounded fragment queue) plus a sender thread (:class:`RolloutWorker`, plain class, made remote once;
-:class:`orchestration.ray_fleet.RayFleet` creates and supervises them).
-
-The sender thread ``ray.put``s each fragment in wire form (:mod:`orchestration.wire`) and pushes the ref to
-every learner, with at most ``max_in_flight`` unacknowledged pushes per learner: a slow learner fills the
-queue and blocks sampling (back-pressure). Weights arrive as one ref per version, put once by the learner.
+"""A rollout worker on Ray (seed 004): a :class:`orchestration.sampler.Sampler` plus a sender thread that
+``ray.put``s each fragment in wire form and pushes the ref to every learner, at most ``max_in_flight``
+unacknowledged per learner (a slow learner blocks sampling: back-pressure). Weights arrive as one ref per version.
 """
 
 from __future__ import annotations
@@ -26,11 +22,8 @@ Weights = Mapping[str, tuple[int, list]]
 
 
 class RolloutWorker(Sampler):
-    """One rollout process: a :class:`orchestration.sampler.Sampler` and the sender thread that delivers its
-    fragments. Every fragment goes to every learner in ``learners`` (policy id -> handle); completed episodes
-    go to ``stats`` (or nowhere when None); ``inference``: the central inference server's handle, if any;
-    ``credits``: the fleet's :class:`orchestration.sampling_credit.CreditPool` actor, if any (streaming only).
-    """
+    """One rollout process (module docstring): fragments to every learner in ``learners``, episodes to ``stats``;
+    ``inference``: the central inference server, ``credits``: the fleet's credit pool (streaming), if any."""
 
     def __init__(self, config: TrainConfig, ray_config: RayConfig, slot: int, incarnation: int,
                  learners: Mapping[str, Any], stats, weights: Weights, inference=None, credits=None) -> None:
@@ -89,8 +82,7 @@ class RolloutWorker(Sampler):
                     item.set()
 
     def _credit(self, timeout_s: float) -> bool:
-        """One credit of the pool for the next fragment; the one after is asked for at once, so that its answer
-        travels while this fragment is made."""
+        """One credit for the next fragment; the one after is asked for at once (its answer travels meanwhile)."""
         asked, self._asked = self._asked or self._credits.acquire.remote(timeout_s), None
         try:
             got = ray.get(asked)
@@ -101,8 +93,7 @@ class RolloutWorker(Sampler):
         return got
 
     def _acknowledged(self, ref) -> None:
-        """Waits for one push; a learner that died meanwhile did not get it (it counts the gap as lost when it
-        is back, see orchestration.ray_learner), so sampling goes on."""
+        """Waits for one push; a learner that died meanwhile counts the gap as lost when back: sampling goes on."""
         try:
             ray.get(ref)
         except ray.exceptions.RayActorError:
@@ -121,8 +112,7 @@ class RolloutWorker(Sampler):
         return super().run(weights, env_id)
 
     def info(self) -> dict[str, Any]:
-        """Where this worker runs: worker id, node id, process id; whether its envs can save their state (raises
-        the error that stopped its construction)."""
+        """Worker id, node id, process id, whether its envs save their state (or its construction's error)."""
         self._built()
         return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "env_state": hasattr(self.actor.env, "state_dict")}
