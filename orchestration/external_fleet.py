@@ -9,8 +9,8 @@ queue the connection threads fill), so learners are never called concurrently. `
 asked-for steps arrived; ``pump`` delivers what is queued (waiting a moment when nothing is). New weights
 reach the inference service between two of its batches.
 
-Nothing of a running episode is checkpointed: a resumed run starts every lane afresh (``resume_exact`` is
-False) and simulators reconnect to the new server.
+Nothing of a running episode is checkpointed: a resumed run starts every lane afresh (see
+``resume_gaps``) and simulators reconnect to the new server.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class ExternalFleet:
 
     restarts = 0
     dead: set[int] = set()
-    resume_exact = False
+    resume_gaps = ("an external run's open episodes are not checkpointed, and its server's counters "
+                   "(env/external_*, fragments_produced) start again",)
 
     def __init__(self, server: ExternalServer, service: InferenceService, lanes: Lanes, learners: Mapping[str, Any],
                  *, launcher: SimulatorLauncher | None = None, wait_s: float = 300.0,
@@ -274,10 +275,9 @@ def build_external(config: TrainConfig, *, log=None):
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
         if config.backend == "ray":
-            from orchestration.ray_session import await_started, build_ray_learners, discard_learners
+            from orchestration.ray_session import build_ray_learners, discard_learners
 
-            ray_learners, _, _, teardown = build_ray_learners(config, tree, policies, fixed)
-            await_started(ray_learners, teardown)  # on an error it kills them and releases itself
+            ray_learners, _, _, teardown = build_ray_learners(config, tree, policies, fixed)  # built, or nothing
             discard = lambda: discard_learners(ray_learners, teardown)  # noqa: E731 - on a later error
             learners = {**ray_learners, **{pid: FixedLearner(policies[pid]) for pid in fixed}}
         else:

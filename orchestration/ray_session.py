@@ -101,14 +101,16 @@ def learner_options(num_cpus: float, num_gpus: float | str, holders: int,
     return {"num_cpus": num_cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
 
 
-def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, Any],
-                       fixed: set[str]) -> tuple[dict[str, Any], dict[str, Any], dict, Callable[[], None]]:
-    """Ray and the learner actors (one per learning policy), started from ``policies``. Returns ``(policy id ->
-    RayLearner, policy id -> handle, placement options, teardown)``; the actors may still be starting
-    (:func:`await_started`); the teardown releases the registry and a Ray instance this call started."""
+def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, Any], fixed: set[str],
+                       teams: Sequence = (), wait: bool = True) -> tuple[dict[str, Any], Any, dict, Callable[[], None]]:
+    """Ray, the learner actors (one per learning policy, started from ``policies``) and, given ``teams``, the
+    team critic's: ``(policy id -> RayLearner, RayTeamCritic or None, placement of light actors, teardown)``.
+    ``wait``: until every learner is built (else the caller calls :func:`await_started`); a failure leaves
+    nothing. The teardown kills the registry and the critic, and ends a Ray instance this call started."""
     from orchestration.assignment import groups_of
     from orchestration.builder import assignment_for
-    from orchestration.ray_learner import RayLearner, RemoteLearner, RemoteLearnerCheckpoints, RemoteRank
+    from orchestration.ray_learner import (RayLearner, RayTeamCritic, RemoteLearner, RemoteLearnerCheckpoints,
+                                           RemoteRank, RemoteTeamCritic)
     from orchestration.wire import to_wire
 
     rc = config.ray
@@ -117,7 +119,7 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     owns_ray = init_ray(config, rc, cpus_needed(config, rc, placed))
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
     check_resources(config, rc, placed, strict=owns_ray and not joined)
-    holders = gpu_holders(rc, len(trained), critics=int(config.team_critic.enabled))
+    holders = gpu_holders(rc, len(trained), critics=int(bool(teams)))  # the critic is placed as a learner
     options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, holders, dict(rc.learner_resources),
                               config.device, worker_gpus(config, rc))
     initial = {pid: [ray.put(to_wire(TensorDict.from_module(policies[pid]).detach()))] for pid in trained}
@@ -133,10 +135,14 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     handles = {pid: RemoteLearner.options(max_restarts=learner_restarts(rc), **options).remote(
         pid, config, to_json(tree), None, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads,
         checkpoints=registry_name) for pid in trained}
+    critic = RayTeamCritic(RemoteTeamCritic.options(max_restarts=0, **options).remote(
+        config, to_json(tree), teams, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads),
+        [p for t in teams for p in t.policies]) if teams else None
     peers: dict[str, list] = {pid: [] for pid in trained}
 
     def teardown() -> None:
-        kill_actor(registry)
+        for actor in [registry, *([critic.handle] if critic else [])]:
+            kill_actor(actor)
         if owns_ray:
             ray.shutdown()
 
@@ -156,12 +162,13 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
                 kill_actor(actor)
             teardown()
             raise
-    # Not waited for here: the actors start (import torch, build) while the caller creates the rest; the
-    # caller waits with await_started. A fresh learner's version-0 weights are the ones it was given.
+    # A fresh learner's version-0 weights are the ones it was given: workers may start from them meanwhile.
     learners = {pid: RayLearner(pid, h, registry, checkpoint_every=rc.learner_checkpoint_every,
                                 restart_timeout_s=rc.iteration_timeout_s, peers=peers[pid],
                                 initial=(0, initial[pid])) for pid, h in handles.items()}
-    return learners, handles, placement, teardown
+    if wait:
+        await_started(learners, teardown)
+    return learners, critic, placement, teardown
 
 
 def await_started(learners: Mapping[str, Any], teardown: Callable[[], None],
@@ -185,23 +192,13 @@ def discard_learners(learners: Mapping[str, Any], teardown: Callable[[], None], 
 
 def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any], fixed: set[str],
                     teams: Sequence = ()) -> tuple[Any, dict[str, Any], Any, Callable[[], None]]:
-    """The learner actors, the team critic's when there are ``teams``, the statistics actor and the fleet:
-    ``(fleet, policy id -> RayLearner, RayTeamCritic or None, teardown)``."""
+    """:func:`build_ray_learners`, the statistics actor and the fleet: ``(fleet, policy id -> RayLearner,
+    RayTeamCritic or None, teardown)``. The workers start while the learners do (each imports torch)."""
     from orchestration.ray_fleet import RayFleet, RemoteEpisodeStatistics
+    from orchestration.team_critic import TEAM_CRITIC
 
-    learners, handles, placement, teardown = build_ray_learners(config, tree, policies, fixed)
-    rc = config.ray
-    critic = None
-    if teams:  # one more receiver of every fragment, placed as a learner
-        from orchestration.ray_learner import RayTeamCritic, RemoteTeamCritic
-        from orchestration.team_critic import TEAM_CRITIC
-
-        options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, gpu_holders(rc, len(learners), critics=1),
-                                  dict(rc.learner_resources), config.device, worker_gpus(config, rc))
-        critic = RayTeamCritic(RemoteTeamCritic.options(max_restarts=0, **options).remote(
-            config, to_json(tree), teams, resolve_timeout_s=rc.resolve_timeout_s, num_threads=rc.learner_threads),
-            [p for t in teams for p in t.policies])
-        handles = {**handles, TEAM_CRITIC: critic.handle}
+    learners, critic, placement, teardown = build_ray_learners(config, tree, policies, fixed, teams, wait=False)
+    handles = {**{pid: lrn.handle for pid, lrn in learners.items()}, **({TEAM_CRITIC: critic.handle} if critic else {})}
     weights = {pid: lrn.published() for pid, lrn in learners.items()}
     weights.update({pid: (0, TensorDict.from_module(policies[pid]).detach()) for pid in fixed})
     stats = RemoteEpisodeStatistics.options(max_restarts=-1, **placement).remote()
@@ -210,17 +207,16 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
         from orchestration.inference import InferenceConfig
         from orchestration.ray_fleet import RemoteInferenceServer
 
-        gpus = inference_gpus(rc, ray.cluster_resources().get("GPU", 0.0) - worker_gpus(config, rc), len(learners),
-                              int(critic is not None), config.device)
+        gpus = inference_gpus(config.ray, ray.cluster_resources().get("GPU", 0.0) - worker_gpus(config, config.ray),
+                              len(learners), int(critic is not None), config.device)
         inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
-    others = [*([critic.handle] if critic else [])]
-    try:  # the workers start while the learners do: each imports torch, which takes seconds
-        fleet = RayFleet(config, rc, handles, stats, weights, inference, consumers=len(learners))
+    try:
+        fleet = RayFleet(config, config.ray, handles, stats, weights, inference, consumers=len(learners))
     except BaseException:  # (RayFleet kills the workers it started)
-        discard_learners(learners, teardown, [*others, stats, *([inference] if inference else [])])
+        discard_learners(learners, teardown, [stats, *([inference] if inference else [])])
         raise
-    await_started(learners, lambda: (fleet.close(), teardown()), others)
+    await_started(learners, lambda: (fleet.close(), teardown()))
     return fleet, learners, critic, teardown
 
 
