@@ -81,16 +81,22 @@ def collect_in_rounds(target_steps: int, fragment_steps: int, workers: int,
     raise RuntimeError(f"could not collect a training batch: {missing} env steps short after {attempts} tries")
 
 
-def resumes_exactly(config: TrainConfig, envs_save_state: bool, restarts: int) -> bool:
-    """Whether a run resumed from a checkpoint of this fleet continues bit for bit: synchronous mode, envs
-    that save their state, no re-created worker (its stream cannot go on under a fresh fleet's ids) and no
-    central inference (the service's sampling stream is not saved)."""
-    return config.mode == "sync" and envs_save_state and not restarts and not config.rollout.central_inference
+def resume_gaps(config: TrainConfig, envs_save_state: bool, restarts: int) -> list[str]:
+    """Why a run resumed from a checkpoint of this fleet would not continue bit for bit, said to its user ([]: it
+    would): asynchronous mode, central inference, envs that cannot save their state, a re-created worker."""
+    return [why for gap, why in (
+        (config.mode != "sync", "asynchronous mode: fragments waiting in a learner's pool and in flight at the "
+         "checkpoint are not restored"),
+        (config.rollout.central_inference, "the central inference service's sampling stream is not saved (actions "
+         "are drawn afresh)"),
+        (not envs_save_state, "envs that cannot save their state were reset (a new episode starts in every env)"),
+        (restarts > 0, "a rollout worker was re-created, so the workers' states are not saved (its stream cannot "
+         "go on under a fresh fleet's ids)")) if gap]
 
 
 def worker_states_saved(config: TrainConfig, restarts: int, collecting: bool) -> bool:
     """Whether a fleet's worker states may go in a checkpoint: not in asynchronous mode nor after a collection
-    that failed (a worker may be mid-fragment), nor after a worker was re-created (see :func:`resumes_exactly`);
+    that failed (a worker may be mid-fragment), nor after a worker was re-created (see :func:`resume_gaps`);
     a resumed run then restarts its envs and counts."""
     return config.mode == "sync" and not restarts and not collecting
 
@@ -107,7 +113,7 @@ class Fleet(Protocol):
     reported: dict[int, int]
     dead: set[int]
     restarts: int
-    resume_exact: bool
+    resume_gaps: Sequence[str]
 
     def collect(self, target_steps: int, weights: Weights, fresh_steps: Callable[[], int] | None) -> list[dict]: ...
 
@@ -252,9 +258,9 @@ class LocalFleet:
             self.reported.update(actor.sequences())
 
     @property
-    def resume_exact(self) -> bool:
-        """Whether a resumed run continues bit for bit (:func:`resumes_exactly`)."""
-        return resumes_exactly(self.config, all(hasattr(actor.env, "state_dict") for actor in self.actors), 0)
+    def resume_gaps(self) -> list[str]:
+        """Why a resumed run would not continue bit for bit (:func:`resume_gaps`)."""
+        return resume_gaps(self.config, all(hasattr(actor.env, "state_dict") for actor in self.actors), 0)
 
     def interrupt(self) -> None:
         """Nothing to give up: a local collection ends by itself."""
@@ -271,4 +277,4 @@ class LocalFleet:
 
 
 __all__ = ["CollectionInterrupted", "Fleet", "LocalFleet", "Weights", "collect_in_rounds", "fragment_rounds",
-           "resumes_exactly", "worker_states_saved"]
+           "resume_gaps", "worker_states_saved"]

@@ -167,14 +167,14 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     """The loop of ``shoal league``: metrics every iteration, checkpoints every ``checkpoint_every`` and last."""
     from orchestration.league_roles import progress_line
     from orchestration.metrics_log import MetricsLog
-    from orchestration.run_loop import inexact_resume, write_provenance
+    from orchestration.run_loop import write_provenance
     from orchestration.run_state import config_to_dict
 
     run_dir = Path(config.run_dir)
     saved_at, trained = None, 0
     why = [*(["opponents are drawn again for the players that had not finished the interrupted iteration"]
              if league.mid_iteration else []),  # the checkpoint was taken while an iteration ran
-           *([] if all(t.resume_exact for t in league.trainers) else [inexact_resume(config)])]
+           *dict.fromkeys(gap for trainer in league.trainers for gap in trainer.resume_gaps)]
     if resume and league.iteration < config.iterations and why:
         print("shoal league --resume: this continuation is not bit-identical to an uninterrupted run: "
               + ", and ".join(why) + "; learners, optimizers, ratings and the payoff table are restored exactly.",

@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from orchestration.builder import stream_worker_ids, worker_id_of
 from orchestration.config import RayConfig, TrainConfig
-from orchestration.fleet import collect_in_rounds, one_per_worker, resumes_exactly, worker_states_saved
+from orchestration.fleet import collect_in_rounds, one_per_worker, resume_gaps, worker_states_saved
 from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
 from orchestration.sampling_credit import CreditLedger, CreditPool, batch_fragments
@@ -199,8 +199,8 @@ class RayFleet:
         return [from_wire(m) for m in ray.get([s.handle.policy_weights.remote(policy_id) for s in self.slots])]
 
     @property
-    def resume_exact(self) -> bool:
-        return resumes_exactly(self.config, self._env_state, self.restarts)
+    def resume_gaps(self) -> list[str]:
+        return resume_gaps(self.config, self._env_state, self.restarts)
 
     def state(self) -> list[dict]:
         """Every worker's actor state, or ``[]`` (:func:`worker_states_saved`; a worker that does not answer)."""

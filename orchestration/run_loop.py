@@ -53,20 +53,6 @@ class _Stop:
             signal.signal(sig, handler)
 
 
-def inexact_resume(config: TrainConfig) -> str:
-    """Why a resumed run of ``config`` whose fleet does not resume exactly (:func:`orchestration.fleet.
-    resumes_exactly`) differs from an uninterrupted one, said to its user."""
-    if config.env == "external":
-        return ("an external run's open episodes are not checkpointed, and its server's counters (env/external_*, "
-                "fragments_produced) start again")
-    if config.mode != "sync":
-        return ("asynchronous mode: fragments waiting in a learner's pool and in flight at the checkpoint are not "
-                "restored")
-    if config.rollout.central_inference:
-        return "the central inference service's sampling stream is not saved (actions are drawn afresh)"
-    return "envs that cannot save their state were reset (a new episode starts in every env)"
-
-
 def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
                  command: str = "train") -> dict[str, float]:
     """The training loop of ``shoal train`` (``command`` names it in messages: ``serve`` trains too): metrics,
@@ -76,9 +62,9 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     run_dir = Path(config.run_dir)
     ckpt_root = run_dir / "checkpoints"
     if resume:
-        if not trainer.resume_exact:
+        if trainer.resume_gaps:
             print(f"shoal {command} --resume: this continuation is not bit-identical to an uninterrupted run: "
-                  + inexact_resume(config) + "; learners, optimizers and schedules are restored exactly.",
+                  + ", and ".join(trainer.resume_gaps) + "; learners, optimizers and schedules are restored exactly.",
                   file=sys.stderr)
     try:
         log = MetricsLog(run_dir, resume=resume, upto_iteration=trainer.iteration if resume else None,

@@ -107,10 +107,8 @@ class Trainer:
         start = time.perf_counter()
         if self.envsets is not None:  # each actor's member for this iteration, switched at its next boundary
             self.fleet.set_env_ids(self.envsets.draw_())
-        if cfg.mode == "sync":
-            metrics, reports, t_collect, t_learn = self._train_sync(progress, lr)
-        else:
-            metrics, reports, t_collect, t_learn = self._train_async(progress, lr)
+        metrics, reports, t_collect, t_learn = (self._train_sync if cfg.mode == "sync" else self._train_async)(
+            progress, lr)
         self.iteration += 1
         metrics.update(self._episodes())
         metrics.update(self.accounting())
@@ -121,8 +119,7 @@ class Trainer:
         self._produced = produced
         wall = time.perf_counter() - start
         new_steps = self.env_steps - steps_before
-        # sync: collecting and learning alternate, so the sampling rate is per collect second; async: they
-        # overlap (learners' times may add up past the wall clock), so the rate is per wall second
+        # sync: collecting and learning alternate (a rate per collect second); async: they overlap (per wall second)
         sampling_s = t_collect if cfg.mode == "sync" else wall
         metrics.update(iteration=self.iteration, env_steps=self.env_steps, time_collect=t_collect, time_learn=t_learn,
                        time_iteration=wall, env_steps_per_s=new_steps / max(sampling_s, 1e-9),
@@ -315,12 +312,15 @@ class Trainer:
         return out
 
     @property
+    def resume_gaps(self) -> list[str]:
+        """Why a run resumed from :meth:`state` would not continue bit for bit ([]: it would): the fleet's
+        (:func:`orchestration.fleet.resume_gaps`) and, after a restore, a checkpoint without the actors' states."""
+        lost = "the checkpoint holds no worker's state (saved after one was re-created): every env starts afresh"
+        return [*self.fleet.resume_gaps, *([lost] if self._actors_restored is False else [])]
+
+    @property
     def resume_exact(self) -> bool:
-        """Whether a run resumed from :meth:`state` continues bit for bit: the fleet's rule
-        (:func:`orchestration.fleet.resumes_exactly`: synchronous mode, as nothing then waits in a learner's pool
-        between iterations; envs that save their state; ...) and, after a restore, the checkpoint held the
-        actors' states (a Ray run saved after a worker was re-created holds none)."""
-        return bool(self.fleet.resume_exact) and self._actors_restored is not False
+        return not self.resume_gaps
 
     def state(self) -> dict[str, Any]:
         """Counters, episode history, every learner's state, the fleet's actors' states, the evaluator's and, with

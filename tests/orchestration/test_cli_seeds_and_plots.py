@@ -272,13 +272,31 @@ def test_a_resume_with_central_inference_says_its_sampling_stream_is_drawn_afres
 
 
 def test_a_resume_says_what_it_cannot_continue_for_each_kind_of_run():
-    """An external run's counters restarted after a resume with nothing said (its note blamed envs' state)."""
+    """An external run's counters restarted after a resume with nothing said (its note blamed envs' state); a run
+    with two reasons named only the first."""
     from orchestration.config import RolloutConfig, TrainConfig
-    from orchestration.run_loop import inexact_resume
+    from orchestration.external_fleet import ExternalFleet
+    from orchestration.fleet import resume_gaps
 
-    assert inexact_resume(TrainConfig(env="external")).startswith("an external run's open episodes are not "
-                                                                  "checkpointed, and its server's counters")
-    assert inexact_resume(TrainConfig(env="CartPole-v1", mode="async")).startswith("asynchronous mode")
+    assert ExternalFleet.resume_gaps[0].startswith("an external run's open episodes are not checkpointed, and its "
+                                                   "server's counters")
+    assert [g.split(":")[0] for g in resume_gaps(TrainConfig(env="CartPole-v1", mode="async"), True, 0)] == [
+        "asynchronous mode"]
     central = TrainConfig(env="CartPole-v1", rollout=RolloutConfig(central_inference=True))
-    assert inexact_resume(central).startswith("the central inference service's sampling stream")
-    assert inexact_resume(TrainConfig(env="CartPole-v1")).startswith("envs that cannot save their state")
+    assert [g[:28] for g in resume_gaps(central, False, 1)] == [
+        "the central inference servic", "envs that cannot save their ", "a rollout worker was re-crea"]
+    assert resume_gaps(TrainConfig(env="CartPole-v1"), True, 0) == []
+
+
+def test_a_resume_names_every_reason_it_is_not_exact(tmp_path, monkeypatch, capsys):
+    """Central inference over gymnasium envs (which cannot save their state): the note named only the service."""
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["train", "CartPole-v1", "--rollout.num-envs", "4", "--rollout.fragment-length", "16",
+          "--rollout.central-inference", "--iterations", "1", "--run-dir", "run", "--no-progress"])
+    capsys.readouterr()
+    main(["train", "--resume", "--run-dir", "run", "--iterations", "2", "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("not bit-identical to an uninterrupted run: the central inference service's sampling stream is not saved "
+            "(actions are drawn afresh), and envs that cannot save their state were reset") in err
