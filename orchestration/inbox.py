@@ -207,8 +207,14 @@ class Inbox:
                 "workers": self.ledger(), "counters": dict(self.counters)}
 
     def state(self) -> dict[str, Any]:
-        """The ledger and counters as JSON values (the pool's data is not part of it)."""
-        return {"ledger": {str(k): v for k, v in self.ledger().items()}, "counters": dict(self.counters)}
+        """The ledger and counters as JSON values. The pool's data is not part of it, so its fragments never
+        trained on are ``lost`` in the state: a restored inbox starts with an empty pool."""
+        ledger = self.ledger()
+        for entry in self.pool.values():
+            if entry.uses == 0:
+                counts = ledger[int(entry.meta["worker_id"])]
+                counts[ACCEPTED], counts[LOST] = counts[ACCEPTED] - 1, counts[LOST] + 1
+        return {"ledger": {str(k): v for k, v in ledger.items()}, "counters": dict(self.counters)}
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
         """Inverse of :meth:`state` (the pool is emptied)."""
