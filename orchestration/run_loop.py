@@ -128,6 +128,8 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
         bar.close()
         log.close()
         trainer.close()
+    settled = trainer.accounting()  # after close: what no learner got is lost, nothing is in flight any more
+    record_final_accounting(run_dir, settled)
     if stopped is not None:
         print(f"shoal {command}: stopped by {signal.Signals(stopped).name} after iteration {trainer.iteration}; "
               f"continue with: shoal {command} --resume --run-dir {run_dir}", file=sys.stderr)
@@ -140,7 +142,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     final = {k: metrics.get(k, math.nan) for k in ("episode_return_mean", "episode_return_mean_10")}
     final["env_steps"] = trainer.env_steps
     print_result({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
-                  "checkpoint": str(ckpt_root), **final})
+                  "checkpoint": str(ckpt_root), **final, "accounting": settled})
     return metrics
 
 
@@ -236,4 +238,17 @@ def write_provenance(run_dir: Path, resume: bool) -> None:
     path.write_text(json.dumps(now, indent=1))
 
 
-__all__ = ["env_faults", "fresh_run_dir", "provenance", "run_training", "write_provenance"]
+def record_final_accounting(run_dir: Path, settled: dict[str, float]) -> None:
+    """Adds the settled fragment accounting of the run's end (:meth:`Trainer.close`: fragments still in flight
+    at the last iteration's row are accepted or lost by then) to ``run.json`` as ``final_accounting``."""
+    path = run_dir / "run.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):  # removed or damaged while the run trained: the accounting alone
+        record = {}
+    path.write_text(result_json({**(record if isinstance(record, dict) else {}), "final_accounting": settled},
+                                indent=1))
+
+
+__all__ = ["env_faults", "fresh_run_dir", "provenance", "record_final_accounting", "run_training",
+           "write_provenance"]

@@ -35,3 +35,19 @@ def test_a_run_in_which_no_episode_ended_prints_null_not_nan(tmp_path, capsys):
           "4", "--no-progress", "--run-dir", str(tmp_path / "run")])
     result = _strict_loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["episode_return_mean"] is None and result["env_steps"] == 8
+
+
+def test_an_asynchronous_run_records_its_settled_accounting_in_run_json_and_its_result(tmp_path, capsys):
+    """The tally :meth:`Trainer.close` settles (fragments in flight at the last row are accepted or lost by then)
+    was computed and never written: metrics.csv and run.json stopped at the last iteration's row."""
+    from orchestration.cli import main
+
+    main(["train", "builtin:cartpole", "--iterations", "3", "--rollout.num-envs", "4", "--rollout.fragment-length",
+          "16", "--rollout.num-workers", "2", "--mode", "async", "--train-batch-size", "64", "--max-staleness", "0",
+          "--no-progress", "--run-dir", str(tmp_path / "run")])
+    result = _strict_loads(capsys.readouterr().out.strip().splitlines()[-1])
+    final = json.loads((tmp_path / "run" / "run.json").read_text())["final_accounting"]
+    assert result["accounting"] == final and "argv" in json.loads((tmp_path / "run" / "run.json").read_text())
+    assert final["fragments_in_flight"] == 0 and final["fragments_produced"] >= 4
+    assert final["fragments_produced"] == final["fragments_accepted"] + final["fragments_stale"] + \
+        final["fragments_lost"]
