@@ -38,6 +38,7 @@ from typing import Sequence
 import tyro
 
 from orchestration.config import TrainConfig
+from orchestration.flag_parsing import parse
 from orchestration.result_line import print_result
 from orchestration.run_notes import (UnusedSettingWarning, check_resumed, note_past_selves, note_policy_fit,
                                     note_schedule, note_unused)
@@ -194,7 +195,7 @@ def _setup_training(argv: list[str], command: str = "train"):
             raise SystemExit(f"shoal train --resume: the checkpoint names env {saved.env!r}; {why}, and an env "
                              f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
                              f"shoal train --resume --env {saved.env} ...")
-    config = tyro.cli(TrainConfig, args=rest, default=default, prog=f"shoal {command}",
+    config = parse(command, TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]),
                                                      presets=", ".join(preset_names())))
     note_unused(command, config)
@@ -360,15 +361,15 @@ def _dispatch(command: str, rest: list[str]) -> None:
         with user_errors("evaluate"):
             from orchestration.evaluate_cli import evaluate
 
-            tyro.cli(evaluate, args=rest, prog="shoal evaluate")
+            parse("evaluate", evaluate, args=rest, prog="shoal evaluate")
     elif command == "export":
         with user_errors("export"):
-            tyro.cli(export, args=rest, prog="shoal export")
+            parse("export", export, args=rest, prog="shoal export")
     elif command == "plot":
         with user_errors("plot"):
             from orchestration.plot_cli import plot
 
-            tyro.cli(plot, args=rest, prog="shoal plot")
+            parse("plot", plot, args=rest, prog="shoal plot")
     elif command == "league":  # an AlphaStar-style league of learners (orchestration.league_cli)
         from orchestration.league_cli import run as league
 

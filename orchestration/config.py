@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -288,7 +289,10 @@ class TrainConfig:
         self._check_kinds()
         for name, ok, rule in (("iterations", self.iterations >= 0, ">= 0"),
                                ("train_batch_size", self.train_batch_size >= 0, ">= 0"),
-                               ("lr", self.lr > 0, "> 0"), ("threads", self.threads >= 1, ">= 1"),
+                               ("lr", 0 < self.lr < math.inf, "> 0 and finite"), ("threads", self.threads >= 1, ">= 1"),
+                               ("seed", self.seed >= 0, ">= 0"), ("eval_every", self.eval_every >= 0, ">= 0"),
+                               ("eval_episodes", self.eval_episodes >= 1, ">= 1"),
+                               ("checkpoint_every", self.checkpoint_every >= 0, ">= 0"),
                                ("max_staleness", self.max_staleness >= 0, ">= 0"),
                                ("anneal_iterations", self.anneal_iterations >= 0, ">= 0"),
                                ("checkpoint_every_s", self.checkpoint_every_s >= 0, ">= 0"),

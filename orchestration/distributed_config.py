@@ -70,8 +70,13 @@ class RayConfig:
                      "learners_per_policy"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RayConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.worker_num_cpus < 0 or self.learner_num_cpus < 0 or (self.num_cpus is not None and self.num_cpus <= 0):
-            raise ValueError("RayConfig CPU counts must be >= 0 (num_cpus > 0)")
+        for name, ok, rule in (("worker_num_cpus", self.worker_num_cpus >= 0, ">= 0"),
+                               ("learner_num_cpus", self.learner_num_cpus >= 0, ">= 0"),
+                               ("num_cpus", self.num_cpus is None or self.num_cpus > 0, "> 0 (or left out)"),
+                               ("iteration_timeout_s", self.iteration_timeout_s > 0, "> 0"),
+                               ("poll_interval_s", self.poll_interval_s >= 0, ">= 0")):
+            if not ok:
+                raise ValueError(f"--ray.{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
         if not self.worker_num_gpus >= 0:
             raise ValueError(f"--ray.worker-num-gpus must be >= 0, got {self.worker_num_gpus!r}")
         if self.learner_num_gpus != "auto" and not self.learner_num_gpus >= 0:

@@ -83,13 +83,14 @@ def check_values(name: str, kwargs: dict[str, Any]) -> None:
 
 
 def _unusable(device: str) -> str | None:
-    """Why this process cannot put an env on ``device`` (a CUDA or MPS device it does not have), else None."""
+    """Why this process cannot put an env on ``device`` (not a device, or a CUDA or MPS one it does not have),
+    else None."""
     import torch
 
     try:
         kind = torch.device(device)
     except RuntimeError:
-        return None  # not a device name: the env's own check says what it takes
+        return "not a device (cpu, cuda, cuda:<index> or mps)"
     if kind.type == "cuda" and (kind.index or 0) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
         return (f"no such CUDA device here (torch {torch.__version__}, {torch.cuda.device_count()} visible; a Ray "
                 f"rollout worker sees a GPU only when it reserves one: --ray.worker-num-gpus)")

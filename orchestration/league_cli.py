@@ -31,6 +31,7 @@ from typing import Sequence
 import tyro
 
 from orchestration.config import TrainConfig
+from orchestration.flag_parsing import parse as parse_flags
 from orchestration.league_config import LeagueConfig
 from orchestration.result_line import print_result
 from orchestration.signals import deferred_interrupts
@@ -98,9 +99,10 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
         if "--env" not in train_args and (why := imports_code(default.env)):
             raise ValueError(f"the checkpoint names env {default.env!r}; {why}, and an env read from a checkpoint "
                              f"is never allowed to import code. Pass it yourself: --env {default.env}")
-    config = tyro.cli(TrainConfig, args=train_args, default=default, prog="shoal league",
-                      description="Train a league (shoal league --help lists the --league.* flags first).")
-    league = tyro.cli(_LeagueFlags, args=league_args, default=_LeagueFlags(league_default), prog="shoal league").league
+    config = parse_flags("league", TrainConfig, args=train_args, default=default, prog="shoal league",
+                         description="Train a league (shoal league --help lists the --league.* flags first).")
+    league = parse_flags("league", _LeagueFlags, args=league_args, default=_LeagueFlags(league_default),
+                         prog="shoal league").league
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir, "league/checkpoints")
     note_unused("league", config)

@@ -188,6 +188,20 @@ def cartpole_run(tmp_path_factory):
     (["train", "vmas:navigation", "--env-kwargs", "num_envs", "4"],
      "env 'vmas:navigation': --env-kwargs num_envs is Shoal's to set: use --rollout.num-envs 4"),
     (["train", "builtin:cartpole", "--env-kwargs", "num_envs", "4"], "use --rollout.num-envs 4"),
+    (["train", "builtin:cartpole", "--env-kwargs", "device", "cpux"],  # was torch's RuntimeError, a traceback
+     "env 'builtin:cartpole': --env-kwargs device 'cpux': not a device (cpu, cuda, cuda:<index> or mps)"),
+    # flags tyro refuses, and values a config refuses while tyro parses: one line, not tyro's box
+    (["train", "builtin:cartpole", "--lrr", "3"], "shoal train: Unrecognized options: --lrr, 3; did you mean --lr?"),
+    (["train", "builtin:cartpole", "--lr", "abc"], "--lr: could not convert string to float: 'abc'; it takes --lr FLOAT"),
+    (["train", "builtin:cartpole", "--policy.recurrent-critic"], "--policy.recurrent-critic must be False unless"),
+    (["train", "builtin:cartpole", "--lr", "inf"], "--lr must be > 0 and finite, got inf"),  # was accepted: NaN losses
+    (["train", "builtin:cartpole", "--eval-every", "1", "--eval-episodes", "0"], "--eval-episodes must be >= 1"),
+    (["train", "builtin:cartpole", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["train", "builtin:cartpole", "--checkpoint-every", "-1"], "--checkpoint-every must be >= 0, got -1"),
+    (["train", "builtin:cartpole", "--ray.iteration-timeout-s", "0"], "--ray.iteration-timeout-s must be > 0"),
+    (["train", "builtin:cartpole", "--ray.num-cpus", "0"], "--ray.num-cpus must be > 0 (or left out), got 0"),
+    (["evaluate"], "shoal evaluate: Missing from shoal evaluate: STR a checkpoint directory"),
+    (["league", "builtin:cartpole", "--league.seat", "2"], "shoal league: --league.seat is 0 or 1"),
     (["train", "vmas:navigation", "--env-kwargs", "device", "cuda:7"],
      "env 'vmas:navigation': --env-kwargs device 'cuda:7': no such CUDA device here"),
     (["train", "vmas:navigation", "--env-kwargs", "n_agents", "0"], "env 'vmas:navigation' failed to build with "
@@ -213,8 +227,7 @@ def test_a_user_error_exits_with_one_paragraph_naming_the_fault(tmp_path, monkey
         main([*args, "--no-progress"] if args[0] == "train" else args)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and named in err and "Traceback" not in err and f"shoal {args[0]}: " * 2 not in err
-    if "--rollout.env-processes" not in args and "gpu" not in args:  # a value a config refuses: in tyro's box
-        assert len(err.strip().splitlines()) == 1  # one paragraph
+    assert len(err.strip().splitlines()) == 1  # one paragraph: a value a config refuses too (was tyro's box)
 
 
 def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys):
