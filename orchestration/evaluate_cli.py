@@ -61,8 +61,9 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     from orchestration.envs import imports_code
     from orchestration.run_state import load_config
 
-    if episodes < 1 or num_envs < 1:
-        raise ValueError(f"--episodes and --num-envs must be >= 1, got {episodes} and {num_envs}")
+    for flag, value in (("--episodes", episodes), ("--num-envs", num_envs), ("--threads", threads)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if video is not None and opponent is not None:
         raise ValueError("--video records the evaluation of one checkpoint; it does not combine with --opponent")
     torch.set_num_threads(threads)

@@ -1,5 +1,4 @@
-"""``shoal tune``: a hyper-parameter sweep on Ray Tune, described in a config file (the Ray part is in
-:mod:`orchestration.ray_session`; this module checks the file and prints the results, without Ray).
+"""``shoal tune``: a Ray Tune hyper-parameter sweep from a config file, checked and reported here (Tune: ray_tune).
 
 The file holds the usual ``TrainConfig`` keys (the base of every trial) and a ``search:`` section that maps
 dotted keys to search spaces::
@@ -282,6 +281,21 @@ def _format(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
+def _check_env(base, space: Mapping[str, Any], config_file: str) -> None:
+    """Builds the env once when no trial changes it: a misspelt id is told before Tune starts any trial."""
+    if base.env == "external" or base.collection is not None or {"env", "env_kwargs"} & set(space):
+        return
+    from orchestration.envs import make_env, parse_kwargs
+    from orchestration.user_errors import is_users_mistake
+
+    try:
+        make_env(base.env, 1, kwargs=parse_kwargs(base.env_kwargs)).close()
+    except Exception as err:
+        if not (isinstance(err, ValueError) or is_users_mistake(err, gymnasium=True)):
+            raise
+        raise ValueError(f"{config_file}: {err}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal tune", formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="Run a hyper-parameter sweep on Ray Tune.\n\n" + HELP)
@@ -312,9 +326,10 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         base, search = load_sweep(args.config_file)
-        for name in ("num_samples", "max_concurrent", "max_failures"):
-            if getattr(args, name) is not None and getattr(args, name) < (0 if name == "max_failures" else 1):
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_failures' else 1}")
+        for name, low in (("num_samples", 1), ("max_concurrent", 1), ("max_failures", 0), ("cpus_per_trial", 1e-9)):
+            if getattr(args, name) is not None and getattr(args, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be {'> 0' if low < 1 else f'>= {low}'}, got "
+                                 f"{getattr(args, name):g}")
         if args.resume and not args.name:
             raise ValueError("--resume continues an experiment: name it with --name (a directory under --storage)")
         if args.resume and not (Path(args.storage) / args.name / "tuner.pkl").is_file():
@@ -322,6 +337,7 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--resume: no experiment {args.name!r} under --storage {args.storage}"
                              + (f" (it has {', '.join(kept)})" if kept else " (it has none)"))
         space = check_search(base, search)
+        _check_env(base, space, args.config_file)
         if args.metric.startswith("eval_") and not base.eval_every and "eval_every" not in space:
             raise ValueError(f"--metric {args.metric} is reported by evaluations, and the config has eval_every 0: set "
                              f"eval_every (e.g. to iterations) in {args.config_file}")

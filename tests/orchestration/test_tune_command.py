@@ -104,6 +104,21 @@ def test_a_metric_of_some_iterations_is_read_from_its_last_report_and_a_misspelt
     assert "every trial failed, the first with" in err and "gravity" in err and "no trial reported" not in err, err
 
 
+@pytest.mark.parametrize("edit, flags, named", [
+    (("env: builtin:cartpole", "env: builtin:cartpol"), [], "unknown built-in env 'builtin:cartpol' (did you mean "
+     "'builtin:cartpole'?)"),  # every trial failed with it, after Ray's output and a traceback
+    (("", ""), ["--cpus-per-trial", "-1"], "--cpus-per-trial must be > 0, got -1"),  # was Tune's two tracebacks
+])
+def test_a_bad_env_or_trial_size_is_refused_before_any_trial(tmp_path, capsys, edit, flags, named):
+    from orchestration.sweeps import main
+
+    (tmp_path / "sweep.yaml").write_text(SWEEP.replace(*edit) if edit[0] else SWEEP)
+    assert main(["--config-file", str(tmp_path / "sweep.yaml"), "--storage", str(tmp_path / "tune"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "tune").exists()
+
+
 def test_an_evaluation_metric_without_evaluations_is_refused_before_any_trial(tmp_path, capsys):
     from orchestration.sweeps import main
 
