@@ -5,6 +5,7 @@ cluster's totals (the Ray calls that read those and place the actors are in :mod
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 from orchestration.config import RayConfig, TrainConfig
 
@@ -29,6 +30,20 @@ def reservation_problem(config: TrainConfig, ray_config: RayConfig, num_learners
             f"{ray_config.worker_num_cpus:g} + {num_learners} learners{ranks} x {ray_config.learner_num_cpus:g}) "
             f"but the cluster has {have:g}: lower --ray.worker-num-cpus / --ray.learner-num-cpus (e.g. 0.5)"
             f" or raise --ray.num-cpus")
+
+
+def resource_problem(config: TrainConfig, ray_config: RayConfig, num_learners: int, have: Mapping[str, float],
+                     trainers: int = 1) -> str | None:
+    """Why the custom resources the learners and the statistics actor reserve (``--ray.learner-resources``) are
+    not in a cluster that ``have`` (their actors would wait for ever); None when they are."""
+    actors = trainers * (gpu_holders(ray_config, num_learners, int(config.team_critic.enabled)) + 1)
+    for name, amount in ray_config.learner_resources:
+        if actors * amount > have.get(name, 0.0) + 1e-9:
+            return (f"--ray.learner-resources {name} {amount:g}: the learners and the statistics actor reserve "
+                    f"{actors * amount:g} of Ray resource {name!r} and the cluster has {have.get(name, 0.0):g}: start "
+                    f"Ray with it (ray start --head --resources '{{\"{name}\": {actors * amount:g}}}') and join it "
+                    f"with --address, or leave --ray.learner-resources out")
+    return None
 
 
 def on_cpu(device: str) -> bool:

@@ -19,8 +19,8 @@ from core.specs import Tree, to_json
 from orchestration.addresses import check_reachable
 from orchestration.config import RayConfig, TrainConfig
 from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
-                                    learner_processes, learner_restarts, reservation_problem, side_by_side,
-                                    worker_gpus)
+                                    learner_processes, learner_restarts, reservation_problem, resource_problem,
+                                    side_by_side, worker_gpus)
 from orchestration.signals import held_interrupts, kept_sigterm
 
 
@@ -55,7 +55,8 @@ def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: in
     have = ray.cluster_resources()
     holders = trainers * gpu_holders(ray_config, num_learners)
     problem = (reservation_problem(config, ray_config, num_learners, have.get("CPU", 0.0), trainers)
-               or gpu_problem(config, ray_config, holders, have.get("GPU", 0.0), trainers))
+               or gpu_problem(config, ray_config, holders, have.get("GPU", 0.0), trainers)
+               or resource_problem(config, ray_config, num_learners, have, trainers))
     if problem and strict:
         raise ValueError(problem)
     if problem:

@@ -6,7 +6,7 @@ import pytest
 
 from orchestration.config import RayConfig, RolloutConfig, TrainConfig
 from orchestration.placement import (cpus_needed, gpu_holders, gpu_problem, inference_gpus, learner_gpus,
-                                    reservation_problem, side_by_side)
+                                    reservation_problem, resource_problem, side_by_side)
 
 
 def _config(workers: int = 2) -> TrainConfig:
@@ -148,3 +148,13 @@ def test_trainers_side_by_side_share_the_gpus_their_workers_leave_among_all_of_t
     assert side_by_side(config, 2, cluster_gpus=0.0).ray.learner_num_gpus == 0.0
     explicit = TrainConfig(env="builtin:cartpole", backend="ray", ray=RayConfig(learner_num_gpus=1.0))
     assert side_by_side(explicit, 2, cluster_gpus=4.0) is explicit
+
+
+def test_custom_resources_count_every_learner_process_and_the_statistics_actor():
+    rc = RayConfig(learner_resources=(("pinned", 0.5),), learners_per_policy=2)
+    config = _config()
+    assert resource_problem(config, rc, 2, {"pinned": 2.5}) is None  # 2 learners x 2 ranks + statistics: 5 x 0.5
+    problem = resource_problem(config, rc, 2, {"pinned": 2.0})
+    assert problem is not None and "reserve 2.5 of Ray resource 'pinned' and the cluster has 2" in problem
+    assert resource_problem(config, rc, 2, {"pinned": 2.5}, trainers=2) is not None
+    assert resource_problem(config, RayConfig(), 2, {}) is None

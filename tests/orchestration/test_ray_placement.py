@@ -16,6 +16,9 @@ from orchestration.ray_session import check_resources
                                                                     learner_num_cpus=0.5)),
      "--ray.learner-num-gpus 0.5 asks for 1 GPU (2 learner processes) but the cluster has 0"),
     (TrainConfig(env="builtin:cartpole", backend="ray", device="cuda"), "--device cuda: the learners get no GPU"),
+    (TrainConfig(env="builtin:cartpole", backend="ray", ray=RayConfig(learner_resources=(("learner_node", 1.0),))),
+     "--ray.learner-resources learner_node 1: the learners and the statistics actor reserve 2 of Ray resource "
+     "'learner_node' and the cluster has 0"),  # the run waited for ever
 ])
 def test_gpus_the_cluster_lacks_are_refused_on_an_own_instance_and_warned_about_on_a_joined_one(ray_session, config,
                                                                                               named):
