@@ -6,6 +6,7 @@ The only effectful sink of training metrics; everything upstream returns plain d
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
@@ -77,10 +78,19 @@ class MetricsLog:
 
 
 def read_csv(path: str | Path) -> dict[str, list[float]]:
-    """Columns of a metrics CSV as float lists (empty cells become NaN)."""
+    """Columns of a metrics CSV as float lists (empty cells become NaN); a ValueError names a cell that is no number
+    by its file, line and column."""
     with open(path) as f:
         rows = list(csv.DictReader(f))
-    return {k: [float(r[k]) if r[k] not in ("", None) else math.nan for r in rows] for k in (rows[0] if rows else {})}
+    columns: dict[str, list[float]] = {k: [] for k in (rows[0] if rows else {})}
+    for line, row in enumerate(rows, 2):  # line 1 is the header
+        for key, values in columns.items():
+            try:
+                values.append(float(row[key]) if row[key] not in ("", None) else math.nan)
+            except ValueError:
+                raise ValueError(f"{path}, line {line}, column {key!r}: {row[key]!r} is not a number (was the "
+                                 f"file edited?)") from None
+    return columns
 
 
 def plot_learning_curve(csv_path: str | Path, png_path: str | Path, *, y: str = "episode_return_mean",
@@ -159,6 +169,10 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
     if twice:  # counted twice, a run would narrow the interval and move the IQM
         raise ValueError(f"{', '.join(twice)} named twice (as a directory, its metrics.csv or a run under a directory "
                          f"named too): name each run once")
+    envs = {str(run): _env_of(run) for run in runs}
+    if len(set(envs.values()) - {None}) > 1:  # the mean and IQM of two tasks' returns mean nothing
+        raise ValueError(f"the runs are of different envs ({', '.join(f'{r}: {e}' for r, e in envs.items() if e)}); "
+                         f"shoal plot draws the seeds of one setup: plot each env's runs apart")
     curves = []
     for run in runs:
         path = Path(run) / "metrics.csv"
@@ -200,6 +214,15 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
             "final_ci95": [float(np.mean(finals)) - final_half, float(np.mean(finals)) + final_half] if n > 1
             else None,  # one run has no interval (a zero-width one would claim certainty)
             "final_iqm": interquartile_mean(finals), "plot": str(png_path)}
+
+
+def _env_of(run: Path) -> str | None:
+    """The env (or collection) a run's ``config.json`` names; None without a readable one."""
+    try:
+        config = json.loads((Path(run) / "config.json").read_text())
+        return str(config.get("collection") or config.get("env")) if isinstance(config, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _run_dirs(path: Path) -> list[Path]:

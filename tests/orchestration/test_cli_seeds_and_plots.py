@@ -74,6 +74,26 @@ def test_plot_draws_only_where_every_run_has_values_and_its_finals_are_where_the
         plot_runs([short, later], tmp_path / "c.png")
 
 
+def test_plot_names_a_cell_that_is_no_number_and_refuses_runs_of_different_envs(tmp_path, capsys):
+    """A non-numeric cell was told as "could not convert string to float: 'abc'" (no file, line or column); runs of
+    CartPole and connect four were averaged into one curve and IQM without a word."""
+    from orchestration.cli import main
+
+    for name, env, cell in (("a", "CartPole-v1", "2.0"), ("b", "pettingzoo:classic.connect_four_v3", "abc"),
+                            ("c", "CartPole-v1", "1.0")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.csv").write_text(f"env_steps,episode_return_mean\n100,1.0\n200,{cell}\n")
+        (tmp_path / name / "config.json").write_text(json.dumps({"env": env, "collection": None}))
+    for runs, told in ((["b"], "b/metrics.csv, line 3, column 'episode_return_mean': 'abc' is not a number"),
+                       (["a", "b"], "the runs are of different envs (")):
+        with pytest.raises(SystemExit):
+            main(["plot", *(str(tmp_path / r) for r in runs), "--out", str(tmp_path / "x.png")])
+        err = capsys.readouterr().err
+        assert told in err and len(err.strip().splitlines()) == 1, err
+    main(["plot", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "x.png")])  # one env: drawn
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"] == [2.0, 1.0]
+
+
 def test_plot_takes_a_metrics_file_or_a_directory_of_runs_names_a_near_metric_and_says_when_runs_differ(
         tmp_path, capsys):
     from orchestration.cli import main
