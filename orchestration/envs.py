@@ -94,6 +94,10 @@ def _blame_kwargs(name: str, kwargs: dict[str, Any] | None, err: BaseException) 
 
 def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | None, shared_state: bool | None):
     kwargs = dict(kwargs or {})
+    if not name.strip():
+        raise ValueError("no env named (--env ''): give a gymnasium id such as CartPole-v1 or one of Shoal's forms "
+                         "(builtin:NAME, vmas:SCENARIO, mpe2:MODULE, pettingzoo:FAMILY.MODULE, torchrl:ID, "
+                         "package.module:factory, external)")
     if name.startswith("builtin:"):
         which = name.split(":", 1)[1]
         if which == "cartpole":
@@ -134,12 +138,21 @@ def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | 
         return TorchRLEnv(VmasEnv(scenario, num_envs=num_envs, seed=seed, **kwargs),
                           TorchRLEnvConfig(payoff=payoff))
     if name.startswith("torchrl:"):  # a gymnasium id through torchrl's own GymEnv (its vectorised batch)
+        import gymnasium
         from torchrl.envs.libs.gym import GymEnv
 
         from adapters.torchrl_env import TorchRLEnv, TorchRLEnvConfig
+        from core.envsets.ids import hint
 
-        payoff = kwargs.pop("payoff", "cooperative")
-        return TorchRLEnv(GymEnv(name.split(":", 1)[1], num_envs=num_envs, **kwargs), TorchRLEnvConfig(payoff=payoff))
+        payoff, gym_id = kwargs.pop("payoff", "cooperative"), name.split(":", 1)[1]
+        try:
+            env = GymEnv(gym_id, num_envs=num_envs, **kwargs)
+        except Exception:
+            if gym_id in gymnasium.registry:  # registered (a plugin's too, once imported): the env's own error
+                raise
+            raise ValueError(f"env {name!r}: torchrl:ID takes a gymnasium id, and {gym_id!r} is none"
+                             f"{hint(gym_id, list(gymnasium.registry))} (e.g. torchrl:CartPole-v1)") from None
+        return TorchRLEnv(env, TorchRLEnvConfig(payoff=payoff))
     if name.startswith(("mpe2:", "pettingzoo:")):
         family, module_name = name.split(":", 1)
         module = _import_pettingzoo(name, family, module_name)

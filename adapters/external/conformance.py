@@ -65,8 +65,11 @@ def run_conformance(command: str, *, episodes: int = 5, timeout_s: float = 30.0,
     """
     # the template's faults are the user's, found before any launch (not findings about the simulator)
     render(command, flag="--command", host="127.0.0.1", port=0, seed=seed, sim_id="conformance-0", token="")
-    if episodes < 1 or timeout_s <= 0 or max_acts < 1:
-        raise ValueError("episodes and max_acts must be >= 1 and timeout_s > 0")
+    for flag, ok, rule, value in (("--episodes", episodes >= 1, ">= 1", episodes),
+                                  ("--timeout-s", timeout_s > 0, "> 0", timeout_s),
+                                  ("max_acts", max_acts >= 1, ">= 1", max_acts)):  # a library argument only
+        if not ok:
+            raise ValueError(f"{flag} must be {rule}, got {value:g}")
     report, findings = Report(command=command), Findings()
     options = SessionOptions(token=secrets.token_hex(16), episodes=episodes, timeout_s=timeout_s, max_acts=max_acts,
                              seed=seed, sim_id="conformance-0", sim_id_given="{sim_id}" in command)
@@ -93,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run_conformance(args.command, episodes=args.episodes, timeout_s=args.timeout_s, seed=args.seed,
                                  check_token=not args.no_token_check)
-    except ValueError as error:  # the command line's fault: one paragraph and exit code 2, as argparse's own
-        parser.error(str(error))
+    except ValueError as error:  # the command line's fault: one paragraph and exit code 2
+        print(f"shoal conformance: {error}", file=sys.stderr)
+        return 2
     print(report.format())
     return 0 if report.ok else 1
 

@@ -202,6 +202,11 @@ def cartpole_run(tmp_path_factory):
     (["train", "builtin:cartpole", "--ray.iteration-timeout-s", "0"], "--ray.iteration-timeout-s must be > 0"),
     (["train", "builtin:cartpole", "--ray.num-cpus", "0"], "--ray.num-cpus must be > 0 (or left out), got 0"),
     (["evaluate"], "shoal evaluate: Missing from shoal evaluate: STR a checkpoint directory"),
+    (["train", "torchrl:CartPol-v1"], "env 'torchrl:CartPol-v1': torchrl:ID takes a gymnasium id, and 'CartPol-v1' is "
+     "none (did you mean 'CartPole-v1'?)"),  # was gymnasium's "Environment `CartPol-v1` doesn't exist."
+    (["train", "--env", ""], "no env named (--env ''): give a gymnasium id such as CartPole-v1"),
+    (["conformance", "--command", "sim {port}", "--episodes", "0"], "shoal conformance: --episodes must be >= 1, "
+     "got 0"),  # named "episodes and max_acts", max_acts being no flag
     (["league", "builtin:cartpole", "--league.seat", "2"], "shoal league: --league.seat is 0 or 1"),
     (["train", "vmas:navigation", "--env-kwargs", "device", "cuda:7"],
      "env 'vmas:navigation': --env-kwargs device 'cuda:7': no such CUDA device here"),
