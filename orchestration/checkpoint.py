@@ -147,7 +147,11 @@ def save_checkpoint(root: str | Path, step: int, *, weights: dict[str, torch.Ten
 
 
 def _complete(directory: Path) -> bool:
-    return all((directory / f).is_file() for f in ("weights.safetensors", "state.safetensors", "state.json"))
+    return not _missing(directory)
+
+
+def _missing(directory: Path) -> list[str]:
+    return [f for f in ("weights.safetensors", "state.safetensors", "state.json") if not (directory / f).is_file()]
 
 
 def resolve(path: str | Path) -> Path:
@@ -177,6 +181,9 @@ def resolve(path: str | Path) -> Path:
     seeds = sorted(p.name for p in base.glob("seed_*") if (p / "checkpoints").is_dir()) if base.is_dir() else []
     runs = f"; {base} holds the runs of --seeds ({', '.join(seeds)}): name one, e.g. {base / seeds[0]}" if seeds else ""
     runs = runs or league_players_hint(path)
+    if not runs and (cut := _checkpoints(path) if path.is_dir() else []):  # only incomplete ones: say what they lack
+        runs = (f"; its newest, {cut[-1].name}, lacks {', '.join(_missing(cut[-1]))} (a write cut short, or files "
+                f"removed)")
     raise FileNotFoundError(f"no checkpoint at {path}: neither a checkpoint directory (state.json) nor a "
                             f"checkpoint root with complete '{_PREFIX}*' directories{runs}")
 

@@ -88,6 +88,9 @@ def test_stale_temporaries_are_cleaned_and_a_missing_pointer_falls_back_to_the_n
     (tmp_path / "latest").write_text(newest.name)
     with pytest.warns(RuntimeWarning):
         assert ckpt.resolve(tmp_path).name == "ckpt-000001"
+    (tmp_path / "ckpt-000001" / "weights.safetensors").unlink()  # none complete: what the newest lacks is named
+    with pytest.raises(FileNotFoundError, match=r"its newest, ckpt-000002, lacks state\.json \(a write cut short"):
+        ckpt.resolve(tmp_path)
 
 
 # -- untrusted checkpoints -----------------------------------------------------------------------------------
