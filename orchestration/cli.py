@@ -214,7 +214,8 @@ def _setup_training(argv: list[str], command: str = "train"):
 
     if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.env)
+        named = config.env if config.collection is None else "collection"  # a collection's --env is unused
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in named)
         config = dataclasses.replace(config, run_dir=str(fresh_run_dir(Path("runs") / f"{name}__{config.seed}__{stamp}")))
     torch.set_num_threads(config.threads)
     ckpt_root = Path(config.run_dir) / "checkpoints"

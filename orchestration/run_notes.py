@@ -39,12 +39,18 @@ def unused_settings(config: TrainConfig) -> list[str]:
             ("external", config.env == "external" and not config.external.command,
              "simulators launched by --external.command; this run launches none",
              ("instances", "max_restarts", "restart_backoff_s")),  # start_timeout_s: the wait for the first one
+            ("", config.collection is not None, "runs without --collection only; this run trains the collection's "
+             "envs", ("env", "env_kwargs")),
+            ("", config.env == "external", "envs Shoal builds itself; external simulators bring their own",
+             ("env_kwargs",)),
+            ("team_critic", not config.team_critic.enabled, "--team-critic.enabled only; this run has no team critic",
+             every),
             ("pretrain", not config.pretrain.dataset, "runs with --pretrain.dataset only; this run has none", every),
             ("curiosity", not config.curiosity.enabled, "--curiosity.coef > 0 only; this run's is 0", every),
             ("ppo", not config.policy.recurrent, feed_forward, ("sequence_length", "burn_in")),
             ("policy", not config.policy.recurrent, feed_forward, ("recurrent_cell", "recurrent_size"))):
         settings = getattr(config, section) if section else config
-        prefix = f"--{section}." if section else "--"
+        prefix = f"--{section.replace('_', '-')}." if section else "--"
         changed = [f"{prefix}{f.replace('_', '-')}" for f in fields or settings.__dataclass_fields__
                    if getattr(settings, f) != getattr(type(settings)(), f)]
         if unused and changed:

@@ -124,6 +124,7 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     from orchestration.config import (CuriosityConfig, ExternalConfig, PretrainConfig, RayConfig, RolloutConfig,
                                       TrainConfig)
     from orchestration.run_notes import note_unused
+    from orchestration.team_critic_config import TeamCriticConfig
 
     note_unused("train", TrainConfig(pretrain=PretrainConfig(steps=50), curiosity=CuriosityConfig(lr=0.1),
                                      ppo=PPOConfig(sequence_length=8, burn_in=4)))
@@ -154,6 +155,15 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     assert capsys.readouterr().err == ""
     note_unused("serve", TrainConfig(env="external", external=ExternalConfig(start_timeout_s=4)))
     assert capsys.readouterr().err == ""  # without a launcher: the wait for the first simulator's tree
+    # dropped in silence too: --env beside a collection, env keywords of external simulators, a critic's settings
+    collection = '{"format": "shoal.envcollection/1", "members": {"a": "builtin:cartpole"}}'
+    note_unused("train", TrainConfig(env="Pendulum-v1", collection=collection))
+    note_unused("serve", TrainConfig(env="external", env_kwargs={"foo": 1}))
+    note_unused("train", TrainConfig(team_critic=TeamCriticConfig(lr=0.01)))
+    err = capsys.readouterr().err
+    assert "--env applies to runs without --collection only; this run trains the collection's envs" in err
+    assert "--env-kwargs applies to envs Shoal builds itself; external simulators bring their own" in err
+    assert "--team-critic.lr applies to --team-critic.enabled only; this run has no team critic" in err
     note_unused("train", TrainConfig(policy=PolicyConfig(recurrent=True), ppo=PPOConfig(sequence_length=20),
                                      rollout=RolloutConfig(fragment_length=10)))
     assert "--ppo.sequence-length 20 is longer than --rollout.fragment-length 10: sequences are whole fragments" \
