@@ -72,13 +72,12 @@ def _split_train_args(argv: list[str]) -> tuple[list[str], str | None, bool | st
     rest, config_file, resume, progress, preset = [], None, False, True, None
     it = iter(argv)
     for arg in it:
-        if arg in ("--config-file", "--preset"):
-            value = next(it, None)
-            if value is None:
-                raise ValueError(f"{arg} needs a value")
-            config_file, preset = (value, preset) if arg == "--config-file" else (config_file, value)
-        elif arg.startswith(("--config-file=", "--preset=")):
-            name, value = arg.split("=", 1)
+        if arg.split("=", 1)[0] in ("--config-file", "--preset"):
+            name, value = arg.split("=", 1) if "=" in arg else (arg, next(it, None))
+            if not value:
+                raise ValueError(f"{name} needs a value")
+            if (given := config_file if name == "--config-file" else preset) is not None:
+                raise ValueError(f"{name} is given twice ({given} and {value}): give one")
             config_file, preset = (value, preset) if name == "--config-file" else (config_file, value)
         elif arg == "--resume":
             resume = True

@@ -91,7 +91,8 @@ def note_policy_fit(command: str, config: TrainConfig, tree, learning: bool = Tr
     from core.policies.networks import image_layout, normalizes
     from core.specs import groups, iter_leaves
 
-    leaves = [leaf for g in groups(tree).values() for _, leaf in iter_leaves(g.agent.observation)]
+    specs = groups(tree).values()
+    leaves = [leaf for g in specs for _, leaf in iter_leaves(g.agent.observation)]
     images = [leaf for leaf in leaves if image_layout(leaf) is not None]
     default, policy = PolicyConfig(), config.policy
     given = [f"--policy.{f.replace('_', '-')}" for f in ("image_encoder", "image_features", "leaf_encoders")
@@ -100,6 +101,9 @@ def note_policy_fit(command: str, config: TrainConfig, tree, learning: bool = Tr
         print(f"shoal {command}: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to image "
               f"observations (3-D boxes with 1, 3 or 4 channels first or last and sides >= 8), and {config.env} has "
               f"none: every observation is flattened into the MLP", file=sys.stderr)
+    if policy.critic != default.critic and sum(g.capacity for g in specs) == 1:
+        print(f"shoal {command}: --policy.critic {policy.critic} reads every agent's observation, and {config.env} has "
+              f"one agent: its critic sees what --policy.critic local would", file=sys.stderr)
     cnn = policy.image_encoder != "flatten"  # (per-leaf overrides aside) images a CNN reads are not standardised
     if policy.normalize_observations and not any(normalizes(leaf, cnn and leaf in images) for leaf in leaves):
         print(f"shoal {command}: --policy.normalize-observations standardises float vector observations, and "

@@ -135,6 +135,9 @@ print(json.dumps(action.tolist()))
 @pytest.mark.parametrize("args, named", [
     (["evaluate", "{ckpt}", "--episodes", "0"], "--episodes must be >= 1, got 0"),
     (["evaluate", "{ckpt}", "--threads", "0"], "--threads must be >= 1, got 0"),  # was torch's traceback
+    (["evaluate", "{ckpt}", "--seats", "agent"], "--seats agent chooses the seats the checkpoint plays against "
+     "--opponent; without one"),  # was ignored
+    (["evaluate", "{ckpt}", "--opponent", "random", "--seats", "agent", "agent"], "--seats names ['agent'] twice"),
     (["evaluate", "{ckpt}", "--opponent", "random"], "env 'builtin:cartpole' has one agent ('agent')"),
     (["export", "{ckpt}", "--out", "{run}/metrics.csv/x"], "--out {run}/metrics.csv/x: cannot make that directory"),
 ])
@@ -202,6 +205,8 @@ def cartpole_run(tmp_path_factory):
     (["train", "builtin:cartpole", "--ray.iteration-timeout-s", "0"], "--ray.iteration-timeout-s must be > 0"),
     (["train", "builtin:cartpole", "--ray.num-cpus", "0"], "--ray.num-cpus must be > 0 (or left out), got 0"),
     (["evaluate"], "shoal evaluate: Missing from shoal evaluate: STR a checkpoint directory"),
+    (["train", "--preset", ""], "--preset needs a value"),  # was the defaults, in silence
+    (["train", "--preset", "cartpole", "--preset=pendulum"], "--preset is given twice (cartpole and pendulum)"),
     (["train", "torchrl:CartPol-v1"], "env 'torchrl:CartPol-v1': torchrl:ID takes a gymnasium id, and 'CartPol-v1' is "
      "none (did you mean 'CartPole-v1'?)"),  # was gymnasium's "Environment `CartPol-v1` doesn't exist."
     (["train", "--env", ""], "no env named (--env ''): give a gymnasium id such as CartPole-v1"),

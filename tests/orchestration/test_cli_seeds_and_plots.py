@@ -211,6 +211,12 @@ def test_policy_settings_with_nothing_to_act_on_are_named(capsys, tmp_path):
     note_policy_fit("train", TrainConfig(env="builtin:spot", policy=PolicyConfig(image_encoder="impala")), spot)
     note_policy_fit("train", TrainConfig(policy=PolicyConfig(normalize_observations=True)), cartpole)
     assert capsys.readouterr().err == ""
+    note_policy_fit("train", TrainConfig(env="builtin:cartpole", policy=PolicyConfig(critic="central")), cartpole)
+    assert "--policy.critic central reads every agent's observation, and builtin:cartpole has one agent" \
+        in capsys.readouterr().err
+    spread = make_env("builtin:spread", 1).tree
+    note_policy_fit("train", TrainConfig(env="builtin:spread", policy=PolicyConfig(critic="joint")), spread)
+    assert capsys.readouterr().err == ""
     recurrent = PolicyConfig(recurrent=True)
     note_capped("train", TrainConfig(policy=recurrent, ppo=PPOConfig(burn_in=3),
                                      rollout=RolloutConfig(fragment_length=10)))
