@@ -65,8 +65,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if seats and opponent is None:
-        raise ValueError(f"--seats {' '.join(seats)} chooses the seats the checkpoint plays against --opponent; without "
-                         f"one it plays every agent: add --opponent random (or a checkpoint), or drop --seats")
+        raise ValueError(f"--seats {' '.join(seats)} chooses the seats the checkpoint plays against --opponent; "
+                         f"without one it plays every agent: add --opponent random (or a checkpoint), or drop --seats")
     if len(set(seats)) < len(seats):
         raise ValueError(f"--seats names {sorted({s for s in seats if seats.count(s) > 1})} twice: name each seat once")
     if video is not None and opponent is not None:
