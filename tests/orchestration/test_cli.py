@@ -196,7 +196,8 @@ def cartpole_run(tmp_path_factory):
      "env 'builtin:cartpole': --env-kwargs device 'cpux': not a device (cpu, cuda, cuda:<index> or mps)"),
     # flags tyro refuses, and values a config refuses while tyro parses: one line, not tyro's box
     (["train", "builtin:cartpole", "--lrr", "3"], "shoal train: Unrecognized options: --lrr, 3; did you mean --lr?"),
-    (["train", "builtin:cartpole", "--lr", "abc"], "--lr: could not convert string to float: 'abc'; it takes --lr FLOAT"),
+    (["train", "builtin:cartpole", "--lr", "abc"],
+     "--lr: could not convert string to float: 'abc'; it takes --lr FLOAT"),
     (["train", "builtin:cartpole", "--policy.recurrent-critic"], "--policy.recurrent-critic must be False unless"),
     (["train", "builtin:cartpole", "--lr", "inf"], "--lr must be > 0 and finite, got inf"),  # was accepted: NaN losses
     (["train", "builtin:cartpole", "--eval-every", "1", "--eval-episodes", "0"], "--eval-episodes must be >= 1"),
