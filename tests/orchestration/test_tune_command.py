@@ -98,8 +98,12 @@ def test_a_metric_of_some_iterations_is_read_from_its_last_report_and_a_misspelt
     err = capsys.readouterr().err
     assert "no trial reported --metric 'episode_retrun_mean' (did you mean 'episode_return_mean'?)" in err, err
     assert "Traceback" not in err
-    (tmp_path / "broken.yaml").write_text(SWEEP.replace("[0, 1]", "[0]") + "env_kwargs: [[gravity, '-1.0']]\n")
-    assert main([*flags, "--config-file", str(tmp_path / "broken.yaml"), "--name", "broken"]) == 1
+    broken = SWEEP.replace("[0, 1]", "[0]") + "env_kwargs: [[gravity, '-1.0']]\n"
+    (tmp_path / "broken.yaml").write_text(broken)
+    assert main([*flags, "--config-file", str(tmp_path / "broken.yaml"), "--name", "broken"]) == 2  # before any trial
+    assert "--env-kwargs gravity is not a keyword it takes" in capsys.readouterr().err
+    (tmp_path / "searched.yaml").write_text(broken.replace("search:\n", "search:\n  env: {grid: [builtin:cartpole]}\n"))
+    assert main([*flags, "--config-file", str(tmp_path / "searched.yaml"), "--name", "searched"]) == 1  # trials fail
     err = capsys.readouterr().err  # was: "no trial reported --metric ...; the trials reported ['pid', 'timestamp']"
     assert "every trial failed, the first with" in err and "gravity" in err and "no trial reported" not in err, err
 
