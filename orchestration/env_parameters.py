@@ -56,7 +56,8 @@ def check_values(name: str, kwargs: dict[str, Any]) -> None:
     for key, flag in _SET_BY_SHOAL.get(name.split(":", 1)[0] if ":" in name else "", {}).items():
         if key in kwargs:
             raise ValueError(f"env {name!r}: --env-kwargs {key} is Shoal's to set: use {flag} {kwargs[key]}")
-    if isinstance(device := kwargs.get("device"), str) and (why := _unusable(device)):
+    torch_device = name.split(":", 1)[0] in ("builtin", "vmas", "torchrl")  # the others may mean their own thing
+    if isinstance(device := kwargs.get("device"), str) and (why := _unusable(device, torch_device)):
         raise ValueError(f"env {name!r}: --env-kwargs device {device!r}: {why}; use --env-kwargs device cpu")
     payoff = kwargs.get("payoff", "cooperative")
     if isinstance(payoff, str) and payoff not in _PAYOFFS:  # the adapters' keyword; the tree would refuse it later
@@ -82,15 +83,15 @@ def check_values(name: str, kwargs: dict[str, Any]) -> None:
                          f"True, 'text')")
 
 
-def _unusable(device: str) -> str | None:
-    """Why this process cannot put an env on ``device`` (not a device, or a CUDA or MPS one it does not have),
-    else None."""
+def _unusable(device: str, torch_device: bool) -> str | None:
+    """Why this process cannot put an env on ``device`` (a CUDA or MPS one it does not have; with
+    ``torch_device``, an env that takes a torch device, not a device at all), else None."""
     import torch
 
     try:
         kind = torch.device(device)
-    except RuntimeError:
-        return "not a device (cpu, cuda, cuda:<index> or mps)"
+    except RuntimeError:  # another env's own word for a device is its own to check
+        return "not a device (cpu, cuda, cuda:<index> or mps)" if torch_device else None
     if kind.type == "cuda" and (kind.index or 0) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
         return (f"no such CUDA device here (torch {torch.__version__}, {torch.cuda.device_count()} visible; a Ray "
                 f"rollout worker sees a GPU only when it reserves one: --ray.worker-num-gpus)")

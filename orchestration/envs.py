@@ -148,7 +148,7 @@ def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | 
         try:
             env = GymEnv(gym_id, num_envs=num_envs, **kwargs)
         except Exception:
-            if gym_id in gymnasium.registry:  # registered (a plugin's too, once imported): the env's own error
+            if gym_id in gymnasium.registry or ":" in gym_id:  # an id it knows (or module:ID): the env's own error
                 raise
             raise ValueError(f"env {name!r}: torchrl:ID takes a gymnasium id, and {gym_id!r} is none"
                              f"{hint(gym_id, list(gymnasium.registry))} (e.g. torchrl:CartPole-v1)") from None

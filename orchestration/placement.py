@@ -32,14 +32,16 @@ def reservation_problem(config: TrainConfig, ray_config: RayConfig, num_learners
             f" or raise --ray.num-cpus")
 
 
-def resource_problem(config: TrainConfig, ray_config: RayConfig, num_learners: int, have: Mapping[str, float],
-                     trainers: int = 1) -> str | None:
-    """Why the custom resources the learners and the statistics actor reserve (``--ray.learner-resources``) are
-    not in a cluster that ``have`` (their actors would wait for ever); None when they are."""
-    actors = trainers * (gpu_holders(ray_config, num_learners, int(config.team_critic.enabled)) + 1)
+def resource_problem(ray_config: RayConfig, num_learners: int, have: Mapping[str, float], trainers: int = 1,
+                     statistics: bool = True) -> str | None:
+    """Why the custom resources that ``num_learners`` learner actors (a team critic counted among them) and the
+    statistics actor (external runs have none) reserve (``--ray.learner-resources``) are not in a cluster that
+    ``have`` (their actors would wait for ever); None when they are."""
+    actors = trainers * (gpu_holders(ray_config, num_learners) + int(statistics))
     for name, amount in ray_config.learner_resources:
         if actors * amount > have.get(name, 0.0) + 1e-9:
-            return (f"--ray.learner-resources {name} {amount:g}: the learners and the statistics actor reserve "
+            who = "the learners and the statistics actor" if statistics else "the learners"
+            return (f"--ray.learner-resources {name} {amount:g}: {who} reserve "
                     f"{actors * amount:g} of Ray resource {name!r} and the cluster has {have.get(name, 0.0):g}: start "
                     f"Ray with it (ray start --head --resources '{{\"{name}\": {actors * amount:g}}}') and join it "
                     f"with --address, or leave --ray.learner-resources out")

@@ -51,12 +51,12 @@ def init_ray(config: TrainConfig, ray_config: RayConfig, min_cpus: float = 0.0) 
 
 def check_resources(config: TrainConfig, ray_config: RayConfig, num_learners: int, strict: bool,
                     trainers: int = 1) -> None:
-    """Warns (``strict``: raises ValueError) when the run does not fit the cluster's CPUs or GPUs."""
+    """Warns (``strict``: raises ValueError) when the run does not fit the cluster's CPUs, GPUs or resources."""
     have = ray.cluster_resources()
     holders = trainers * gpu_holders(ray_config, num_learners)
     problem = (reservation_problem(config, ray_config, num_learners, have.get("CPU", 0.0), trainers)
                or gpu_problem(config, ray_config, holders, have.get("GPU", 0.0), trainers)
-               or resource_problem(config, ray_config, num_learners, have, trainers))
+               or resource_problem(ray_config, num_learners, have, trainers, config.env != "external"))
     if problem and strict:
         raise ValueError(problem)
     if problem:

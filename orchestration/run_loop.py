@@ -234,6 +234,7 @@ def write_provenance(run_dir: Path, resume: bool) -> None:
         first = None
     if isinstance(first, dict):
         resumes = first.get("resumes") if isinstance(first.get("resumes"), list) else []
+        first.pop("final_accounting", None)  # the interrupted segment's: this one writes its own when it ends
         now = {**first, "resumes": [*resumes, {k: now[k] for k in ("argv", "started", "git_commit", "host")}]}
     path.write_text(json.dumps(now, indent=1))
 

@@ -313,10 +313,10 @@ class Trainer:
 
     @property
     def resume_gaps(self) -> list[str]:
-        """Why a run resumed from :meth:`state` would not continue bit for bit ([]: it would): the fleet's
-        (:func:`orchestration.fleet.resume_gaps`) and, after a restore, a checkpoint without the actors' states."""
+        """Why a run resumed from :meth:`state` would not continue bit for bit ([]: it would): the fleet's reasons
+        (:func:`orchestration.fleet.resume_gaps`), else a restored checkpoint that held no worker's state."""
         lost = "the checkpoint holds no worker's state (saved after one was re-created): every env starts afresh"
-        return [*self.fleet.resume_gaps, *([lost] if self._actors_restored is False else [])]
+        return list(self.fleet.resume_gaps) or ([lost] if self._actors_restored is False else [])
 
     @property
     def resume_exact(self) -> bool:

@@ -35,8 +35,9 @@ _SECTIONS = {"PolicyConfig": "policy.", "PPOConfig": "ppo.", "RolloutConfig": "r
 def as_flags(message: str) -> str:
     """``message`` with the config fields that library code names (``PolicyConfig.recurrent_critic``) as the
     command's flags (``--policy.recurrent-critic``)."""
-    return re.sub(r"\b(" + "|".join(_SECTIONS) + r")\.([a-z][a-z0-9_]*)",
-                  lambda m: f"--{_SECTIONS[m.group(1)]}{m.group(2).replace('_', '-')}", message)
+    flags = re.sub(r"\b(" + "|".join(_SECTIONS) + r")\.([a-z][a-z0-9_]*)",
+                   lambda m: f"--{_SECTIONS[m.group(1)]}{m.group(2).replace('_', '-')}", message)
+    return re.sub(r"(--[a-z][\w.-]*) \(\1\)", r"\1", flags)  # "Config.x (--x)" said the flag twice
 
 
 class StalledRun(RuntimeError):

@@ -149,3 +149,8 @@ class _NanEveryOther(gymnasium.Wrapper):
 
 def make_nan_filmable(render_mode=None):
     return _NanEveryOther(gymnasium.make("CartPole-v1", render_mode=render_mode))
+
+
+def make_device_env(device: str = "auto"):
+    """A factory with a ``device`` keyword of its own (any word it understands): CartPole-v1 beside it."""
+    return gymnasium.make("CartPole-v1")

@@ -336,3 +336,44 @@ def test_a_resume_names_every_reason_it_is_not_exact(tmp_path, monkeypatch, caps
     err = " ".join(capsys.readouterr().err.split())
     assert ("not bit-identical to an uninterrupted run: the central inference service's sampling stream is not saved "
             "(actions are drawn afresh), and envs that cannot save their state were reset") in err
+
+
+def test_a_fleet_that_keeps_no_worker_state_names_its_own_reason_only():
+    """An external or asynchronous fleet saves no worker state, so a restore finds none: its resume note also
+    blamed a re-created worker, which there never was."""
+    from orchestration.config import TrainConfig
+    from orchestration.envs import make_env
+    from orchestration.external_fleet import ExternalFleet
+    from orchestration.trainer import Trainer
+
+    class Fleet:  # what the trainer reads of an external fleet here (a small fake: the test is about the note)
+        resume_gaps, reported = ExternalFleet.resume_gaps, {}
+
+        def state(self) -> list:
+            return []
+
+        def broadcast(self, *args, **kwargs) -> None:
+            pass
+
+    trainer = Trainer(TrainConfig(), Fleet(), {}, None, make_env("builtin:cartpole", 1).tree)
+    trainer.load_state_({"iteration": 3, "env_steps": 96, "history": {}, "actors": [], "learners": {}})
+    assert trainer.resume_gaps == list(ExternalFleet.resume_gaps) and not trainer.resume_exact
+
+
+def test_config_fields_named_as_flags_say_each_flag_once():
+    from orchestration.user_errors import as_flags
+
+    assert as_flags("TeamCriticConfig.lr (--team-critic.lr) must be > 0") == "--team-critic.lr must be > 0"
+    assert as_flags("PolicyConfig.recurrent_critic must be False") == "--policy.recurrent-critic must be False"
+
+
+def test_a_resumed_run_drops_the_previous_segments_final_accounting(tmp_path):
+    """A resumed run that then crashes wrote no tally of its own: run.json kept the earlier one, labelled final."""
+    from orchestration.run_loop import record_final_accounting, write_provenance
+
+    write_provenance(tmp_path, False)
+    record_final_accounting(tmp_path, {"fragments_produced": 3})
+    assert json.loads((tmp_path / "run.json").read_text())["final_accounting"] == {"fragments_produced": 3}
+    write_provenance(tmp_path, True)
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert "final_accounting" not in record and len(record["resumes"]) == 1

@@ -124,3 +124,15 @@ def test_ctrl_c_to_the_whole_process_group_stops_a_run_with_env_processes_cleanl
     assert process.returncode == 130 and "shoal train: stopped by SIGINT after iteration" in err, err[-3000:]
     assert "Traceback" not in err and "EnvWorkerFault" not in err, err[-3000:]
     assert list((run / "checkpoints").iterdir())
+
+
+def test_a_device_word_that_torch_does_not_parse_is_refused_only_for_envs_that_take_a_torch_device():
+    """Every env's ``device`` keyword was parsed as a torch device: a user factory's own word for one ("auto")
+    was refused as no device."""
+    from orchestration.env_parameters import check_values
+
+    with pytest.raises(ValueError, match=r"env 'builtin:cartpole': --env-kwargs device 'cpux': not a device"):
+        check_values("builtin:cartpole", {"device": "cpux"})
+    check_values("tests.orchestration.faulty_env_factories:make_device_env", {"device": "auto"})  # its own word
+    with pytest.raises(ValueError, match="no such CUDA device here"):  # a torch device this machine lacks: said
+        check_values("tests.orchestration.faulty_env_factories:make_device_env", {"device": "cuda:7"})

@@ -152,9 +152,13 @@ def test_trainers_side_by_side_share_the_gpus_their_workers_leave_among_all_of_t
 
 def test_custom_resources_count_every_learner_process_and_the_statistics_actor():
     rc = RayConfig(learner_resources=(("pinned", 0.5),), learners_per_policy=2)
-    config = _config()
-    assert resource_problem(config, rc, 2, {"pinned": 2.5}) is None  # 2 learners x 2 ranks + statistics: 5 x 0.5
-    problem = resource_problem(config, rc, 2, {"pinned": 2.0})
-    assert problem is not None and "reserve 2.5 of Ray resource 'pinned' and the cluster has 2" in problem
-    assert resource_problem(config, rc, 2, {"pinned": 2.5}, trainers=2) is not None
-    assert resource_problem(config, RayConfig(), 2, {}) is None
+    assert resource_problem(rc, 2, {"pinned": 2.5}) is None  # 2 learners x 2 ranks + statistics: 5 x 0.5
+    problem = resource_problem(rc, 2, {"pinned": 2.0})
+    assert problem is not None and "the learners and the statistics actor reserve 2.5 of Ray resource 'pinned' " \
+        "and the cluster has 2" in problem
+    assert resource_problem(rc, 2, {"pinned": 2.5}, trainers=2) is not None
+    assert resource_problem(rc, 2, {"pinned": 2.0}, statistics=False) is None  # external runs have no statistics actor
+    assert resource_problem(RayConfig(), 2, {}) is None
+    # a team critic is one of the learner actors counted (check_resources passes learner_processes): not twice
+    one = RayConfig(learner_resources=(("pinned", 1.0),))
+    assert resource_problem(one, 2, {"pinned": 3.0}) is None
