@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import gc
 import importlib
+import os
 import sys
 import time
 import warnings
@@ -347,11 +348,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                            " before its first checkpoint: nothing to resume" if resumable else ""),
               file=sys.stderr)
         raise SystemExit(143 if isinstance(stop, Terminated) else 130) from None
-    if command_line:
-        # The process ends next: spare it the exit's garbage collection over torch's objects (~1 s of a run's end
-        # here). Files, loggers and envs are closed already and atexit handlers still run; in-process callers
-        # (tests) keep their collector as it was.
-        gc.freeze()
+    except BrokenPipeError:  # the reader left (``shoal train --help | head``): the rest is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would raise)
+        raise SystemExit(141) from None  # as a shell reports SIGPIPE
+    if command_line:  # the process ends next: spare it the exit's garbage collection over torch's objects (files,
+        gc.freeze()  # loggers and envs are closed, atexit handlers still run; in-process callers keep theirs)
 
 
 def _dispatch(command: str, rest: list[str]) -> None:

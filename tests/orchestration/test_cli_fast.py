@@ -182,3 +182,18 @@ def test_episodes_a_lenient_repair_cut_are_not_filmed_as_scored_ones(cartpole_ch
     returns, paths = videos.record_episodes(config, policies, assignment, fixed, episodes=3, out_dir=tmp_path / "v")
     assert len(returns["return"]) == 3 and len(paths) == 3 == len(list((tmp_path / "v").iterdir()))
     assert [_frame_count(p) for p in paths] == [round(r) + 1 for r in returns["return"]]
+
+
+def test_help_read_by_a_reader_that_leaves_early_ends_quietly(tmp_path):
+    """``shoal train --help | head``: the reader closes the pipe; Python's BrokenPipeError was a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    reader, writer = os.pipe()
+    os.close(reader)  # gone before a byte is written: every write meets a closed pipe
+    done = subprocess.run([sys.executable, "-m", "orchestration.cli", "train", "--help"], stdout=writer,
+                          stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    os.close(writer)
+    assert done.returncode == 141 and "Traceback" not in done.stderr, done.stderr
