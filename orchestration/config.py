@@ -98,9 +98,10 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.steps < 0 or self.minibatch_size < 1 or not self.lr > 0:
-            raise ValueError(f"PretrainConfig: steps must be >= 0, minibatch_size >= 1 and lr > 0, got "
-                             f"{self.steps}, {self.minibatch_size} and {self.lr}")
+        for name, ok, rule in (("steps", self.steps >= 0, ">= 0"), ("minibatch_size", self.minibatch_size >= 1, ">= 1"),
+                               ("lr", 0 < self.lr < math.inf, "> 0 and finite")):
+            if not ok:
+                raise ValueError(f"PretrainConfig.{name} must be {rule}, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -65,6 +65,10 @@ def note_capped(command: str, config: TrainConfig) -> None:
     exceeds the fragments it is cut from, and when its ``--ppo.burn-in`` cannot act (sequences that are whole
     fragments have no earlier state)."""
     length, fragment, burn_in = config.ppo.sequence_length, config.rollout.fragment_length, config.ppo.burn_in
+    if config.pretrain.dataset and not config.pretrain.steps:
+        print(f"shoal {command}: --pretrain.steps 0: the dataset {config.pretrain.dataset} is loaded and checked "
+              f"against the env's tree, and nothing is cloned from it (give --pretrain.steps to clone)",
+              file=sys.stderr)
     if config.ppo.minibatch_size > config.steps_per_iteration and config.env != "external":
         print(f"shoal {command}: --ppo.minibatch-size {config.ppo.minibatch_size} is more than the "
               f"{config.steps_per_iteration} env steps of a batch (--train-batch-size, else --rollout.num-envs x "

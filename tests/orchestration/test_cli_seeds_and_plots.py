@@ -168,6 +168,9 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
                                      rollout=RolloutConfig(fragment_length=10)))
     assert "--ppo.sequence-length 20 is longer than --rollout.fragment-length 10: sequences are whole fragments" \
         in capsys.readouterr().err
+    note_unused("train", TrainConfig(pretrain=PretrainConfig(dataset="ds", steps=0)))  # loaded, and trained on 0 steps
+    assert "--pretrain.steps 0: the dataset ds is loaded and checked against the env's tree, and nothing is cloned" \
+        in capsys.readouterr().err
     note_unused("train", TrainConfig(ppo=PPOConfig(minibatch_size=100_000)))  # was cut to the batch in silence
     assert ("--ppo.minibatch-size 100000 is more than the 1024 env steps of a batch" in capsys.readouterr().err)
 
