@@ -41,6 +41,7 @@ from orchestration.devices import check_compute_dtype
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
 from orchestration.train_batches import only_slots, team_values_for, update_inputs, with_advantages, with_values
+from orchestration.weights_fit import check_weights
 
 
 def _actor_copy(policy: GroupPolicy, weights: TensorDictBase) -> GroupPolicy:
@@ -376,6 +377,7 @@ class FixedLearner:
 
     def replace_weights(self, weights: TensorDictBase) -> int:
         """Freezes other weights (a league swapping opponents); returns the new version."""
+        check_weights(TensorDict.from_module(self.policy), weights)  # ValueError naming the key at fault
         with torch.no_grad():
             TensorDict.from_module(self.policy).update_(weights)
         self._published = TensorDict.from_module(self.policy).detach().clone()

@@ -14,10 +14,9 @@ the iteration ends when every learning policy has trained once on a ready batch;
 to the fleet as soon as it is published, and actors load it at their next fragment boundary. What a learner
 trains on is decided by its inbox (core's staleness and reuse rules), the same for every backend.
 
-Environment collections (``config.collection``, :mod:`orchestration.env_collection`): before each iteration
-the trainer draws one member per actor (:class:`orchestration.collection_driver.CollectionDriver`, whose
-generator and structure state are part of :meth:`Trainer.state`), and after it reports per-env episode
-metrics and updates the structure (curriculum promotion, adversarial returns); evaluation runs on the
+Environment collections (``config.collection``): before each iteration the trainer draws one member per actor
+(:class:`orchestration.collection_driver.CollectionDriver`, part of :meth:`Trainer.state`), and after it reports
+per-env episode metrics and updates the structure (curriculum, adversarial returns); evaluation runs on the
 collection's evaluation envs only, per env id.
 
 Team critics (``config.team_critic``, :mod:`orchestration.team_critic`): in synchronous mode, after the
@@ -48,7 +47,7 @@ from core.specs import groups
 from orchestration.fleet import CollectionInterrupted
 from orchestration.statistics import (episode_metrics, fragment_accounting, merge_monitors, structure_metrics,
                                       worker_counters)
-from orchestration.user_errors import StalledRun
+from orchestration.user_errors import StalledRun, known
 
 
 class Trainer:
@@ -229,7 +228,7 @@ class Trainer:
     def set_weights(self, policy_id: str, weights: TensorDictBase) -> int:
         """Freezes ``weights`` as the fixed policy ``policy_id`` and loads them into every actor now, before
         the next fragment any of them produces. Returns the new version."""
-        learner = self.learners[policy_id]
+        learner = self.learners[known(policy_id, "policy", self.learners)]
         if learner.learns:
             raise ValueError(f"policy {policy_id!r} learns; only a fixed policy's weights can be set "
                              f"(fixed: {sorted(p for p, lrn in self.learners.items() if not lrn.learns)})")
@@ -243,7 +242,7 @@ class Trainer:
         a league exploiter that beat its targets) and loads the weights into every actor now. Weights,
         optimizer and generator come from ``state``; the version moves above every one published before, and
         the counters and inbox go on, so nothing collected is lost or counted twice. Returns the new version."""
-        learner = self.trainable[policy_id]
+        learner = self.trainable[known(policy_id, "learning policy", self.trainable)]
         now = learner.state()
         learner.load_state_({**{k: v for k, v in state.items() if k not in ("inbox", "returns")},
                              "version": int(now["version"]) + 1, "counters": now["counters"]})
@@ -297,7 +296,8 @@ class Trainer:
             raise ValueError("this trainer has no evaluation actor (TrainConfig.eval_every is 0)")
         for pid, learner in self.learners.items():  # forced: a restored evaluator holds versions, not weights
             actor.set_weights(pid, *learner.weights(), force=True)
-        episodes = episodes or self.config.eval_episodes
+        if (episodes := episodes or self.config.eval_episodes) < 1:
+            raise ValueError(f"Trainer.evaluate: episodes must be >= 1, got {episodes}")
         out = evaluate_members(actor, self.envsets.collection.evaluation_ids(), episodes, self._eval_means) \
             if self.envsets is not None else self._eval_means(actor.run_episodes(episodes))
         # what the evaluation envs' adapters repaired or restarted, over the run (as env/<counter> is training's)

@@ -40,6 +40,15 @@ def as_flags(message: str) -> str:
     return re.sub(r"(--[a-z][\w.-]*) \(\1\)", r"\1", flags)  # "Config.x (--x)" said the flag twice
 
 
+def known(name: str, kind: str, choices) -> str:
+    """``name`` when it is one of ``choices``; else a ValueError naming it as a ``kind`` and the nearest choice."""
+    if name in choices:
+        return name
+    from core.envsets.ids import hint
+
+    raise ValueError(f"no {kind} {name!r} in this run{hint(name, sorted(choices))}")
+
+
 class StalledRun(RuntimeError):
     """An asynchronous run whose learners could not train while no fragment arrived for
     ``--ray.iteration-timeout-s``: the envs or workers deliver nothing (or the batch is far larger than what

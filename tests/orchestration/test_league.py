@@ -182,3 +182,30 @@ def test_a_league_draws_the_latest_member_or_uniformly_when_asked():
     with pytest.raises(ValueError, match="'pfsp', 'uniform', 'latest'"):
         LeagueTrainer(trainer, learner="player", opponent="opponent", sampling="newest")
     trainer.close()
+
+
+def test_set_weights_refuses_weights_that_do_not_fit_and_names_an_unknown_policy():
+    """An empty TensorDict was accepted (a new version, nothing loaded), NaN weights too; wrong shapes gave a
+    tensordict size error without a key; an unknown id a bare KeyError; ``evaluate(-1)`` returned a mean of 0."""
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3", iterations=1, fixed_policies=("opponent",),
+                         policy_mapping=(("player_1", "opponent"),), eval_every=1,
+                         rollout=RolloutConfig(num_envs=2, fragment_length=8))
+    trainer = build_trainer(config)
+    try:
+        _, good = trainer.learners["opponent"].weights()
+        with pytest.raises(ValueError, match=r"the weights do not fit the policy: missing \["):
+            trainer.set_weights("opponent", TensorDict())
+        key, value = next(iter(good.items(include_nested=True, leaves_only=True)))
+        with pytest.raises(ValueError, match=r"the weights do not fit the policy: .* is torch.float32 \[1"):
+            trainer.set_weights("opponent", good.clone().set(key, value.new_zeros(1, *value.shape)))
+        with pytest.raises(ValueError, match="the weights hold a NaN or infinite value at"):
+            trainer.set_weights("opponent", good.clone().set(key, torch.full_like(value, float("nan"))))
+        with pytest.raises(ValueError, match=r"no policy 'oponent' in this run \(did you mean 'opponent'\?\)"):
+            trainer.set_weights("oponent", good)
+        with pytest.raises(ValueError, match=r"no learning policy 'playr' in this run \(did you mean 'player'\?\)"):
+            trainer.reset_learner("playr", {})
+        assert trainer.set_weights("opponent", good.clone()) == 1  # weights that fit: the next version
+        with pytest.raises(ValueError, match="Trainer.evaluate: episodes must be >= 1, got -1"):
+            trainer.evaluate(-1)
+    finally:
+        trainer.close()
