@@ -116,6 +116,14 @@ def group_names(td) -> list[str]:
     return [k for k in td.keys() if k not in RESERVED_ROOT_KEYS and not isinstance(k, tuple)]
 
 
+def group_of(td, group: str):
+    """``td[group]``; a KeyError naming ``group`` and the groups ``td`` has when it has none of that name."""
+    value = td.get(group, None)
+    if value is None:
+        raise KeyError(f"no agent group {group!r} in the TensorDict (its groups: {group_names(td)})")
+    return value
+
+
 def make_fragment_id(worker_id: int, sequence: int) -> int:
     """A run-unique fragment id: ``worker_id`` in the high 32 bits, the worker's sequence number below."""
     if not (0 <= worker_id < 2**31 and 0 <= sequence < 2**32):

@@ -205,13 +205,8 @@ class TreeCodec:
 
     def __init__(self, tree: Tree) -> None:
         self.tree = tree
-        self.groups = groups(tree)
+        self.groups = groups(tree)  # refuses an agent name used twice (agents are keyed by name alone)
         self.index = agent_index(tree)
-        total = sum(len(g.agent_names) for g in self.groups.values())
-        if len(self.index) != total:
-            names = [n for g in self.groups.values() for n in g.agent_names]
-            twice = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"agent names must be unique across the tree; {twice} appear more than once")
         shared = shared_observations(tree)
         if set(shared) - {()}:
             raise ValueError(f"external environments support a shared observation on the root population only; the "

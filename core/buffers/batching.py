@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from tensordict import TensorDict
 
-from core.layout import ACTION_MASK, MASK
+from core.layout import ACTION_MASK, MASK, group_of
 
 
 def _layout(td: TensorDict) -> dict:
@@ -69,7 +69,7 @@ def flatten_transitions(rollout: TensorDict) -> TensorDict:
 def drop_trivial_masks(flat: TensorDict, group: str) -> TensorDict:
     """``flat`` without an all-True agent mask or action mask of ``group`` (the unmasked loss path is cheaper);
     ``flat`` itself when there is none."""
-    g = flat.get(group)
+    g = group_of(flat, group)
     trivial = [k for k in (MASK, ACTION_MASK) if k in g.keys() and bool(g.get(k).all())]
     if not trivial:
         return flat
@@ -84,7 +84,7 @@ def _order(flat: TensorDict, generator: torch.Generator, drop_empty: bool, group
     if drop_empty:
         if group is None:
             raise ValueError("drop_empty=True needs the group whose mask decides")
-        mask = flat.get((group, MASK))
+        mask = group_of(flat, group).get(MASK)
         present = mask.flatten(1).any(-1) if mask.dim() > 1 else mask  # [N]: any agent of the row present
         keep = present.nonzero().squeeze(-1).cpu()
         order = keep[torch.randperm(keep.shape[0], generator=generator)]

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from core.layout import ADVANTAGE, DONE, LOG_PROB, MASK, NEXT, REWARD, STATE_VALUE, TERMINATED, VALUE_TARGET
+from core.layout import (ADVANTAGE, DONE, LOG_PROB, MASK, NEXT, REWARD, STATE_VALUE, TERMINATED, VALUE_TARGET,
+                         group_of)
 
 _TIME_DIM = 1
 
@@ -201,7 +202,7 @@ def with_vtrace(
 
 def _group_inputs(rollout: TensorDictBase, group: str) -> tuple:
     """Reads and checks the estimator inputs of ``group``; names the offending key on error."""
-    batch = rollout.get(group).batch_size  # [E, T, A]
+    batch = group_of(rollout, group).batch_size  # [E, T, A]
     if len(batch) < 2:
         raise ValueError(f"{group!r} must have batch [env, time, agent...], got {list(batch)}")
     shape = torch.Size((*batch, 1))

@@ -12,7 +12,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from core.buffers.batching import GATHER_ROWS, gathered_minibatches
 from core.layout import (ADVANTAGE, ENV_ID, EPISODE_ID, FRAGMENT_ID, LOG_PROB, MASK, NEXT, POLICY_VERSION,
-                         STATE_VALUE, VALUE_TARGET, WORKER_ID)
+                         STATE_VALUE, VALUE_TARGET, WORKER_ID, group_of)
 from core.losses.adam_step import OptimizerStep
 from core.losses.config import PPOConfig
 from core.losses.ppo import (DIAGNOSTIC_KEYS, ENTROPY, LOSS_KEYS, check_shapes, diagnostic_moments, loss_terms,
@@ -268,7 +268,7 @@ def _prepared(batch: TensorDictBase, group: str) -> tuple[TensorDictBase, int]:
     if batch.batch_dims != 1:
         raise ValueError(f"batch must be flat (batch [N]), got batch {list(batch.batch_size)}")
     data = batch.exclude(*_UNUSED_KEYS)
-    g = data.get(group)
+    g = group_of(data, group)
     shape = torch.Size((*g.batch_size, 1))
     for key in _BEHAVIOUR_KEYS:
         x = g.get(key, None)

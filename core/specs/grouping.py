@@ -52,16 +52,30 @@ def groups(tree: Tree) -> dict[str, GroupSpec]:
     """The groups of ``tree`` in a stable order (members in declaration order).
 
     Raises:
-        TreeError: when two groups would get the same name.
+        TreeError: when two groups would get the same name, a group the name of a key of the layout
+            (:data:`core.layout.RESERVED_ROOT_KEYS`), or two agents of different groups the same name (agents are
+            named, and mapped to policies, by their names alone).
     """
     out: dict[str, GroupSpec] = {}
     _collect(population(tree), "", out)
+    seen: dict[str, str] = {}
+    for spec in out.values():
+        for agent in spec.agent_names:
+            if seen.setdefault(agent, spec.name) != spec.name:
+                raise TreeError(f"{spec.population_path or '<root>'}/{agent}", f"agent name {agent!r} is also in "
+                                f"group {seen[agent]!r}: agents are named, and mapped to policies, by their names "
+                                f"alone; rename one (e.g. {spec.name.replace('/', '_')!r})")
     return out
 
 
 def _add(out: dict[str, GroupSpec], spec: GroupSpec) -> None:
+    from core.layout import RESERVED_ROOT_KEYS
+
     if spec.name in out:
         raise TreeError(spec.name, "two groups get this name; rename a member")
+    if spec.name in RESERVED_ROOT_KEYS:
+        raise TreeError(spec.name, f"a group of this name would take a key of Shoal's layout (reserved: "
+                        f"{sorted(RESERVED_ROOT_KEYS)}); rename the agent or member")
     out[spec.name] = spec
 
 

@@ -344,7 +344,7 @@ def test_trees_the_server_does_not_serve_are_refused():
     assert tree is None and "shared observation on the root population only" in problems[0]
     twice = DictPopulation(members={"x": agent, "sub": DictPopulation(members={"x": agent})})
     tree, problems = parse_tree({"format": "shoal.tree/1", "tree": tree_to_dict(twice)})
-    assert tree is None and "agent names must be unique" in problems[0] and "['x']" in problems[0]
+    assert tree is None and "sub/x: agent name 'x' is also in group 'x'" in problems[0]
     tree, problems = parse_tree(tree_to_dict(agent))  # a bare single agent: wrapped, one agent named 'agent'
     assert tree is not None and list(tree.agents) == ["agent"] and "bare tree" in problems[0]
 

@@ -187,3 +187,20 @@ def test_gathered_minibatches_of_nothing_kept_are_none():
             kwargs = dict(drop_empty=drop_empty, group=GROUP)
             assert minibatches(batch, 4, torch.Generator(), **kwargs) == []
             assert list(gathered_minibatches(batch, 4, torch.Generator(), **kwargs)) == []
+
+
+def test_a_group_the_batch_does_not_have_is_named_with_the_groups_it_has():
+    """A misspelt group gave ``'NoneType' object has no attribute 'batch_size'`` in GAE, the PPO update and the
+    minibatches."""
+    import pytest
+    import torch
+    from tensordict import TensorDict
+
+    from core.buffers import minibatches
+    from core.losses.advantages import with_gae
+
+    rollout = TensorDict({"agent": TensorDict({"mask": torch.ones(2, 3, 1, dtype=torch.bool)}, [2, 3, 1])}, [2, 3])
+    with pytest.raises(KeyError, match=r"no agent group 'agents' in the TensorDict \(its groups: \['agent'\]\)"):
+        with_gae(rollout, "agents", 0.99, 0.95)
+    with pytest.raises(KeyError, match="no agent group 'agents'"):
+        minibatches(rollout.reshape(-1), 2, torch.Generator(), drop_empty=True, group="agents")

@@ -185,3 +185,19 @@ def test_single_agent_tree_becomes_one_group():
     tree = AgentNode(observation=Leaf.box((4,)), action=Leaf.discrete(2))
     assert list(groups(tree)) == ["agent"]
     assert zeros(tree, (8,))["agent", "observation"].shape == (8, 1, 4)
+
+
+def test_agent_names_are_unique_across_groups_and_groups_keep_off_the_layouts_keys():
+    """Nested populations that both had an agent 'scout' mapped both groups to one policy (of the other's spaces),
+    in silence; an agent named 'next', 'shared' or 'done' failed deep in the actor or the loss."""
+    from core.specs import AgentNode, DictPopulation, Leaf, TreeError, groups
+
+    a3 = AgentNode(observation=Leaf.box((3,)), action=Leaf.discrete(2))
+    a5 = AgentNode(observation=Leaf.box((5,)), action=Leaf.discrete(2))
+    with pytest.raises(TreeError, match=r"blue/scout: agent name 'scout' is also in group 'red/scout'"):
+        groups(DictPopulation({"red": DictPopulation({"scout": a3}), "blue": DictPopulation({"scout": a5})}))
+    for reserved in ("next", "shared", "done", "env_id"):
+        with pytest.raises(TreeError, match=f"{reserved}: a group of this name would take a key of Shoal's layout"):
+            groups(DictPopulation({reserved: a3}))
+    assert list(groups(DictPopulation({"red": DictPopulation({"scout": a3}), "blue": DictPopulation({"ranger": a5})}))) \
+        == ["red/scout", "blue/ranger"]
