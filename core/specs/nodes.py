@@ -124,6 +124,12 @@ class Leaf:
             raise TreeError(path, f"binary leaf needs n >= 1 and shape (n,), got n={self.n}, shape={self.shape}")
         if self.kind != "box" and (self.dtype.is_floating_point or self.dtype.is_complex):
             raise TreeError(path, f"{self.kind} leaf needs an integer or bool dtype, got {self.dtype}")
+        if self.kind in ("discrete", "multi_discrete") and self.dtype != torch.bool:
+            top = (self.start + self.n - 1) if self.kind == "discrete" else max(self.nvec) - 1
+            if top > torch.iinfo(self.dtype).max or (self.start < torch.iinfo(self.dtype).min):
+                wide = next(d for d in (torch.int16, torch.int32, torch.int64) if torch.iinfo(d).max >= top)
+                raise TreeError(path, f"{self.kind} leaf's values reach {top}, past what {self.dtype} holds "
+                                      f"({torch.iinfo(self.dtype).max}): give dtype={wide} (or wider)")
 
 
 class StructuredActionError(TreeError):

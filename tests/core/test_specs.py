@@ -201,3 +201,14 @@ def test_agent_names_are_unique_across_groups_and_groups_keep_off_the_layouts_ke
             groups(DictPopulation({reserved: a3}))
     assert list(groups(DictPopulation({"red": DictPopulation({"scout": a3}), "blue": DictPopulation({"ranger": a5})}))) \
         == ["red/scout", "blue/ranger"]
+
+
+def test_a_discrete_leaf_whose_dtype_cannot_hold_its_values_is_refused():
+    """``Leaf.discrete(1000, dtype=torch.int8)`` built, and a policy then sampled actions in -128..127."""
+    from core.specs import Leaf, TreeError
+
+    with pytest.raises(TreeError, match=r"values reach 999, past what torch.int8 holds \(127\): give dtype=torch.int16"):
+        Leaf.discrete(1000, dtype=torch.int8)
+    with pytest.raises(TreeError, match="values reach 299, past what torch.uint8 holds"):
+        Leaf.multi_discrete([3, 300], dtype=torch.uint8)
+    assert Leaf.discrete(256, dtype=torch.uint8).n == 256 and Leaf.discrete(2, dtype=torch.bool).n == 2
