@@ -207,7 +207,8 @@ def test_a_discrete_leaf_whose_dtype_cannot_hold_its_values_is_refused():
     """``Leaf.discrete(1000, dtype=torch.int8)`` built, and a policy then sampled actions in -128..127."""
     from core.specs import Leaf, TreeError
 
-    with pytest.raises(TreeError, match=r"values reach 999, past what torch.int8 holds \(127\): give dtype=torch.int16"):
+    with pytest.raises(TreeError, match=r"values reach 999, past what torch.int8 holds \(127\): give "
+                                        r"dtype=torch.int16"):
         Leaf.discrete(1000, dtype=torch.int8)
     with pytest.raises(TreeError, match="values reach 299, past what torch.uint8 holds"):
         Leaf.multi_discrete([3, 300], dtype=torch.uint8)
