@@ -45,6 +45,7 @@ from orchestration.collection_driver import CollectionDriver, evaluate_members
 from orchestration.config import TrainConfig
 from core.specs import groups
 from orchestration.fleet import CollectionInterrupted
+from orchestration.state_fit import load_learners_
 from orchestration.statistics import (episode_metrics, fragment_accounting, merge_monitors, structure_metrics,
                                       worker_counters)
 from orchestration.user_errors import StalledRun, known
@@ -337,20 +338,18 @@ class Trainer:
     def load_state_(self, state: Mapping[str, Any]) -> None:
         """Loads a :meth:`state` into a freshly built trainer of the same config; the fleet's actors load the
         restored weights before producing anything."""
+        if self._closed:
+            raise RuntimeError("this trainer was closed")
+        restores_actors = bool(state["actors"]) and bool(self.fleet.state())
+        load_learners_(self.learners, state["learners"], keep_inbox=restores_actors)  # first: a misfit changes nothing
+        self.weights.update({pid: learner.published() for pid, learner in self.learners.items()})
+        self._actors_restored = restores_actors
         self.iteration, self.env_steps = int(state["iteration"]), int(state["env_steps"])
         self._episodes_before = self._episodes_total = int(state.get("episodes_total", 0))  # older runs: 0
         for key, values in state["history"].items():
             self.history.setdefault(key, deque(maxlen=100)).extend(values)
         for group, rows in state.get("agent_history", {}).items():
             self.agent_history.setdefault(group, deque(maxlen=100)).extend(rows)
-        restores_actors = bool(state["actors"]) and bool(self.fleet.state())
-        self._actors_restored = restores_actors
-        for pid, learner in self.learners.items():
-            learner_state = dict(state["learners"][pid])
-            if not restores_actors:  # fresh workers restart their sequence numbers: an old ledger would refuse them
-                learner_state.pop("inbox", None)
-            learner.load_state_(learner_state)
-            self.weights[pid] = learner.published()
         if self.team_critic is not None and "team_critic" in state:  # a run saved without one starts it fresh
             critic_state = dict(state["team_critic"])
             if not restores_actors:

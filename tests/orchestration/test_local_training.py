@@ -196,3 +196,28 @@ def test_a_restored_evaluator_plays_the_restored_weights_and_a_new_eval_episodes
                 assert (acting == learner.weights()[1]).all(), eval_episodes
         finally:
             again.close()
+
+
+def test_a_state_of_another_config_is_refused_naming_the_policy_and_changes_nothing():
+    """A 64x64 run's state loaded into a 32x32 trainer raised torch's size mismatch after the trainer had taken
+    the other run's iteration and history; another env's state a bare KeyError; a closed trainer took it silently."""
+    from core.policies import PolicyConfig
+
+    small = TrainConfig(env="builtin:cartpole", rollout=RolloutConfig(num_envs=4, fragment_length=8),
+                        ppo=PPOConfig(num_epochs=1, minibatch_size=16))
+    source = build_trainer(small)
+    source.train()
+    state = source.state()
+    source.close()
+    other = build_trainer(dataclasses.replace(small, policy=PolicyConfig(hidden_sizes=(32,))))
+    try:
+        with pytest.raises(ValueError, match=r"policy 'agent': its state does not fit this trainer's learner") as err:
+            other.load_state_(state)
+        assert "size mismatch" in str(err.value) and other.iteration == 0 and not other.history
+        with pytest.raises(ValueError, match=r"the state is of a run with policies \['agents'\], and this trainer has "
+                                             r"\['agent'\]"):
+            other.load_state_({**state, "learners": {"agents": state["learners"]["agent"]}})
+    finally:
+        other.close()
+    with pytest.raises(RuntimeError, match="this trainer was closed"):
+        other.load_state_(state)
