@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -65,6 +66,12 @@ class PPOConfig:
     critic; behaviour-cloning pretraining and the curiosity predictor train in float32."""
 
     def __post_init__(self) -> None:
+        for name, kind in (("clip_eps", "float"), ("value_clip_eps", "float | None"), ("value_coef", "float"),
+                           ("entropy_coef", "float"), ("gamma", "float"), ("gae_lambda", "float"),
+                           ("normalize_advantage", "bool"), ("advantage_eps", "float"),
+                           ("max_grad_norm", "float | None"), ("target_kl", "float | None")):
+            if not _of_kind(value := getattr(self, name), kind):  # before any comparison: '0.2' < 1.0 is a TypeError
+                raise TypeError(f"PPOConfig.{name} takes a {kind.replace(' | ', ' or ')}, got {value!r}")
         _check(0.0 < self.clip_eps < 1.0, "clip_eps", "in (0, 1)", self.clip_eps)
         _check(self.value_clip_eps is None or self.value_clip_eps > 0.0, "value_clip_eps", "> 0 or None",
                self.value_clip_eps)
@@ -94,6 +101,16 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _of_kind(value: object, kind: str) -> bool:
+    """Whether ``value`` is a ``kind`` (``"float"``, ``"bool"``, with ``" | None"``): a real number that is no
+    bool for a float (numpy's too), a bool (or numpy's) for a bool."""
+    if value is None:
+        return kind.endswith("| None")
+    if kind.startswith("bool"):
+        return type(value).__name__ in ("bool", "bool_")
+    return isinstance(value, numbers.Real) and type(value).__name__ not in ("bool", "bool_")
 
 
 def _check(ok: bool, name: str, expected: str, got: object) -> None:

@@ -237,3 +237,19 @@ def test_diagnostics_merged_over_parts_equal_those_of_the_whole(seed, parts, mas
         assert bool(got[3].isnan()) and bool(whole[3].isnan())
     else:
         torch.testing.assert_close(got[3], whole[3], rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_a_ppo_config_value_of_another_kind_is_named_by_its_field():
+    """``PPOConfig(clip_eps="0.2")`` raised "'<' not supported between 'float' and 'str'"; a string for a bool was
+    taken (any non-empty string is true)."""
+    import numpy as np
+
+    from core.losses import PPOConfig
+
+    with pytest.raises(TypeError, match=r"PPOConfig\.clip_eps takes a float, got '0\.2'"):
+        PPOConfig(clip_eps="0.2")
+    with pytest.raises(TypeError, match=r"PPOConfig\.normalize_advantage takes a bool, got 'false'"):
+        PPOConfig(normalize_advantage="false")
+    with pytest.raises(TypeError, match=r"PPOConfig\.target_kl takes a float or None, got True"):
+        PPOConfig(target_kl=True)
+    assert PPOConfig(clip_eps=np.float32(0.1), gamma=1, normalize_advantage=np.bool_(False)).gamma == 1
