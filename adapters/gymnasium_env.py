@@ -23,6 +23,7 @@ from core.layout import NEXT, OBSERVATION, REWARD, TERMINATED, TRUNCATED
 
 from .checking import CheckMode, EnvOutputError
 from .gymnasium_base import AGENT, _GymnasiumBase
+from .gymnasium_first_calls import check_first_calls
 
 
 class GymnasiumEnv(_GymnasiumBase):
@@ -108,6 +109,8 @@ class GymnasiumVectorEnv(_GymnasiumBase):
         self._direct = (env is base and isinstance(base, SyncVectorEnv) and hasattr(base, "_autoreset_envs")
                         and hasattr(base, "_env_obs") and self.autoreset_mode != AutoresetMode.SAME_STEP)
         self._current: list[np.ndarray] | None = None  # latest observation of every env, [E, *leaf]
+        for index, sub_env in enumerate(base.envs if isinstance(base, SyncVectorEnv) else ()):
+            check_first_calls(sub_env, index)  # a vector env stores what they return without looking
 
     def _flat(self, obs) -> list[np.ndarray]:
         arrays = self._obs.flatten(obs, self._batch)

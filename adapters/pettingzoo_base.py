@@ -7,6 +7,7 @@ then checks, repairs and the conversion to tensors run vectorised over the whole
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import numpy as np
@@ -180,6 +181,12 @@ class _PettingZooBase(AdapterBase):
         """Sets the per-agent flags of copy ``e`` from PettingZoo's ``terminations`` / ``truncations`` dicts."""
         for flags, buf, name in zip((terms, truncs), self._flags(nxt), (TERMINATED, TRUNCATED)):
             for agent, value in flags.items():
+                if not isinstance(value, (bool, np.bool_, numbers.Integral)):  # "False" would read as True
+                    if (slot := self._slot(e, agent, (NEXT, name))) is not None:
+                        self._checker.report(EnvOutputError(
+                            f"{name} is {value!r} ({type(value).__name__}), not a bool", env_index=e, agent=agent,
+                            key=(NEXT, self._specs[slot.group].name, name)))
+                    continue
                 if value and (slot := self._slot(e, agent, (NEXT, name))) is not None:
                     buf[slot.group][e, slot.slot] = True
 

@@ -220,3 +220,44 @@ def test_a_reward_that_is_not_one_number_is_named_with_its_key():
                                              r"reward, terminated or truncated that is not one number"):
         env.step(act)
     env.close()
+
+
+class _OldApiEnv(gym.Env):
+    """CartPole-shaped env whose ``fault`` breaks the gymnasium (>= 0.26) API's form."""
+
+    observation_space = spaces.Box(-1, 1, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+
+    def reset(self, seed=None, options=None):
+        obs = np.zeros(2, np.float32)
+        return obs if self.fault == "reset_obs" else (obs, {})
+
+    def step(self, action):
+        obs = np.zeros(2, np.float32)
+        if self.fault == "four":
+            return obs, 1.0, False, {}
+        return obs, 1.0, "False" if self.fault == "str_flag" else False, False, {}
+
+
+@pytest.mark.parametrize("fault, named", [
+    ("str_flag", "key next/agent/terminated: step() returned terminated 'False' (str), not a bool"),
+    ("four", "key next: step() returned a tuple of 4 values; it returns (observation, reward, terminated, truncated"),
+    ("reset_obs", "key observation: reset() returned a ndarray; it returns (observation, info)"),
+])
+def test_a_vector_env_of_sub_envs_off_the_gymnasium_api_names_the_sub_env_and_the_value(fault, named):
+    """A SyncVectorEnv stores what it gets: a "False" flag ended every step in silence; a 4-value step or an
+    observation-only reset failed inside gymnasium with an unpacking error naming neither env nor method."""
+    env = GymnasiumVectorEnv(SyncVectorEnv([partial(_OldApiEnv, fault)] * 2))
+    with pytest.raises(EnvOutputError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        env.reset(seed=0)
+        env.step(TensorDict({"agent": TensorDict({"action": torch.zeros(2, 1, dtype=torch.int64)}, [2, 1])}, [2]))
+    fine = GymnasiumVectorEnv(SyncVectorEnv([partial(_OldApiEnv, "none")] * 2))
+    fine.reset(seed=0)
+    for _ in range(2):  # the check steps aside after the first call: the env's own method is back
+        out = fine.step(TensorDict({"agent": TensorDict({"action": torch.zeros(2, 1, dtype=torch.int64)}, [2, 1])},
+                                   [2]))
+        assert not out["next", "agent", "terminated"].any()
+    assert "step" not in vars(fine.env.envs[0]) and "reset" not in vars(fine.env.envs[0])

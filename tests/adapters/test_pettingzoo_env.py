@@ -79,6 +79,8 @@ class JoinLeaveEnv(ParallelEnv):
             self.agents.remove("walker_1")
         if self.fault == "no_reward" and self.t == 2:  # walker_1 acted: its reward must not read as 0
             rewards.pop("walker_1")
+        if self.fault == "str_flag" and self.t == 2:  # "False" is a non-empty string: read as True, it ended them
+            truncs = {a: "False" for a in self.agents}
         infos = {a: self._info(a) for a in self.agents}
         self.agents = [a for a in self.agents if not (terms[a] or truncs[a])]
         return obs, rewards, terms, truncs, infos
@@ -226,6 +228,7 @@ def test_an_action_mask_shoal_cannot_apply_is_refused_not_dropped(where):
     ("unknown", "ghost_0", ("next", "observation")),
     ("vanish", "walker_1", ("next", "walker", "truncated")),
     ("no_reward", "walker_1", ("next", "walker", "reward")),
+    ("str_flag", "walker_0", ("next", "walker", "truncated")),
 ])
 def test_unknown_or_vanishing_agent_strict_and_lenient(fault, agent, key):
     legal = TensorDict({"walker": TensorDict({"action": torch.tensor([[1, 2, 2]])}, batch_size=(1, 3))},
