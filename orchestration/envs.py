@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import numbers
 import pkgutil
 import re
 from functools import partial
@@ -56,6 +57,8 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
         with the nearest one it takes where its signature tells; a value whose type is not the one the
         keyword's annotation (a bool, int, float or str) asks for.
     """
+    if not isinstance(num_envs, numbers.Integral) or num_envs < 1:
+        raise ValueError(f"env {name!r}: num_envs must be an int >= 1, got {num_envs!r}")
     check_values(name, kwargs or {})
     try:
         return _make_env(name, num_envs, check=check, kwargs=kwargs, shared_state=shared_state)

@@ -97,7 +97,7 @@ def validate(td: TensorDictBase, tree: Tree, *, batch: Iterable[int] | None = No
         check_values: also check bounds and NaN/Inf of present agents (shape and dtype always).
     """
     batch = tuple(td.batch_size if batch is None else batch)
-    parts = tuple(parts)
+    parts = (parts,) if isinstance(parts, str) else tuple(parts)  # "action" is one part, not six letters
     for name, g in groups(tree).items():
         if name not in td.keys():
             raise SpecViolation((name,), "group missing")

@@ -213,3 +213,14 @@ def test_a_discrete_leaf_whose_dtype_cannot_hold_its_values_is_refused():
     with pytest.raises(TreeError, match="values reach 299, past what torch.uint8 holds"):
         Leaf.multi_discrete([3, 300], dtype=torch.uint8)
     assert Leaf.discrete(256, dtype=torch.uint8).n == 256 and Leaf.discrete(2, dtype=torch.bool).n == 2
+
+
+def test_validate_takes_one_part_named_as_a_string():
+    """``validate(td, tree, parts="action")`` iterated the string letter by letter ("agent/a: missing")."""
+    from core.specs import AgentNode, DictPopulation, Leaf, zeros
+    from core.specs.validate import validate
+
+    tree = DictPopulation({"agent": AgentNode(observation=Leaf.box((2,)), action=Leaf.discrete(3))})
+    td = zeros(tree, [2])
+    validate(td, tree, parts="action")
+    validate(td, tree, parts=("observation", "action"))

@@ -136,3 +136,11 @@ def test_a_device_word_that_torch_does_not_parse_is_refused_only_for_envs_that_t
     check_values("tests.orchestration.faulty_env_factories:make_device_env", {"device": "auto"})  # its own word
     with pytest.raises(ValueError, match="no such CUDA device here"):  # a torch device this machine lacks: said
         check_values("tests.orchestration.faulty_env_factories:make_device_env", {"device": "cuda:7"})
+
+
+def test_make_env_names_an_env_count_below_one():
+    """``make_env(..., num_envs=0)`` failed inside gymnasium with an IndexError."""
+    from orchestration.envs import make_env
+
+    with pytest.raises(ValueError, match=r"env 'CartPole-v1': num_envs must be an int >= 1, got 0"):
+        make_env("CartPole-v1", 0)
