@@ -86,7 +86,13 @@ class PettingZooParallelEnv(_PettingZooBase):
             for agent in env.agents:
                 slot = slots[agent]
                 act[agent] = ints[slot.group][e][slot.slot] if slot.int_act else self._action_of(slot, e, arrays)
-            obs, rewards, terms, truncs, infos = env.step(act)
+            out = env.step(act)
+            if not (isinstance(out, (tuple, list)) and len(out) == 5):  # an old API's 4 values failed unpacking
+                got = len(out) if isinstance(out, (tuple, list)) else type(out).__name__
+                raise EnvOutputError(f"step() returned {got} values; a parallel env's step returns (observations, "
+                                     f"rewards, terminations, truncations, infos), dicts by agent", env_index=e,
+                                     agent=None, key=(NEXT,))
+            obs, rewards, terms, truncs, infos = out
             for agent, value in obs.items():
                 slot = slots.get(agent)
                 plain = slot.plain_obs if slot is not None else None

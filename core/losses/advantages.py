@@ -56,10 +56,13 @@ def gae(
         ``(advantage, value_target)``, both ``[E, T, A, 1]``, exactly 0 where ``mask`` is False.
 
     Raises:
-        ValueError: on a shape or dtype that does not match ``state_value``.
+        ValueError: on a shape or dtype that does not match ``state_value``, or a gamma or lambda outside [0, 1].
     """
     from torchrl.objectives.value.functional import generalized_advantage_estimate
 
+    for name, value in (("gamma", gamma), ("lmbda", lmbda)):
+        if not 0.0 <= value <= 1.0:  # 1.5 made returns grow without bound, in silence
+            raise ValueError(f"gae: {name} must be in [0, 1], got {value!r}")
     _checked(state_value, next_state_value, reward, done, terminated, mask)
     inputs = (state_value, next_state_value, reward, done, terminated, mask)
     envs, per_env = state_value.shape[0], max(1, state_value.shape[1:].numel())

@@ -16,6 +16,7 @@ Leaves describe one tensor *without* batch dims; their torchrl counterpart comes
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Literal, Mapping, Union
@@ -42,11 +43,21 @@ def _check_name(path: str, name: str) -> None:
         raise TreeError(path, f"name {name!r} must be a non-empty string of letters, digits, '_' or '-'")
 
 
+def _whole(value, what: str) -> int:
+    """``value`` as an int; a TreeError when it is no whole number (``Leaf.discrete(2.7)`` became 2 choices)."""
+    if isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer()):
+        return int(value)
+    raise TreeError("", f"{what} must be a whole number, got {value!r}")
+
+
 def _as_bound(value, shape: tuple[int, ...], path: str, what: str) -> float | tuple[float, ...]:
     """Normalises a scalar or per-element bound to a float or a flat tuple (row-major) of floats."""
+    flat = (float(value),) if isinstance(value, (int, float)) else tuple(
+        float(v) for v in torch.as_tensor(value, dtype=torch.float64).flatten().tolist())
+    if any(math.isnan(v) for v in flat):
+        raise TreeError(path, f"{what} holds NaN: a bound is a number, or +-inf for none")
     if isinstance(value, (int, float)):
-        return float(value)
-    flat = tuple(float(v) for v in torch.as_tensor(value, dtype=torch.float64).flatten().tolist())
+        return flat[0]
     if len(flat) != math.prod(shape):
         raise TreeError(path, f"{what} has {len(flat)} elements, shape {shape} needs {math.prod(shape)}")
     return flat[0] if len(set(flat)) == 1 else flat
@@ -83,22 +94,23 @@ class Leaf:
 
     @staticmethod
     def box(shape, low=-math.inf, high=math.inf, dtype=torch.float32, eval_only=False) -> "Leaf":
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(_whole(s, "a box's shape") for s in shape)
         return Leaf("box", shape, dtype, _as_bound(low, shape, "", "low"), _as_bound(high, shape, "", "high"),
                     eval_only=eval_only)
 
     @staticmethod
     def discrete(n: int, start: int = 0, dtype=torch.int64, eval_only=False) -> "Leaf":
-        return Leaf("discrete", (), dtype, n=int(n), start=int(start), eval_only=eval_only)
+        return Leaf("discrete", (), dtype, n=_whole(n, "n"), start=_whole(start, "start"), eval_only=eval_only)
 
     @staticmethod
     def multi_discrete(nvec, dtype=torch.int64, eval_only=False) -> "Leaf":
-        nvec = tuple(int(v) for v in nvec)
+        nvec = tuple(_whole(v, "nvec") for v in nvec)
         return Leaf("multi_discrete", (len(nvec),), dtype, nvec=nvec, eval_only=eval_only)
 
     @staticmethod
     def binary(n: int, dtype=torch.int8, eval_only=False) -> "Leaf":
-        return Leaf("binary", (int(n),), dtype, n=int(n), eval_only=eval_only)
+        n = _whole(n, "n")
+        return Leaf("binary", (n,), dtype, n=n, eval_only=eval_only)
 
     def check(self, path: str) -> None:
         """Raises :class:`TreeError` naming ``path`` when the leaf is inconsistent."""

@@ -79,6 +79,9 @@ class JoinLeaveEnv(ParallelEnv):
             self.agents.remove("walker_1")
         if self.fault == "no_reward" and self.t == 2:  # walker_1 acted: its reward must not read as 0
             rewards.pop("walker_1")
+        if self.fault == "four" and self.t == 2:  # the old API: one dict of dones
+            dones = {a: terms[a] or truncs[a] for a in self.agents}
+            return obs, rewards, dones, {a: self._info(a) for a in self.agents}
         if self.fault == "str_flag" and self.t == 2:  # "False" is a non-empty string: read as True, it ended them
             truncs = {a: "False" for a in self.agents}
         infos = {a: self._info(a) for a in self.agents}
@@ -346,3 +349,14 @@ def test_knights_archers_zombies_matches_raw_env():
     left = sum(int((o["next", g, "mask"] & ~o[g, "mask"] & ~o["next", "done"]).sum())
                for o in outs for g in ("archer", "knight"))
     assert left > 0  # agents died mid-episode: flagged terminated, then masked out while the others go on
+
+
+def test_a_parallel_env_on_the_old_four_value_api_is_named():
+    """A step of 4 values failed in the adapter's tuple unpacking ('not enough values to unpack')."""
+    env = PettingZooParallelEnv(partial(JoinLeaveEnv, "four"), 1)
+    env.reset(seed=0)
+    env.step(TensorDict({"walker": TensorDict({"action": torch.tensor([[1, 2, 2]])}, batch_size=(1, 3))},
+                        batch_size=(1,)))
+    with pytest.raises(EnvOutputError, match=r"env 0, key next: step\(\) returned 4 values; a parallel env's step "
+                                             r"returns \(observations, rewards, terminations, truncations, infos\)"):
+        env.step(TensorDict({"walker": {"action": torch.tensor([[2, 0, 0]])}}, batch_size=(1,)))

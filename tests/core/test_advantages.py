@@ -260,3 +260,18 @@ def test_shape_errors_name_the_key_and_both_shapes():
     with pytest.raises(ValueError, match="mask"):
         gae(*[x[k] for k in ("state_value", "next_state_value", "reward", "done", "terminated")],
             torch.ones(2, 3, 2, 1, dtype=torch.bool), gamma=0.9, lmbda=0.9)
+
+
+def test_gae_refuses_a_discount_or_lambda_outside_zero_to_one():
+    """gamma 1.5 made returns grow without bound, in silence (PPOConfig refused it; a direct call did not)."""
+    import pytest
+    import torch
+
+    from core.losses.advantages import gae
+
+    v = torch.zeros(2, 3, 1, 1)
+    flags = torch.zeros(2, 3, 1, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"gae: gamma must be in \[0, 1\], got 1.5"):
+        gae(v, v, v, flags, flags, gamma=1.5, lmbda=0.95)
+    with pytest.raises(ValueError, match=r"gae: lmbda must be in \[0, 1\], got -0.1"):
+        gae(v, v, v, flags, flags, gamma=0.99, lmbda=-0.1)

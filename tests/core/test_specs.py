@@ -224,3 +224,18 @@ def test_validate_takes_one_part_named_as_a_string():
     td = zeros(tree, [2])
     validate(td, tree, parts="action")
     validate(td, tree, parts=("observation", "action"))
+
+
+def test_leaf_sizes_are_whole_numbers_and_bounds_are_numbers():
+    """``Leaf.discrete(2.7)`` made 2 choices, ``Leaf.box((2.5,))`` a shape of 2, and a NaN bound was kept."""
+    import numpy as np
+
+    from core.specs import Leaf, TreeError
+
+    for build, named in ((lambda: Leaf.discrete(2.7), "n must be a whole number, got 2.7"),
+                         (lambda: Leaf.box((2.5,)), "a box's shape must be a whole number, got 2.5"),
+                         (lambda: Leaf.multi_discrete([2, 3.5]), "nvec must be a whole number, got 3.5"),
+                         (lambda: Leaf.box((2,), low=[0.0, float("nan")]), "low holds NaN")):
+        with pytest.raises(TreeError, match=named):
+            build()
+    assert Leaf.discrete(np.int64(3)).n == Leaf.discrete(3.0).n == 3 and Leaf.box(torch.Size([2])).shape == (2,)
