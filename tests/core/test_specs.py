@@ -199,8 +199,8 @@ def test_agent_names_are_unique_across_groups_and_groups_keep_off_the_layouts_ke
     for reserved in ("next", "shared", "done", "env_id"):
         with pytest.raises(TreeError, match=f"{reserved}: a group of this name would take a key of Shoal's layout"):
             groups(DictPopulation({reserved: a3}))
-    assert list(groups(DictPopulation({"red": DictPopulation({"scout": a3}), "blue": DictPopulation({"ranger": a5})}))) \
-        == ["red/scout", "blue/ranger"]
+    two = DictPopulation({"red": DictPopulation({"scout": a3}), "blue": DictPopulation({"ranger": a5})})
+    assert list(groups(two)) == ["red/scout", "blue/ranger"]
 
 
 def test_a_discrete_leaf_whose_dtype_cannot_hold_its_values_is_refused():
