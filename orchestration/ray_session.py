@@ -93,15 +93,6 @@ def kill_actor(handle) -> None:
         pass
 
 
-def learner_options(num_cpus: float, num_gpus: float | str, holders: int,
-                    resources: Mapping[str, float] | None = None, device: str = "auto",
-                    workers_gpus: float = 0.0) -> dict[str, Any]:
-    """Ray resources of one of ``holders`` learner processes (:func:`orchestration.placement.learner_gpus`), from
-    the GPUs the rollout workers leave (``workers_gpus`` reserved)."""
-    gpus = learner_gpus(num_gpus, max(ray.cluster_resources().get("GPU", 0.0) - workers_gpus, 0.0), holders, device)
-    return {"num_cpus": num_cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
-
-
 def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, Any], fixed: set[str],
                        teams: Sequence = (), wait: bool = True) -> tuple[dict[str, Any], Any, dict, Callable[[], None]]:
     """Ray, the learner actors (one per learning policy, started from ``policies``) and, given ``teams``, the
@@ -121,8 +112,10 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
     check_resources(config, rc, placed, strict=owns_ray and not joined)
     holders = gpu_holders(rc, len(trained), critics=int(bool(teams)))  # the critic is placed as a learner
-    options = learner_options(rc.learner_num_cpus, rc.learner_num_gpus, holders, dict(rc.learner_resources),
-                              config.device, worker_gpus(config, rc))
+    left = max(ray.cluster_resources().get("GPU", 0.0) - worker_gpus(config, rc), 0.0)  # what the workers leave
+    gpus = learner_gpus(rc.learner_num_gpus, left, holders, config.device)
+    options = {"num_cpus": rc.learner_num_cpus, "num_gpus": gpus,
+               **({"resources": dict(rc.learner_resources)} if rc.learner_resources else {})}
     initial = {pid: [ray.put(to_wire(TensorDict.from_module(policies[pid]).detach()))] for pid in trained}
     # The checkpoint registry stays near the driver (it reserves nothing, so it never competes with the
     # learners for pinned resources); statistics live beside the learners when they are pinned.
@@ -172,13 +165,12 @@ def build_ray_learners(config: TrainConfig, tree: Tree, policies: Mapping[str, A
     return learners, critic, placement, teardown
 
 
-def await_started(learners: Mapping[str, Any], teardown: Callable[[], None],
-                  others: Sequence[Any] = ()) -> None:
-    """Waits until every learner actor is built; on an error discards them and ``others`` (:func:`discard_learners`)."""
+def await_started(learners: Mapping[str, Any], teardown: Callable[[], None]) -> None:
+    """Waits until every learner actor is built; on an error discards them (:func:`discard_learners`)."""
     try:
         ray.get([learner.started() for learner in learners.values()])
     except BaseException:
-        discard_learners(learners, teardown, others)
+        discard_learners(learners, teardown)
         raise
 
 
@@ -222,4 +214,4 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
 
 
 __all__ = ["await_started", "build_ray_learners", "build_ray_parts", "check_resources", "discard_learners",
-           "init_ray", "kill_actor", "learner_options", "try_get"]
+           "init_ray", "kill_actor", "try_get"]
