@@ -37,7 +37,7 @@ class Importer:
 
 def reference(workers: int) -> float:
     """Seconds until a learner's, ``workers`` workers' and the two light actors' imports are all done."""
-    modules = ([["orchestration.ray_learner"]] + [["orchestration.ray_worker"]] * workers
+    modules = ([["orchestration.ray_learner"]] + [["orchestration.ray_fleet"]] * workers
                + [["orchestration.statistics"], ["orchestration.learner_checkpoints"]])
     start = time.perf_counter()
     actors = [Importer.remote(m) for m in modules]

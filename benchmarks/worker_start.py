@@ -9,7 +9,7 @@ in the same run: the same with the deferral off (``SHOAL_DEFER_DYNAMO=0``; torch
 that imports it at the top would). Figures: the child's user + system CPU seconds, medians over interleaved
 repeats; ``ratio`` = ours / reference.
 
-    python benchmarks/worker_start.py [--repeats 5] [--modules orchestration.ray_worker]
+    python benchmarks/worker_start.py [--repeats 5] [--modules orchestration.ray_fleet]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _child_cpu_s(modules: list[str], defer: bool) -> tuple[float, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--modules", nargs="+", default=["orchestration.ray_worker"])
+    parser.add_argument("--modules", nargs="+", default=["orchestration.ray_fleet"])
     args = parser.parse_args()
     ours, reference, dynamo = [], [], {}
     for _ in range(args.repeats):  # interleaved: a busy moment slows both alike

@@ -1,31 +1,138 @@
-"""The rollout fleet on Ray (seed 004): :class:`RayFleet`, the Fleet protocol of :mod:`orchestration.fleet` over
-the workers of :mod:`orchestration.ray_worker`. Sync: each worker collects its share with the current weights,
-dead workers' losses re-collected; async: workers stream on credits (:mod:`orchestration.sampling_credit`). A dead
-worker comes back as a new incarnation (new worker id and seeds; incarnation 0's are the local backend's, so a sync
-Ray run reproduces a local one). Central inference: one threaded :class:`InferenceServer` actor, proxied by
-:class:`RemoteService`.
+"""The rollout side on Ray (seed 004): :class:`RolloutWorker`, a :class:`orchestration.sampler.Sampler` whose
+sender thread ``ray.put``s each fragment in wire form and pushes the ref to every learner (at most
+``max_in_flight`` unacknowledged per learner: a slow learner blocks sampling), and :class:`RayFleet`, the Fleet
+protocol of :mod:`orchestration.fleet` over those workers. Weights arrive as one ref per version. Sync: each worker
+collects its share with the current weights, dead workers' losses re-collected; async: workers stream on credits
+(:mod:`orchestration.sampling_credit`). A dead worker comes back as a new incarnation (new worker id and seeds;
+incarnation 0's are the local backend's, so a sync Ray run reproduces a local one). Central inference: one
+threaded :class:`InferenceServer` actor, proxied by :class:`RemoteService`.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import ray
 from tensordict import TensorDictBase
 
-from orchestration.builder import stream_worker_ids, worker_id_of
+from orchestration.builder import stream_worker_ids
 from orchestration.config import RayConfig, TrainConfig
 from orchestration.fleet import collect_in_rounds, one_per_worker, resume_gaps, worker_states_saved
 from orchestration.inference import InferenceResult
 from orchestration.ray_session import kill_actor, try_get
+from orchestration.sampler import Sampler
 from orchestration.sampling_credit import CreditLedger, CreditPool, batch_fragments
 from orchestration.statistics import EpisodeStatistics
 from orchestration.user_errors import users_mistake_within
-from orchestration.ray_worker import RemoteRolloutWorker, RolloutWorker, Weights  # noqa: F401 - re-exported
-from orchestration.service_policy import InferenceServer
 from orchestration.wire import from_wire, to_wire
+
+
+#: policy id -> (version, [ref of its wire-form weights]); the ref is nested so Ray passes it unresolved.
+Weights = Mapping[str, tuple[int, list]]
+
+
+class RolloutWorker(Sampler):
+    """One rollout process (module docstring): fragments to every learner in ``learners``, episodes to ``stats``;
+    ``inference``: the central inference server, ``credits``: the fleet's credit pool (streaming), if any."""
+
+    def __init__(self, config: TrainConfig, ray_config: RayConfig, slot: int, incarnation: int,
+                 learners: Mapping[str, Any], stats, weights: Weights, inference=None, credits=None) -> None:
+        self.construction_error: Exception | None = None
+        self._credits, self._asked = credits, None
+        try:
+            super().__init__(config, slot, incarnation, weights, fetch=lambda ref: from_wire(ray.get(ref)),
+                             fetch_errors=(ray.exceptions.RayError,), queue_size=ray_config.queue_size,
+                             threads=ray_config.worker_threads,
+                             service=RemoteService(inference) if inference is not None else None,
+                             credit=self._credit if credits is not None else None)
+        except Exception as err:  # an env that fails its first reset, say: Ray would keep only the error's text
+            self.construction_error = err  # (an ActorDiedError); the first call raises it as itself
+            return
+        self.ray_config = ray_config
+        self.learners, self.stats = dict(learners), stats
+        self._sender = threading.Thread(target=self._send_loop, name="fragment-sender", daemon=True)
+        self._sender.start()
+
+    # -- sender thread -----------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        inflight: deque = deque()
+        side: list = []  # episode-statistics calls, awaited only on flush
+        limit = self.ray_config.max_in_flight * max(len(self.learners), 1)
+        while True:
+            item = self.queue.get()
+            try:
+                if isinstance(item, threading.Event):
+                    for ref in inflight:
+                        self._acknowledged(ref)
+                    ray.get(side)
+                    inflight.clear()
+                    side = []
+                    item.set()
+                    continue
+                fragment, meta, episodes = item
+                start = time.perf_counter()
+                ref = ray.put(to_wire(fragment, meta))
+                put = time.perf_counter()
+                inflight.extend(learner.push.remote(meta, [ref]) for learner in self.learners.values())
+                if episodes and self.stats is not None:
+                    side.append(self.stats.add.remote(meta["worker_id"], meta["sequence"], episodes))
+                while len(inflight) > limit:
+                    self._acknowledged(inflight.popleft())
+                if len(side) > 8:
+                    side = ray.wait(side, num_returns=len(side), timeout=0)[1]
+                self.sent += 1
+                self.monitor.add("serialize_put", put - start)
+                self.monitor.add("send_wait", time.perf_counter() - put)
+                self.monitor.fragment_sent()
+            except BaseException as err:  # surfaced to the sampling loop by _check_sender
+                self.error = err
+                if isinstance(item, threading.Event):
+                    item.set()
+
+    def _credit(self, timeout_s: float) -> bool:
+        """One credit for the next fragment; the one after is asked for at once (its answer travels meanwhile)."""
+        asked, self._asked = self._asked or self._credits.acquire.remote(timeout_s), None
+        try:
+            got = ray.get(asked)
+        except ray.exceptions.RayError:  # the pool is gone (the run is closing): no flow control
+            return True
+        if got:
+            self._asked = self._credits.acquire.remote(timeout_s)
+        return got
+
+    def _acknowledged(self, ref) -> None:
+        """Waits for one push; a learner that died meanwhile counts the gap as lost when back: sampling goes on."""
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            self.push_failures += 1
+
+    def _built(self) -> None:
+        if self.construction_error is not None:
+            raise self.construction_error
+
+    def collect(self, num_fragments: int, weights: Weights, env_id: str | None = None) -> dict[str, Any]:
+        self._built()
+        return super().collect(num_fragments, weights, env_id)
+
+    def run(self, weights: Weights, env_id: str | None = None) -> dict[str, Any]:
+        self._built()
+        return super().run(weights, env_id)
+
+    def info(self) -> dict[str, Any]:
+        """Worker id, node id, process id, whether its envs save their state (or its construction's error)."""
+        self._built()
+        return {"worker_id": self.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "env_state": hasattr(self.actor.env, "state_dict")}
+
+
+#: The rollout worker actor: threaded, so control calls (weights refs, monitor, stop) run beside sampling.
+RemoteRolloutWorker = ray.remote(max_concurrency=4)(RolloutWorker)
 
 
 @dataclass
@@ -34,10 +141,6 @@ class _Slot:
     incarnation: int
     handle: Any
     run_ref: Any = None
-
-    @property
-    def worker_id(self) -> int:
-        return worker_id_of(self.slot, self.incarnation)
 
 
 class RayFleet:
@@ -269,9 +372,6 @@ RemoteEpisodeStatistics = ray.remote(num_cpus=0)(EpisodeStatistics)
 #: The credit pool: an async actor (waiting workers hold no thread).
 RemoteCreditPool = ray.remote(num_cpus=0)(CreditPool)
 
-#: One thread per concurrent caller (rollout worker); more callers queue in Ray.
-RemoteInferenceServer = ray.remote(max_concurrency=64)(InferenceServer)
-
 
 class RemoteService:
     """A rollout worker's handle on the server: the :class:`ActionService` methods, each call waiting."""
@@ -296,5 +396,4 @@ class RemoteService:
         return from_wire(ray.get(self.handle.weights.remote(policy_id)), copy=True)
 
 
-__all__ = ["InferenceServer", "RayFleet", "RemoteEpisodeStatistics", "RemoteInferenceServer", "RemoteRolloutWorker",
-           "RemoteService", "RolloutWorker", "Weights"]
+__all__ = ["RayFleet", "RemoteEpisodeStatistics", "RemoteRolloutWorker", "RemoteService", "RolloutWorker", "Weights"]

@@ -164,7 +164,6 @@ class RayLearner:
         # ``initial``: ``(0, [ref])``, the actor's first weights: workers start from them meanwhile (:meth:`started`)
         self._published = initial
         self._steps = 0
-        self.recoveries = 0
 
     def started(self):
         """A ref that resolves once the actor is constructed (``ray.get`` raises its construction error)."""
@@ -188,7 +187,6 @@ class RayLearner:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as again:
             raise RuntimeError(f"learner {self.policy_id!r} died and was not restarted "
                                f"(RayConfig.max_learner_restarts)") from again
-        self.recoveries += 1
         warnings.warn(f"learner {self.policy_id!r} died ({type(err).__name__}); it resumed from its last checkpoint",
                       RuntimeWarning, stacklevel=2)
         self._published = ray.get(self.handle.published.remote())

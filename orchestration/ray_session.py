@@ -198,11 +198,12 @@ def build_ray_parts(config: TrainConfig, tree: Tree, policies: Mapping[str, Any]
     inference = None
     if config.rollout.central_inference:  # one server for every worker, on a GPU when the cluster has one
         from orchestration.inference import InferenceConfig
-        from orchestration.ray_fleet import RemoteInferenceServer
+        from orchestration.service_policy import InferenceServer
 
         gpus = inference_gpus(config.ray, ray.cluster_resources().get("GPU", 0.0) - worker_gpus(config, config.ray),
                               len(learners), int(critic is not None), config.device)
-        inference = RemoteInferenceServer.options(num_cpus=0, num_gpus=gpus).remote(
+        inference = ray.remote(InferenceServer).options(  # a thread per caller; more queue in Ray
+            max_concurrency=64, num_cpus=0, num_gpus=gpus).remote(
             dict(policies), InferenceConfig(device="cuda" if gpus else "cpu", seed=config.seed))
     try:
         fleet = RayFleet(config, config.ray, handles, stats, weights, inference, consumers=len(learners))

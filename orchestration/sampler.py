@@ -1,7 +1,7 @@
 """The sampling side of a rollout worker (seed 004), without Ray: an actor the one builder makes, the newest
 weights it was told about (loaded at fragment boundaries only), a bounded queue of finished fragments, and
 the pipeline monitor. A transport drains the queue in a thread of its own
-(:class:`orchestration.ray_worker.RolloutWorker`: ``ray.put`` and a push to every learner), so no remote call
+(:class:`orchestration.ray_fleet.RolloutWorker`: ``ray.put`` and a push to every learner), so no remote call
 happens inside the sampling loop, and a slow consumer fills the queue and so blocks sampling (back-pressure).
 
 Usage loop (what the transport's process does)::

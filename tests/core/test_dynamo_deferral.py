@@ -64,7 +64,7 @@ def test_deferred_tensordict_import_leaves_dynamo_as_a_plain_import_does():
 
 
 def test_a_rollout_workers_modules_import_neither_dynamo_nor_torchrl():
-    code = ("import sys, orchestration.ray_worker, adapters.env_worker\n"
+    code = ("import sys, orchestration.ray_fleet, adapters.env_worker\n"
             "print(sorted(m for m in ('torch._dynamo', 'torchrl') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
