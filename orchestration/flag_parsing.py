@@ -20,10 +20,9 @@ import re
 import sys
 from typing import Any, Callable, Iterator
 
-from orchestration.user_errors import as_flags
+from orchestration.user_errors import as_flags, without_colours
 
 _EDGE, _RULE, _CORNER = "\u2502", "\u2500", "\u256d"  # the box's side, its separator lines, its first corner
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # colour codes, drawn when the terminal takes them
 _WIDE = "2000"  # COLUMNS while parsing: the box as wide as its longest line
 
 
@@ -60,7 +59,7 @@ def parse(command: str, target: Callable, **tyro_kwargs: Any) -> Any:
 def split_refusal(text: str, command: str) -> tuple[str, str | None]:
     """``(what came before tyro's box, the box's refusal as one line)``; ``(text, None)`` when ``text`` holds no
     box (:func:`one_paragraph`)."""
-    lines = _ANSI.sub("", text).splitlines(keepends=True)
+    lines = without_colours(text).splitlines(keepends=True)
     starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(_CORNER)]  # UTF-8: its top corner
     starts = starts or [i - 1 for i, line in enumerate(lines) if i and _is_rule(line)]  # ASCII: the title line
     if not starts:
@@ -73,7 +72,7 @@ def one_paragraph(box: str, command: str) -> str | None:
     """The refusal in tyro's ``box`` as one line (None: not such a box): its message, the flags tyro suggests
     ("Perhaps you meant", "Arguments similar to --X") or the form the flag takes ("Argument helptext"), and
     where the flags are listed."""
-    rows = _rows(_ANSI.sub("", box))
+    rows = _rows(without_colours(box))
     if not rows:
         return None
     sections: list[list[str]] = [[]]

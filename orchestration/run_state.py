@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 
 from core.specs import to_json
 from orchestration.config import TrainConfig
+from orchestration.user_errors import without_colours
 
 
 def config_to_dict(config) -> dict[str, Any]:
@@ -221,7 +221,7 @@ def misfit(err: BaseException, saved, config) -> BaseException:
 def shape_detail(err: BaseException) -> str:
     """The line of a failed restore that names the mismatch (torch's "size mismatch for ...", also inside a Ray
     actor's error, whose first lines name the actor), without terminal colours."""
-    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
+    lines = [line.strip() for line in without_colours(str(err)).splitlines() if line.strip()]
     line = next((line for word in ("size", "key(s)") for line in lines if word in line),
                 lines[-1] if lines else type(err).__name__)
     if len(line) > 240:  # a state dict's missing or unexpected keys: the first few say it

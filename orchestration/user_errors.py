@@ -55,6 +55,14 @@ class StalledRun(RuntimeError):
     arrives in that time): the user's to look into, told in one paragraph by the ``shoal`` command."""
 
 
+_COLOURS = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes (tyro's box, a Ray actor's traceback)
+
+
+def without_colours(text: str) -> str:
+    """``text`` without terminal colour codes."""
+    return _COLOURS.sub("", text)
+
+
 def is_users_mistake(err: Exception, gymnasium: bool = False) -> bool:
     """Whether ``err`` is the user's whenever it happens: launched simulators that never connect (a wrong
     command template), external simulators that deliver nothing for ``external.wait_s``, a stalled asynchronous
@@ -83,4 +91,4 @@ def users_mistake_within(err: BaseException) -> Exception | None:
     return cause if isinstance(cause, Exception) and is_users_mistake(cause) else None
 
 
-__all__ = ["StalledRun", "is_users_mistake", "user_errors", "users_mistake_within"]
+__all__ = ["StalledRun", "is_users_mistake", "user_errors", "users_mistake_within", "without_colours"]
