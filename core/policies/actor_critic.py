@@ -315,6 +315,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
             ``[E, A, 1]``, ``"state_value"`` ``[E, A, 1]``; when recurrent also ``"recurrent_state"`` (the
             state this step used: store it) and ``("next", "recurrent_state")`` (feed it to the next step).
         """
+        self._check_entry(obs, "act")
         out = self.act_step(obs, shared, generator, deterministic, recurrent_state, episode_start)
         return TensorDict(out, batch_size=out[LOG_PROB].shape[:-1])
 
@@ -330,8 +331,17 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         Returns:
             TensorDict ``[N, A]`` with ``"log_prob"``, ``"entropy"``, ``"state_value"``, each ``[N, A, 1]``.
         """
+        self._check_entry(batch, "evaluate")
         out = self.evaluate_terms(batch, shared)
         return TensorDict(out, batch_size=out[LOG_PROB].shape[:-1])
+
+    def _check_entry(self, entry, method: str) -> None:
+        """Refuses what is not this group's entry (a bare observation tensor, a whole step) by name."""
+        if hasattr(entry, "keys") and OBSERVATION in entry.keys():
+            return
+        got = f"one with keys {sorted(map(str, entry.keys()))}" if hasattr(entry, "keys") else f"a {type(entry).__name__}"
+        raise TypeError(f"GroupPolicy.{method} of group {self.group_name!r} takes the group's entry of a step or "
+                        f"batch (step[{self.group_name!r}], holding {OBSERVATION!r}); got {got}")
 
     def evaluate_terms(self, batch, shared=None) -> dict[str, Tensor]:
         """:meth:`evaluate` as a plain dict (the learner's per-minibatch path: no container built)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -98,6 +99,15 @@ def test_act_works_on_other_batch_dims_and_plain_dicts():
     step = policy.act_step(plain, generator=_gen(5))
     assert isinstance(step, dict) and torch.equal(step[ACTION], policy.act(obs, generator=_gen(5))[ACTION])
 
+
+
+def test_act_and_evaluate_refuse_what_is_not_the_groups_entry_by_name():
+    policy, obs, _ = _setup(TREES["box_discrete"], PolicyConfig())
+    whole_step = TensorDict({"agents": obs}, batch_size=obs.batch_size[:1])
+    for method, given, got in (("act", obs[OBSERVATION], "a Tensor"), ("act", whole_step, "keys ['agents']"),
+                               ("evaluate", whole_step, "keys ['agents']")):
+        with pytest.raises(TypeError, match=rf"GroupPolicy.{method} of group 'agents' .*step\['agents'\].*{re.escape(got)}"):
+            getattr(policy, method)(given)
 
 def test_masked_actions_are_never_sampled():
     tree = _array(Leaf.box((4,)), Leaf.discrete(6), capacity=4)
