@@ -90,7 +90,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         if self.shared_encoder is not None and not self.shared_encoder.paths:
             self.shared_encoder = None
         self.heads = ActionHeads(group.agent.action, log_std_init=config.log_std_init,
-                                 squash_bounded=config.squash_bounded_actions)
+                                 squash_bounded=config.squash_bounded_actions, name=f"group {group.name}: action")
         ids = a if config.agent_id_input else 0
         if ids:
             self.register_buffer("agent_ids", torch.eye(a), persistent=False)

@@ -58,7 +58,8 @@ class ActionHeads(nn.Module):
         structured: the node has non-atomic elements or conditional leaves (masks are always read as trees).
     """
 
-    def __init__(self, node: Node, *, log_std_init: float = 0.0, squash_bounded: bool = True) -> None:
+    def __init__(self, node: Node, *, log_std_init: float = 0.0, squash_bounded: bool = True,
+                 name: str = "action") -> None:
         super().__init__()
         if isinstance(node, DictNode):
             check_node(node, "action", role="action")  # StructuredActionError names a bad conditional leaf
@@ -68,9 +69,14 @@ class ActionHeads(nn.Module):
         conditions = action_conditions(node)
         #: per leaf, the index of the leaf it is conditioned on (None: unconditioned)
         self.given = [where[conditions[p]] if p in conditions else None for p in self.paths]
-        self.heads = nn.ModuleList(
-            make_head(leaf, log_std_init=log_std_init, squash_bounded=squash_bounded) if g is None
-            else ConditionalCategoricalHead(leaf, items[g][1]) for (_, leaf), g in zip(items, self.given))
+        heads = []
+        for (path, leaf), g in zip(items, self.given):
+            try:
+                heads.append(make_head(leaf, log_std_init=log_std_init, squash_bounded=squash_bounded) if g is None
+                             else ConditionalCategoricalHead(leaf, items[g][1]))
+            except ValueError as err:  # a leaf no head takes (an integer box): named by where it is
+                raise ValueError(f"{'/'.join((name, *path))}: {err}") from None
+        self.heads = nn.ModuleList(heads)
         self.kinds = [leaf.kind for _, leaf in items]
         self.sizes = [h.num_params for h in self.heads]
         self.num_params = sum(self.sizes)

@@ -285,7 +285,8 @@ class GaussianHead(Head):
     def __init__(self, leaf: Leaf, log_std_init: float = 0.0) -> None:
         super().__init__(leaf)
         if not leaf.dtype.is_floating_point:
-            raise ValueError(f"a box action leaf needs a float dtype for a Gaussian head, got {leaf.dtype}")
+            raise ValueError(f"a box action leaf needs a float dtype for a Gaussian head, got {leaf.dtype}; make it "
+                             f"a float box, or discrete / multi-discrete for integer actions")
         self.num_params = math.prod(leaf.shape)
         self.log_std = nn.Parameter(torch.full((self.num_params,), float(log_std_init)))
 

@@ -109,6 +109,14 @@ def test_act_and_evaluate_refuse_what_is_not_the_groups_entry_by_name():
         with pytest.raises(TypeError, match=rf"GroupPolicy.{method} of group 'agents' .*step\['agents'\].*{re.escape(got)}"):
             getattr(policy, method)(given)
 
+
+@pytest.mark.parametrize("action, where", [(Leaf.box((2,), dtype=torch.int64), "group agents: action:"),
+                                           (DictNode({"move": Leaf.discrete(3), "aim": Leaf.box((2,), dtype=torch.int32)}),
+                                            "group agents: action/aim:")])
+def test_an_integer_box_action_is_refused_naming_its_group_and_path_and_what_would_fit(action, where):
+    with pytest.raises(ValueError, match=re.escape(where) + ".*float dtype.*discrete / multi-discrete"):
+        make_policies(_array(Leaf.box((3,)), action), PolicyConfig())
+
 def test_masked_actions_are_never_sampled():
     tree = _array(Leaf.box((4,)), Leaf.discrete(6), capacity=4)
     policy, _, _ = _setup(tree, PolicyConfig())
