@@ -110,9 +110,11 @@ def test_act_and_evaluate_refuse_what_is_not_the_groups_entry_by_name():
             getattr(policy, method)(given)
 
 
+_AIM_IN_STEPS = DictNode({"move": Leaf.discrete(3), "aim": Leaf.box((2,), dtype=torch.int32)})
+
+
 @pytest.mark.parametrize("action, where", [(Leaf.box((2,), dtype=torch.int64), "group agents: action:"),
-                                           (DictNode({"move": Leaf.discrete(3), "aim": Leaf.box((2,), dtype=torch.int32)}),
-                                            "group agents: action/aim:")])
+                                           (_AIM_IN_STEPS, "group agents: action/aim:")])
 def test_an_integer_box_action_is_refused_naming_its_group_and_path_and_what_would_fit(action, where):
     with pytest.raises(ValueError, match=re.escape(where) + ".*float dtype.*discrete / multi-discrete"):
         make_policies(_array(Leaf.box((3,)), action), PolicyConfig())
