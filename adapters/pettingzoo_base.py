@@ -181,14 +181,19 @@ class _PettingZooBase(AdapterBase):
         """Sets the per-agent flags of copy ``e`` from PettingZoo's ``terminations`` / ``truncations`` dicts."""
         for flags, buf, name in zip((terms, truncs), self._flags(nxt), (TERMINATED, TRUNCATED)):
             for agent, value in flags.items():
-                if not isinstance(value, (bool, np.bool_, numbers.Integral)):  # "False" would read as True
-                    if (slot := self._slot(e, agent, (NEXT, name))) is not None:
-                        self._checker.report(EnvOutputError(
-                            f"{name} is {value!r} ({type(value).__name__}), not a bool", env_index=e, agent=agent,
-                            key=(NEXT, self._specs[slot.group].name, name)))
+                if self._not_a_flag(e, agent, name, value):
                     continue
                 if value and (slot := self._slot(e, agent, (NEXT, name))) is not None:
                     buf[slot.group][e, slot.slot] = True
+
+    def _not_a_flag(self, e: int, agent, name: str, value) -> bool:
+        """Reports a flag that is no bool (the string "False" would read as True); True when it is none."""
+        if isinstance(value, (bool, np.bool_, numbers.Integral)):
+            return False
+        if (slot := self._slot(e, agent, (NEXT, name))) is not None:
+            self._checker.report(EnvOutputError(f"{name} is {value!r} ({type(value).__name__}), not a bool",
+                                                env_index=e, agent=agent, key=(NEXT, self._specs[slot.group].name, name)))
+        return True
 
     def _clear_row(self, root: dict, e: int) -> None:
         if root["mask"] is None:  # every agent was present: the row about to change needs real masks

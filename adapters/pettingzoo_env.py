@@ -191,6 +191,14 @@ class PettingZooAECEnv(_PettingZooBase):
             env.step(None)
         return True
 
+    def _flag_kinds_wrong(self, e: int, env) -> bool:
+        """Whether some live agent's ``terminations`` / ``truncations`` entry is no bool (each reported)."""
+        flags = (env.terminations, env.truncations)
+        if all(type(f[a]) is bool for f in flags for a in env.agents):  # the usual case, checked cheaply
+            return False
+        return any([self._not_a_flag(e, a, name, f[a]) for a in env.agents
+                    for f, name in zip(flags, (TERMINATED, TRUNCATED))])
+
     def _write_turn(self, e: int, env, root: dict) -> None:
         agent = env.agent_selection
         if (slot := self._slot(e, agent, (OBSERVATION,))) is not None:
@@ -202,6 +210,8 @@ class PettingZooAECEnv(_PettingZooBase):
         env.reset(seed=seed)
         self._ended[e] = set()
         self._clear_row(root, e)
+        if self._flag_kinds_wrong(e, env):  # before reading them: a string "False" would end every agent
+            return
         if self._advance(env):
             self._checker.report(EnvOutputError("no agent left to act after reset", env_index=e, agent=None,
                                                 key=(OBSERVATION,)))
@@ -227,6 +237,8 @@ class PettingZooAECEnv(_PettingZooBase):
                     self._write_reward(e, agent, value, nxt)
             self._write_obs(e, slot, env.observe(slot.name), nxt["obs"], None, None, NEXT)
             done = self._ended[e]
+            if self._flag_kinds_wrong(e, env):
+                continue
             for agent in env.agents:
                 term, trunc = env.terminations[agent], env.truncations[agent]
                 if (term or trunc) and agent not in done:

@@ -360,3 +360,40 @@ def test_a_parallel_env_on_the_old_four_value_api_is_named():
     with pytest.raises(EnvOutputError, match=r"env 0, key next: step\(\) returned 4 values; a parallel env's step "
                                              r"returns \(observations, rewards, terminations, truncations, infos\)"):
         env.step(TensorDict({"walker": {"action": torch.tensor([[2, 0, 0]])}}, batch_size=(1,)))
+
+
+class _StringFlagsAfterOneMove:
+    """Connect four whose ``truncations`` come back as strings after the first move: the string "False" read as a
+    flag would end every agent (the AEC adapter steps ended agents with None until none is left)."""
+
+    def __init__(self) -> None:
+        self.env, self.moves = connect_four_v3.env(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def reset(self, *args, **kwargs):
+        self.moves = 0
+        return self.env.reset(*args, **kwargs)
+
+    def step(self, action) -> None:
+        self.env.step(action)
+        self.moves += 1
+
+    @property
+    def truncations(self):
+        return {a: "False" for a in self.env.truncations} if self.moves else self.env.truncations
+
+
+def test_an_aec_env_whose_flags_are_no_bools_is_named_strict_and_truncated_lenient():
+    move = TensorDict({"player": TensorDict({"action": torch.tensor([[3, 3]])}, batch_size=(1, 2))}, batch_size=(1,))
+    env = PettingZooAECEnv(_StringFlagsAfterOneMove, 1)
+    env.reset(seed=0)
+    with pytest.raises(EnvOutputError, match=r"truncated is 'False' \(str\), not a bool") as info:
+        env.step(move)
+    assert (info.value.env_index, info.value.key) == (0, ("next", "player", "truncated"))
+    lenient = PettingZooAECEnv(_StringFlagsAfterOneMove, 1, check="lenient")
+    lenient.reset(seed=0)
+    out = lenient.step(move)
+    assert out["next", "truncated"].item() and lenient.counters["invalid_output_truncations"] == 1
+    assert out["player", "mask"][0].tolist() == [True, False]  # a fresh game: player_0 to move
