@@ -191,8 +191,9 @@ class _PettingZooBase(AdapterBase):
         if isinstance(value, (bool, np.bool_, numbers.Integral)):
             return False
         if (slot := self._slot(e, agent, (NEXT, name))) is not None:
+            key = (NEXT, self._specs[slot.group].name, name)
             self._checker.report(EnvOutputError(f"{name} is {value!r} ({type(value).__name__}), not a bool",
-                                                env_index=e, agent=agent, key=(NEXT, self._specs[slot.group].name, name)))
+                                                env_index=e, agent=agent, key=key))
         return True
 
     def _clear_row(self, root: dict, e: int) -> None:
