@@ -13,8 +13,10 @@ the win-rate table); the league's own checkpoint (pool, payoff table, ratings) g
     shoal league --resume --run-dir runs/RUN [--iterations 100]   # continues from the newest league checkpoint
 
 A resumed league rebuilds its players from the saved configs and loads each player's checkpoint of the same
-iteration as the league's, so the league and its players go on from one consistent point (a player that
-finished an iteration an interrupt cut short for the others keeps it and its games, and sits the next one out).
+iteration as the league's, so the league and its players go on from one consistent point. Ctrl-C (or SIGTERM)
+ends the league after the iteration every player is in (exit 130 / 143, with a checkpoint); a second Ctrl-C stops
+at once (a player that finished an iteration cut short for the others keeps it and its games, and sits the next
+one out; one cut halfway through its update is saved as it was).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,7 +37,7 @@ from orchestration.config import TrainConfig
 from orchestration.flag_parsing import parse as parse_flags
 from orchestration.league_config import LeagueConfig
 from orchestration.result_line import print_result
-from orchestration.signals import deferred_interrupts
+from orchestration.signals import StopAfterIteration, deferred_interrupts
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     from orchestration.run_state import config_to_dict
 
     run_dir = Path(config.run_dir)
-    saved_at, trained = None, 0
+    saved_at, trained, stopped = None, 0, None
     why = [*(["opponents are drawn again for the players that had not finished the interrupted iteration"]
              if league.mid_iteration else []),  # the checkpoint was taken while an iteration ran
            *dict.fromkeys(gap for trainer in league.trainers for gap in trainer.resume_gaps)]
@@ -188,23 +191,29 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
                                                          "league": dataclasses.asdict(league.league)},
                                                         indent=1, default=str))
         write_provenance(run_dir, resume)
+        # the first Ctrl-C ends the league after the current iteration of every player (none is saved halfway
+        # through its update, which a resume would train again); a second one stops at once
+        interrupt = lambda: [trainer.interrupt() for trainer in league.trainers]  # noqa: E731
         try:
-            while league.iteration < config.iterations:
-                try:
-                    metrics = league.train()
-                except BaseException:  # what was trained so far survives an env error or Ctrl-C
+            with StopAfterIteration(interrupt) as stop:
+                while league.iteration < config.iterations and stop.signal is None:
                     try:
-                        with deferred_interrupts():  # a second Ctrl-C would leave the league's checkpoint unwritten
-                            save_league(league, run_dir)
-                    except Exception as err:  # noqa: BLE001 -- reported; the original error propagates
-                        print(f"shoal league: could not write a checkpoint after the error ({err})", file=sys.stderr)
-                    raise
-                trained += 1
-                log.write(int(metrics["env_steps"]), metrics)
-                if progress:  # on stderr: stdout is the result line alone
-                    print(progress_line(metrics), file=sys.stderr, flush=True)
-                if config.checkpoint_every and league.iteration % config.checkpoint_every == 0:
-                    written, saved_at = save_league(league, run_dir), league.iteration
+                        metrics = league.train()
+                    except BaseException:  # what was trained so far survives an env error or Ctrl-C
+                        try:
+                            with deferred_interrupts():  # a second Ctrl-C would leave the checkpoint unwritten
+                                save_league(league, run_dir)
+                        except Exception as err:  # noqa: BLE001 -- reported; the original error propagates
+                            print(f"shoal league: could not write a checkpoint after the error ({err})",
+                                  file=sys.stderr)
+                        raise
+                    trained += 1
+                    log.write(int(metrics["env_steps"]), metrics)
+                    if progress:  # on stderr: stdout is the result line alone
+                        print(progress_line(metrics), file=sys.stderr, flush=True)
+                    if config.checkpoint_every and league.iteration % config.checkpoint_every == 0:
+                        written, saved_at = save_league(league, run_dir), league.iteration
+                stopped = stop.signal
         finally:
             log.close()
         if not trained:  # a resumed league at --iterations already: its checkpoints stay as they are
@@ -218,6 +227,10 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     table = league.table()
     summary = {"run_dir": str(run_dir), "iterations": league.iteration, **written,
                "ratings": {p["name"]: round(p["rating"], 1) for p in table["players"]}}
+    if stopped is not None:  # as shoal train: no result line for a run that did not end
+        print(f"shoal league: stopped by {signal.Signals(stopped).name} after iteration {league.iteration}; "
+              f"continue with: shoal league --resume --run-dir {run_dir}", file=sys.stderr)
+        raise SystemExit(128 + stopped)
     print_result(summary)
     return summary
 

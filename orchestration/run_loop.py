@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -21,36 +21,7 @@ from orchestration.metrics_log import MetricsLog, plot_learning_curve, read_csv
 from orchestration.result_line import print_result, result_json
 from orchestration.run_notes import note_stale
 from orchestration.run_state import config_to_dict, trainer_state
-from orchestration.signals import deferred_interrupts
-
-
-class _Stop:
-    """SIGINT / SIGTERM during training: the first one ends the run after the current iteration (with a
-    checkpoint), or at once where the iteration is waiting for data that may not come (``on_signal``: the
-    trainer's :meth:`~orchestration.trainer.Trainer.interrupt`); a second SIGINT interrupts at once."""
-
-    def __init__(self, on_signal: Callable[[], None] = lambda: None) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._on_signal = on_signal
-
-    def __enter__(self) -> _Stop:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. called from a test runner's worker): no handlers
-                pass
-        return self
-
-    def _handle(self, sig: int, frame) -> None:
-        if self.signal is not None and sig == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signal = sig
-        self._on_signal()
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+from orchestration.signals import StopAfterIteration, deferred_interrupts
 
 
 def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
@@ -93,7 +64,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
 
     stopped, told_stale = None, False
     try:
-        with _Stop(trainer.interrupt) as stop:
+        with StopAfterIteration(trainer.interrupt) as stop:
             while trainer.iteration < config.iterations and stop.signal is None:
                 try:
                     metrics = trainer.train()

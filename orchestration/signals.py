@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import threading
+from typing import Any, Callable
 
 
 class Terminated(KeyboardInterrupt):
@@ -56,6 +57,37 @@ def kept_sigterm():
             signal.signal(signal.SIGTERM, previous)
 
 
+class StopAfterIteration:
+    """SIGINT / SIGTERM in a training loop (``shoal train``, ``serve``, ``league``): the first one is noted in
+    :attr:`signal` and the loop ends after the current iteration (with a checkpoint: no learner is saved halfway
+    through an update), or at once where the iteration waits for data that may not come (``on_signal``: the
+    trainers' :meth:`~orchestration.trainer.Trainer.interrupt`); a second SIGINT interrupts at once. Main thread
+    only (elsewhere no handler is installed)."""
+
+    def __init__(self, on_signal: Callable[[], None] = lambda: None) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._on_signal = on_signal
+
+    def __enter__(self) -> StopAfterIteration:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a test runner's worker): no handlers
+                pass
+        return self
+
+    def _handle(self, sig: int, frame) -> None:
+        if self.signal is not None and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = sig
+        self._on_signal()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 @contextlib.contextmanager
 def deferred_interrupts():
     """Ctrl-C and SIGTERM are ignored in the block (main thread; elsewhere nothing changes): a clean-up that an
@@ -92,4 +124,4 @@ def held_interrupts():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-__all__ = ["Terminated", "deferred_interrupts", "held_interrupts", "kept_sigterm", "stop_on_sigterm"]
+__all__ = ["StopAfterIteration", "Terminated", "deferred_interrupts", "held_interrupts", "kept_sigterm", "stop_on_sigterm"]

@@ -293,6 +293,42 @@ def test_a_league_exploiter_that_is_done_without_a_restart_needs_new_games_to_be
         league.close()
 
 
+def test_ctrl_c_inside_a_players_iteration_ends_the_league_after_that_iteration_with_nothing_saved_halfway(
+        tmp_path, capsys):
+    """Players that train one after another (the local backend): a Ctrl-C while the first one collects used to
+    stop it there and save it halfway through its iteration (a resume trained part of it again). Now every
+    player ends the iteration, the league is saved at its end, and the command exits 130 saying how to go on."""
+    import os
+    import signal
+
+    from orchestration.checkpoint import load_checkpoint
+    from orchestration.league_cli import train_league
+
+    config = _config(iterations=3, run_dir=str(tmp_path))
+    league = RoleLeague(config, LeagueConfig(league_exploiters=0, snapshot_every=100))
+    assert not league.parallel
+    fleet = league.trainers[0].fleet
+    collect = fleet.collect
+
+    def collect_then_ctrl_c(*args, **kwargs):
+        reports = collect(*args, **kwargs)
+        if league.iteration == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        return reports
+    fleet.collect = collect_then_ctrl_c
+    with pytest.raises(SystemExit) as ended:
+        train_league(league, config, progress=False)
+    assert ended.value.code == 128 + signal.SIGINT
+    assert "stopped by SIGINT after iteration 1; continue with: shoal league --resume" in capsys.readouterr().err
+    assert league.iteration == 1 and [t.iteration for t in league.trainers] == [1, 1]
+    _, _, state = load_checkpoint(tmp_path / "league" / "checkpoints")
+    assert state["iteration"] == 1 and not state["mid_iteration"] and state["finished"] == {}
+    for name in ("main_0", "main_exploiter_0"):
+        _, _, player = load_checkpoint(tmp_path / "players" / name / "checkpoints")
+        assert player["iteration"] == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
 @pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_out(tmp_path, backend, request):
     """Ctrl-C after the first player's iteration but before the second's: the checkpoint keeps the first
