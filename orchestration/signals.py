@@ -124,4 +124,5 @@ def held_interrupts():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-__all__ = ["StopAfterIteration", "Terminated", "deferred_interrupts", "held_interrupts", "kept_sigterm", "stop_on_sigterm"]
+__all__ = ["StopAfterIteration", "Terminated", "deferred_interrupts", "held_interrupts", "kept_sigterm",
+           "stop_on_sigterm"]
