@@ -47,13 +47,16 @@ class _LeagueFlags:
 
 
 def split_league_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``(train flags, --league.* flags)`` of a ``shoal league`` command line."""
+    """``(train flags, --league.* flags)`` of a ``shoal league`` command line (an on/off flag such as
+    ``--league.no-parallel`` takes no value: the word after it stays where it was)."""
+    switches = {f"--league.{prefix}{f.name.replace('_', '-')}" for f in dataclasses.fields(LeagueConfig)
+                if f.type in (bool, "bool") for prefix in ("", "no-")}
     rest, league = [], []
     it = iter(argv)
     for arg in it:
         if arg.startswith("--league."):
             league.append(arg)
-            if "=" not in arg:
+            if "=" not in arg and arg.replace("_", "-") not in switches:
                 value = next(it, None)
                 if value is not None:
                     league.append(value)

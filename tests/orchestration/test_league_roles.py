@@ -434,3 +434,12 @@ def test_a_second_interrupt_while_the_league_waits_for_a_player_does_not_lose_it
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     finally:
         league.close()
+
+
+@pytest.mark.parametrize("switch, parallel", [("--league.no-parallel", False), ("--league.parallel", True)])
+def test_an_on_off_league_flag_leaves_the_next_word_to_the_flag_it_belongs_to(tmp_path, switch, parallel):
+    """``--league.no-parallel --run-dir X`` took X as the switch's value ("Unrecognized options: X")."""
+    from orchestration.league_cli import parse
+
+    config, rules, _, _ = parse([GAME, switch, "--run-dir", str(tmp_path / "run"), "--seed", "3", "--league.seat", "1"])
+    assert (config.run_dir, config.seed, rules.parallel, rules.seat) == (str(tmp_path / "run"), 3, parallel, 1)
