@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 
 INITIAL = 1000.0
+MATCH_K = 32.0
+"""Elo K of a *match*: a player's games of one iteration against one opponent, scored by their mean (per-game
+updates summed over a period of ~100 games against one opponent overshoot and oscillate). Both leagues use it."""
 
 
 def expected_score(rating_a: torch.Tensor, rating_b: torch.Tensor) -> torch.Tensor:
@@ -42,4 +45,4 @@ def score_from_return(returns: torch.Tensor) -> torch.Tensor:
     return ((returns.double().clamp(-1.0, 1.0) + 1.0) / 2.0)
 
 
-__all__ = ["INITIAL", "elo_update", "expected_score", "score_from_return"]
+__all__ = ["INITIAL", "MATCH_K", "elo_update", "expected_score", "score_from_return"]

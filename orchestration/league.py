@@ -13,7 +13,8 @@ mode on Ray, games that end in fragments already queued at the swap (at most ``R
 worker) are credited to the new member.
 
 Ratings: the learner and every member carry an Elo rating (:mod:`core.ratings`), updated once per iteration
-from the games against the member played (``league_elo``, ``league_opponent_elo``): in a zero-sum game the
+from the games against the member played, taken as one match scored by their mean (``league_elo``,
+``league_opponent_elo``; K ``core.ratings.MATCH_K``, as the role league rates): in a zero-sum game the
 summed return is always 0, and a win rate depends on who was played; a rating does not. ``league_win_rate``
 is the iteration's (its ``league_games`` games), ``league_opponent_win_rate`` that of every game against the
 member so far (what PFSP weighs).
@@ -39,7 +40,7 @@ from typing import Any, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from core.ratings import INITIAL, elo_update, score_from_return
+from core.ratings import INITIAL, MATCH_K, elo_update, score_from_return
 from orchestration.builder import assignment_for
 
 SAMPLINGS = ("pfsp", "uniform", "latest")
@@ -173,11 +174,10 @@ class LeagueTrainer:
         new = self.trainer.last_episodes.get(f"return/{self.learner}", [])
         self.current.games += len(new)
         self.current.score += float(sum(new))
-        if new:  # learner = player 0, the member = player 1; one rating period
-            games = len(new)
+        if new:  # learner = player 0, the member = player 1; the iteration's games as one match (MATCH_K)
+            score = score_from_return(torch.tensor(new, dtype=torch.float64)).mean().reshape(1)
             ratings = elo_update(torch.tensor([self.rating, self.current.rating], dtype=torch.float64),
-                                 torch.zeros(games, dtype=torch.long), torch.ones(games, dtype=torch.long),
-                                 score_from_return(torch.tensor(new)))
+                                 torch.tensor([0]), torch.tensor([1]), score, k=MATCH_K)
             self.rating, self.current.rating = float(ratings[0]), float(ratings[1])
         if self.trainer.iteration % self.snapshot_every == 0:
             version, weights = self.trainer.learners[self.learner].weights()

@@ -12,9 +12,10 @@ against one opponent count as one match scored by their mean).
 
 Snapshots: every ``snapshot_every`` iterations each active player joins the league as a historical player.
 An exploiter that beats its targets (``exploiter_threshold`` over at least ``exploiter_min_games`` games) is
-snapshotted at once, its record in the payoff table starts over, and it starts over from its initial weights
-(a main exploiter always; a league exploiter with probability ``league_reset``) through
-:meth:`Trainer.reset_learner`, so its counters and inbox go on.
+snapshotted at once (the snapshot keeps its rating), its record in the payoff table starts over (its row and
+column: being done again takes new games; :meth:`table`'s ``games`` still counts every game played), and it starts
+over from its initial weights and the initial rating (a main exploiter always; a league exploiter with
+probability ``league_reset``) through :meth:`Trainer.reset_learner`, so its counters and inbox go on.
 The league starts with the main agents' initial weights as its first historical players.
 
 Usage (what ``shoal league`` does)::
@@ -46,15 +47,13 @@ import torch
 from tensordict import TensorDictBase
 
 from core.matchmaking import ROLES, Roster, choose_opponent, exploiter_done, grow, record_games
-from core.ratings import INITIAL, elo_update, score_from_return
+from core.ratings import INITIAL, MATCH_K, elo_update, score_from_return
 from core.specs import groups, to_json
 from orchestration.config import PastSelvesConfig, TrainConfig
 from orchestration.league_config import LeagueConfig
 from orchestration.signals import deferred_interrupts
 
 OPPONENT = "opponent"
-MATCH_K = 32.0
-"""Elo K of one iteration's games of a player against its opponent, taken as one match."""
 
 
 @dataclass
@@ -140,6 +139,8 @@ class RoleLeague:
         self.wins = torch.zeros(size, size, dtype=torch.float64)
         self.games = torch.zeros(size, size, dtype=torch.float64)
         self.ratings = torch.full((size,), INITIAL, dtype=torch.float64)
+        self.played = torch.zeros(size, dtype=torch.float64)
+        """Every game each player played (the payoff table starts an exploiter's record over when it is done)."""
         self.iteration = 0
         for i, role in enumerate(league.roles):
             if role == "main":
@@ -177,6 +178,7 @@ class RoleLeague:
         size = len(self.players)
         self.wins, self.games = grow(self.wins, size), grow(self.games, size)
         self.ratings = torch.cat([self.ratings, self.ratings[index:index + 1]])  # starts at its parent's rating
+        self.played = torch.cat([self.played, self.played.new_zeros(1)])
         return size - 1
 
     # -- one iteration ---------------------------------------------------------------------------------
@@ -223,6 +225,7 @@ class RoleLeague:
         for i, done in sorted(self.finished.items()):
             got = torch.tensor(done["scores"], dtype=torch.float64)
             self.wins, self.games = record_games(self.wins, self.games, i, done["opponent"], got)
+            self.played[list({i, done["opponent"]})] += got.numel()
             if done["opponent"] != i and got.numel():  # games against a frozen copy of itself move no rating
                 a.append(i)
                 b.append(done["opponent"])
@@ -272,16 +275,19 @@ class RoleLeague:
         coin = float(torch.rand((), generator=self.generator, dtype=torch.float64))
         if role == "main_exploiter" or coin < self.league.league_reset:
             self.trainers[i].reset_learner(self.group, self._initial[i])
+            self.ratings[i] = INITIAL  # its initial weights again: a new player (its snapshot keeps the rating)
             self.resets += 1
 
     # -- state, snapshots ----------------------------------------------------------------------------------
     def table(self) -> dict[str, Any]:
-        """The league as plain data: players (name, role, historical, rating) and the win-rate table."""
+        """The league as plain data: players (name, role, historical, rating, ``games``: every game played,
+        ``games_in_table``: those in the payoff table, since the player's or its opponents' records last started
+        over) and the win-rate table (the payoff table's)."""
         from core.matchmaking import win_rates
 
         rates = win_rates(self.wins, self.games)
         return {"players": [{"name": p.name, "role": p.role, "historical": p.historical, "rating": float(r),
-                             "games": float(self.games[i].sum())}
+                             "games": float(self.played[i]), "games_in_table": float(self.games[i].sum())}
                             for i, (p, r) in enumerate(zip(self.players, self.ratings))],
                 "win_rates": rates.tolist()}
 
@@ -293,7 +299,8 @@ class RoleLeague:
 
         tensors = {f"pool/{i}/{'/'.join(k) if isinstance(k, tuple) else k}": v
                    for i, p in enumerate(self.players) if p.historical for k, v in p.weights.items(True, True)}
-        tensors.update(wins=self.wins, games=self.games, ratings=self.ratings, rng=self.generator.get_state())
+        tensors.update(wins=self.wins, games=self.games, ratings=self.ratings, played=self.played,
+                       rng=self.generator.get_state())
         state = {"config": config_to_dict(self.config), "tree": to_json(self.trainers[0].tree),
                  "iteration": self.iteration, "env_steps": sum(t.env_steps for t in self.trainers),
                  "learners": {p.name: {"version": int(t.learners[self.group].published()[0])}
@@ -325,6 +332,7 @@ class RoleLeague:
             self.players.append(Player(p["name"], p["role"], int(p["parent"]), frozen))
         self.wins, self.games = tensors["wins"].clone(), tensors["games"].clone()
         self.ratings = tensors["ratings"].clone()
+        self.played = tensors["played"].clone() if "played" in tensors else self.games.sum(1)  # older checkpoints
         self.generator.set_state(tensors["rng"])
         self.iteration, self.resets = int(state["iteration"]), int(state["league"]["resets"])
         active = [p.name for p in self.players[:len(self.trainers)]]

@@ -36,6 +36,23 @@ def test_league_grows_a_pool_and_actors_play_the_drawn_opponent():
     assert not (learner_now == league.pool[1].weights).all()  # snapshots are copies, not views
 
 
+def test_an_iterations_games_move_the_ratings_as_one_match_scored_by_their_mean():
+    """As the role league rates (per-game updates summed over ~30 games swung the rating by ~100 a step)."""
+    from core.ratings import INITIAL, MATCH_K
+
+    config = TrainConfig(env="pettingzoo:classic.connect_four_v3", seed=0, iterations=2, lr=1e-3,
+                         policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",),
+                         rollout=RolloutConfig(num_envs=8, fragment_length=32), ppo=PPOConfig(minibatch_size=128))
+    league = LeagueTrainer(build_trainer(config), learner="player", opponent="opponent", snapshot_every=10)
+    metrics = league.train()
+    score = score_from_return(torch.tensor(league.trainer.last_episodes["return/player"], dtype=torch.float64))
+    assert metrics["league_games"] > 1
+    gain = MATCH_K * (float(score.mean()) - 0.5)  # both at INITIAL: the expected score is 0.5
+    assert metrics["league_elo"] == pytest.approx(INITIAL + gain)
+    assert league.current.rating == pytest.approx(INITIAL - gain)
+    league.trainer.close()
+
+
 def test_a_league_is_seeded_with_in_memory_members_that_it_draws_and_plays():
     config = TrainConfig(env="pettingzoo:classic.connect_four_v3", seed=0, iterations=2, lr=1e-3,
                          policy_mapping=(("player_1", "opponent"),), fixed_policies=("opponent",),

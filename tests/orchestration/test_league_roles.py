@@ -82,6 +82,12 @@ def test_an_exploiter_that_beats_its_targets_is_snapshotted_and_starts_over():
         assert (TensorDict.from_module(actor) == TensorDict.from_module(exploiter.policy)).all()  # actors reset too
         assert league.trainers[1].fleet.actors[0].versions["player"] == 2  # loaded now, before any fragment
         assert float(league.games[1].sum()) == 0  # its games start over with it
+        assert float(league.ratings[1]) == INITIAL  # and its rating (a new player); the snapshot keeps the old one
+        assert metrics[f"rating/{league.players[-1].name}"] == float(league.ratings[-1]) != INITIAL
+        row = league.table()["players"][1]  # every game it played is still counted, though not in the table
+        assert row["games"] == metrics["games/main_exploiter_0"] > 0 and row["games_in_table"] == 0
+        against = metrics["games/main_exploiter_0"] if metrics["opponent/main_exploiter_0"] == 0 else 0.0
+        assert league.table()["players"][0]["games"] == metrics["games/main_0"] + against  # its opponent's too
         league.train()  # trains on from the reset weights
         counts = league.trainers[1].accounting()  # nothing collected lost or counted twice across the reset
         assert counts["fragments_produced"] == 2 == counts["player/fragments_accepted"]
