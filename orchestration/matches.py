@@ -66,7 +66,8 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
 
         snapshot = load_snapshot(opponent)
         if to_json(snapshot.tree) != to_json(from_json(state["tree"])):
-            raise ValueError(f"opponent snapshot {opponent!r} was saved from another tree than {checkpoint!r}")
+            raise ValueError(f"opponent snapshot {opponent!r} was saved from another tree than {checkpoint!r} "
+                             f"(env {config.env}){_differ(to_json(snapshot.tree), state['tree'])}")
     elif opponent != "random":
         if not Path(opponent).exists():
             from core.envsets.ids import hint
@@ -81,7 +82,9 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
                              f"(league/pool/*)")
         other_weights, _, other_state = load_checkpoint(opponent)
         if other_state["tree"] != state["tree"]:
-            raise ValueError(f"opponent checkpoint {opponent!r} was trained on another tree than {checkpoint!r}")
+            raise ValueError(f"opponent checkpoint {opponent!r} (env {load_config(other_state).env}) was trained on "
+                             f"another tree than {checkpoint!r} (env {config.env})"
+                             f"{_differ(other_state['tree'], state['tree'])}")
         other = (other_weights, assignment_for(load_config(other_state), tree))
     out = {}
     for seat in seats or agents:
@@ -141,6 +144,18 @@ def checkpoint_policy(config, tree, seat: str) -> str:
     raise ValueError(f"seat {seat!r} was played by the fixed policy {played!r} in the checkpoint's run, and its "
                      f"group has {'no learning policy' if not learning else f'several: {learning}'} to play it "
                      f"instead: name the seats its learning policies played with --seats")
+
+
+def _differ(opponents: str, checkpoints: str) -> str:
+    """Where two trees (JSON) differ, and what an opponent may be instead."""
+    import json
+
+    from adapters.external.messages import tree_difference
+
+    where = tree_difference(json.loads(opponents), json.loads(checkpoints), here="in the opponent's tree",
+                            there="in the checkpoint's")
+    return (f": {where}; play an opponent of the same env (its checkpoint, a league snapshot of it, random or "
+            f"scripted:MODULE:FUNCTION)")
 
 
 def _load(policy, weights, pid: str) -> None:

@@ -101,3 +101,27 @@ def test_a_cooperative_game_has_returns_and_no_winner(tmp_path, capsys):
     main(["evaluate", str(run / "checkpoints"), "--opponent", "random", "--episodes", "4", "--seats", "agents_0"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["seats"]["agents_0"]
     assert result["games"] == 4 and "win" not in result and result["return_std"] >= 0, result
+
+
+def test_an_opponent_of_another_game_is_refused_naming_both_envs_and_where_they_differ(connect_four, tmp_path, capsys):
+    from core.policies import PolicyConfig, make_policies
+    from orchestration.envs import make_env
+    from orchestration.snapshots import save_snapshot
+
+    run = tmp_path / "ttt"
+    main(["train", "pettingzoo:classic.tictactoe_v3", "--iterations", "1", "--rollout.num-envs", "2",
+          "--rollout.fragment-length", "8", "--run-dir", str(run), "--no-progress"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["evaluate", connect_four, "--opponent", str(run / "checkpoints")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("(env pettingzoo:classic.tictactoe_v3) was trained on another tree than" in err
+            and "(env pettingzoo:classic.connect_four_v3): tree/" in err and "play an opponent of the same env" in err)
+    env = make_env("pettingzoo:classic.tictactoe_v3", 1)
+    snap = save_snapshot(tmp_path / "ttt-at-0", make_policies(env.tree, PolicyConfig())["player"], env.tree,
+                         group="player", policy_id="ttt@0", version=0, config=PolicyConfig())
+    env.close()
+    with pytest.raises(ValueError, match=r"saved from another tree than .*\(env pettingzoo:classic.connect_four_v3\): "
+                                         r"tree/.*play an opponent of the same env"):
+        play_seats(connect_four, str(snap), episodes=2, env="pettingzoo:classic.connect_four_v3")
