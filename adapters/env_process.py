@@ -37,7 +37,7 @@ class EnvWorkerConfig:
     start_timeout_s: float = 120.0
     """Longest wait for a new worker to import, build its env and answer."""
     max_restarts: int = 100
-    """Restarts allowed over the pool's life; one more raises ``RuntimeError``."""
+    """Restarts allowed over the pool's life; one more raises :class:`EnvWorkerFault` with the last failure."""
     start_method: str = "forkserver"
     """Multiprocessing start method: ``"forkserver"`` (fast restarts) or ``"spawn"``."""
     torch_threads: int = 1

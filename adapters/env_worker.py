@@ -335,15 +335,17 @@ class EnvWorkerPool:
         self._fault = (kind, payload)
         return False
 
-    def _raise(self, i: int) -> None:
+    def _raise(self, i: int, restarts_spent: bool = False) -> None:
         kind, payload = self._fault
         last = str(payload).strip().splitlines()[-1:] or [""]
         what = {"timeout": f"did not answer within {self.config.step_timeout_s} s", "dead": "died"}.get(
             kind, f"raised {last[0]}")
         first, n = self.offsets[i], self._sizes[i]
         self.close()
-        fault = EnvWorkerFault(f"env worker {i} (envs {first}..{first + n - 1} of the batch) {what}. Strict mode stops "
-                               f"here; rollout.check='lenient' restarts the worker and counts the lost episodes")
+        then = (f", again after all {self.config.max_restarts} restarts the pool allows: an env that fails every "
+                f"time cannot run, lenient or strict" if restarts_spent else ". Strict mode stops here; "
+                f"rollout.check='lenient' restarts the worker and counts the lost episodes")
+        fault = EnvWorkerFault(f"env worker {i} (envs {first}..{first + n - 1} of the batch) {what}{then}")
         fault.env_output = kind == "error" and last[0].startswith(f"{EnvOutputError.__module__}.EnvOutputError:")
         raise fault
 
@@ -367,7 +369,7 @@ class EnvWorkerPool:
         self._worker_counters[i] = {}
         while True:
             if self._own["env_restarts"] >= self.config.max_restarts:
-                raise RuntimeError(f"env worker {i} failed and the pool used all {self.config.max_restarts} restarts")
+                self._raise(i, restarts_spent=True)
             self._own["env_restarts"] += 1
             w = _Worker(i, old.factory, self._ctx, self.config)
             w.incarnation = old.incarnation + 1

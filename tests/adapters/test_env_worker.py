@@ -202,6 +202,26 @@ def test_a_worker_that_cannot_start_raises(pool_factory):
         pool_factory([functools.partial(CartPole, "not a config")])
 
 
+
+class BrokenReset(CartPole):
+    """CartPole whose every reset fails (what no restart can mend)."""
+
+    def reset(self, seed=None):
+        raise RuntimeError("this env never resets")
+
+
+def test_a_worker_that_fails_after_every_restart_is_named_with_its_last_failure(pool_factory):
+    """Lenient restarts spent: the fault names the worker, its envs and what it raised (was a bare RuntimeError
+    saying only that the restarts were used up)."""
+    from adapters.env_worker import EnvWorkerFault
+
+    pool = pool_factory([functools.partial(CartPole, CartPoleConfig(num_envs=2)),
+                         functools.partial(BrokenReset, CartPoleConfig(num_envs=4))], max_restarts=2)
+    with pytest.raises(EnvWorkerFault, match=r"env worker 1 \(envs 2\.\.5 of the batch\) raised RuntimeError: this env "
+                                             r"never resets, again after all 2 restarts the pool allows") as fault:
+        pool.reset(seed=0)
+    assert not fault.value.env_output  # the env's own error, not data that breaks its tree (a traceback helps)
+
 def test_close_is_idempotent_and_stops_the_processes(pool_factory):
     pool = pool_factory([functools.partial(CartPole, CartPoleConfig(num_envs=2))])
     pool.reset(seed=0)
