@@ -42,6 +42,9 @@ import pytest
      "env 'builtin:cartpole': --env-kwargs device 'cpux': not a device (cpu, cuda, cuda:<index> or mps)"),
     # flags tyro refuses, and values a config refuses while tyro parses: one line, not tyro's box
     (["train", "builtin:cartpole", "--lrr", "3"], "shoal train: Unrecognized options: --lrr, 3; did you mean --lr?"),
+    (["train", "--iterations", "2", "pettingzoo:classic.tictactoe_v3"],  # the env after a flag's value
+     "Unrecognized options: pettingzoo:classic.tictactoe_v3; the env goes first (shoal train pettingzoo:classic"),
+    (["league", "--iterations", "2", "CartPole-v1"], "the env goes first (shoal league CartPole-v1 ...) or after --env"),
     (["train", "builtin:cartpole", "--lr", "abc"],
      "--lr: could not convert string to float: 'abc'; it takes --lr FLOAT"),
     (["train", "builtin:cartpole", "--policy.recurrent-critic"], "--policy.recurrent-critic must be False unless"),
