@@ -196,8 +196,10 @@ def league_players_hint(path: str | Path) -> str:
         players = sorted(p.name for p in (run / "players").glob("*") if (p / "checkpoints").is_dir())
         if players and (run / "league").is_dir():
             example = next((name for name in players if name.startswith("main_")), players[0])
+            snapshot = (" (a snapshot of league/pool/ plays only as an --opponent)"
+                        if (path / "snapshot.json").is_file() else "")
             return (f"; {run} is a league: each player's checkpoints are under players/ ({', '.join(players)}), "
-                    f"e.g. {run / 'players' / example / 'checkpoints'}")
+                    f"e.g. {run / 'players' / example / 'checkpoints'}{snapshot}")
     return ""
 
 

@@ -255,6 +255,8 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
     for argv, said in ((["evaluate", str(tmp_path)], f"{tmp_path} is a league: each player's checkpoints are under "
                         f"players/ (main_0, main_exploiter_0), e.g. {tmp_path / 'players' / 'main_0' / 'checkpoints'}"),
                        (["evaluate", str(tmp_path / "league" / "checkpoints")], "a league's own checkpoint"),
+                       (["evaluate", str(tmp_path / "league" / "pool" / "main_0-at-0")],
+                        "checkpoints (a snapshot of league/pool/ plays only as an --opponent)"),
                        (["train", "--resume", "--run-dir", str(tmp_path)], "continue it with shoal league --resume")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
