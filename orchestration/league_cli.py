@@ -8,7 +8,8 @@ Every ``shoal train`` flag applies to every player (env, backend, rollout, PPO, 
 gets ``metrics.csv`` (and the run's loggers) with one row per league iteration, each active player's
 checkpoint under ``players/<name>/checkpoints`` (``shoal evaluate`` plays them, e.g. ``--opponent random``),
 every historical player as a snapshot under ``league/pool/``, and ``league/league.json`` (players, ratings,
-the win-rate table); the league's own checkpoint (pool, payoff table, ratings) goes to ``league/checkpoints``.
+the win-rate table); the league's own checkpoint (pool, payoff table, ratings) goes to ``league/checkpoints``,
+and ``run.json`` ends with each player's settled fragment accounting (``final_accounting``).
 
     shoal league --resume --run-dir runs/RUN [--iterations 100]   # continues from the newest league checkpoint
 
@@ -175,7 +176,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     """The loop of ``shoal league``: metrics every iteration, checkpoints every ``checkpoint_every`` and last."""
     from orchestration.league_roles import progress_line
     from orchestration.metrics_log import MetricsLog
-    from orchestration.run_loop import write_provenance
+    from orchestration.run_loop import record_final_accounting, write_provenance
     from orchestration.run_state import config_to_dict
 
     run_dir = Path(config.run_dir)
@@ -227,6 +228,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
             written = save_league(league, run_dir)
     finally:
         league.close()
+    record_final_accounting(run_dir, {p.name: t.accounting() for p, t in zip(league.players, league.trainers)})
     table = league.table()
     summary = {"run_dir": str(run_dir), "iterations": league.iteration, **written,
                "ratings": {p["name"]: round(p["rating"], 1) for p in table["players"]}}

@@ -210,9 +210,10 @@ def write_provenance(run_dir: Path, resume: bool) -> None:
     path.write_text(json.dumps(now, indent=1))
 
 
-def record_final_accounting(run_dir: Path, settled: dict[str, float]) -> None:
+def record_final_accounting(run_dir: Path, settled: dict[str, Any]) -> None:
     """Adds the settled fragment accounting of the run's end (:meth:`Trainer.close`: fragments still in flight
-    at the last iteration's row are accepted or lost by then) to ``run.json`` as ``final_accounting``."""
+    at the last iteration's row are accepted or lost by then) to ``run.json`` as ``final_accounting`` (a league's:
+    one such record per player)."""
     path = run_dir / "run.json"
     try:
         record = json.loads(path.read_text())

@@ -331,9 +331,11 @@ def test_ctrl_c_inside_a_players_iteration_ends_the_league_after_that_iteration_
     assert league.iteration == 1 and [t.iteration for t in league.trainers] == [1, 1]
     _, _, state = load_checkpoint(tmp_path / "league" / "checkpoints")
     assert state["iteration"] == 1 and not state["mid_iteration"] and state["finished"] == {}
+    settled = json.loads((tmp_path / "run.json").read_text())["final_accounting"]  # per player, as shoal train's
     for name in ("main_0", "main_exploiter_0"):
         _, _, player = load_checkpoint(tmp_path / "players" / name / "checkpoints")
         assert player["iteration"] == 1
+        assert settled[name]["fragments_produced"] == settled[name]["player/fragments_accepted"] == 1
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
