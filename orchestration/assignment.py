@@ -9,11 +9,11 @@ and its outputs are kept on its own slots; a learner trains only on its slots (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-import difflib
 from typing import Collection, Mapping
 
 import torch
 
+from core.envsets.ids import nearest
 from core.specs import Tree, default_policy_mapping, groups
 
 
@@ -53,8 +53,9 @@ def assign(tree: Tree, overrides: Mapping[str, str] | None = None,
     mapping = default_policy_mapping(tree)
     unknown = sorted(set(overrides or {}) - set(mapping))
     if unknown:
-        hints = {a: difflib.get_close_matches(a, list(mapping), n=1) for a in unknown}
-        named = ", ".join(f"{a!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for a, h in hints.items())
+        near = {a: nearest(a, mapping) for a in unknown}
+        named = ", ".join(f"{a!r}" + (f" (did you mean {' or '.join(map(repr, n))}?)" if n else "")
+                          for a, n in near.items())
         raise KeyError(f"policy mapping names agents the environment does not have: {named}; its agents are "
                        f"{sorted(mapping)}")
     mapping.update(overrides or {})

@@ -25,6 +25,16 @@ class CollectionError(ValueError):
         self.where = where
 
 
+def nearest(name: object, choices: Iterable[str]) -> list[str]:
+    """The nearest of ``choices`` to ``name`` (difflib's ratio, 0.6 at least) with those exactly as near
+    (``player_1`` and ``player_2`` for ``player_0``), in the choices' order; ``[]`` when none is near, or when more
+    than three are as near (``agent_9`` among ``agents_0..7``: no one of them is the nearest)."""
+    ratios = {c: difflib.SequenceMatcher(None, str(name), c).ratio() for c in dict.fromkeys(map(str, choices))}
+    best = max(ratios.values(), default=0.0)
+    tied = [c for c, r in ratios.items() if r == best] if best >= 0.6 else []
+    return tied if len(tied) <= 3 else []
+
+
 def hint(name: object, choices: Iterable[str], close_as: str = "did you mean {}?", rest_as: str = "valid: {}") -> str:
     """A suffix for an error message: the nearest of ``choices`` (difflib), else the choices themselves.
 
@@ -32,9 +42,8 @@ def hint(name: object, choices: Iterable[str], close_as: str = "did you mean {}?
     ``close_as`` and ``rest_as`` reword the two forms.
     """
     choices = list(dict.fromkeys(str(c) for c in choices))
-    close = difflib.get_close_matches(str(name), choices, n=1, cutoff=0.6)
-    if close:
-        return f" ({close_as.format(repr(close[0]))})"
+    if close := nearest(name, choices):
+        return f" ({close_as.format(' or '.join(map(repr, close)))})"
     if not choices:
         return ""
     more = ", ..." if len(choices) > _LISTED else ""
@@ -113,4 +122,4 @@ def draw_uniform(ids: Sequence[str], n: int, generator: torch.Generator) -> tupl
 
 
 __all__ = ["CollectionError", "check_count", "check_finite", "check_id", "check_ids", "check_known",
-           "check_metric_ids", "draw_uniform", "hint", "missing_metric"]
+           "check_metric_ids", "draw_uniform", "hint", "missing_metric", "nearest"]

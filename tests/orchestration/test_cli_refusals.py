@@ -8,7 +8,10 @@ import pytest
 
 @pytest.mark.parametrize("args, named", [
     (["train", "pettingzoo:connect_four_v3"], "pettingzoo:classic.connect_four_v3"),
-    (["train", "builtin:spread", "--policy-mapping", "agent_9", "x"], "did you mean 'agents_3'"),
+    (["train", "builtin:spread", "--policy-mapping", "agent_9", "x"],  # 4 as near: none is the nearest
+     "does not have: 'agent_9'; its agents are ['agents_0', 'agents_1', 'agents_2', 'agents_3']"),
+    (["train", "pettingzoo:classic.tictactoe_v3", "--policy-mapping", "player_0", "random"],  # two as near: both
+     "'player_0' (did you mean 'player_1' or 'player_2'?)"),
     (["train", "--resume", "--run-dir", "nowhere"], "no checkpoint at nowhere"),
     (["evaluate", "nowhere"], "no checkpoint at nowhere"),
     (["train", "builtin:cartpole", "--rollout.num-envs", "2", "--rollout.env-processes", "3"], "cannot exceed"),
