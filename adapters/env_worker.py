@@ -344,7 +344,7 @@ class EnvWorkerPool:
         self.close()
         then = (f", again after all {self.config.max_restarts} restarts the pool allows: an env that fails every "
                 f"time cannot run, lenient or strict" if restarts_spent else ". Strict mode stops here; "
-                f"rollout.check='lenient' restarts the worker and counts the lost episodes")
+                "rollout.check='lenient' restarts the worker and counts the lost episodes")
         fault = EnvWorkerFault(f"env worker {i} (envs {first}..{first + n - 1} of the batch) {what}{then}")
         fault.env_output = kind == "error" and last[0].startswith(f"{EnvOutputError.__module__}.EnvOutputError:")
         raise fault

@@ -180,10 +180,9 @@ class _PettingZooBase(AdapterBase):
     def _write_flags(self, e: int, nxt: dict, terms: dict, truncs: dict) -> None:
         """Sets the per-agent flags of copy ``e`` from PettingZoo's ``terminations`` / ``truncations`` dicts."""
         for flags, buf, name in zip((terms, truncs), self._flags(nxt), (TERMINATED, TRUNCATED)):
-            for agent, value in flags.items():
-                if self._not_a_flag(e, agent, name, value):
-                    continue
-                if value and (slot := self._slot(e, agent, (NEXT, name))) is not None:
+            key = (NEXT, name)
+            for agent, value in flags.items():  # a value that is no flag is reported and sets nothing
+                if not self._not_a_flag(e, agent, name, value) and value and (slot := self._slot(e, agent, key)):
                     buf[slot.group][e, slot.slot] = True
 
     def _not_a_flag(self, e: int, agent, name: str, value) -> bool:

@@ -38,8 +38,8 @@ from .composite import ActionHeads
 from .critic_inputs import central_input, joint_input
 from .config import PolicyConfig
 from .distributions import CategoricalHead
-from .networks import (ObservationEncoder, OutputLinear, Path, SharedEncoder, check_leaf_names, init_linear_, mlp,
-                       read_path, run_layers)
+from .networks import (ObservationEncoder, OutputLinear, Path, SharedEncoder, check_group_entry, check_leaf_names,
+                       init_linear_, mlp, read_path, run_layers)
 from .recurrence import cell_step, make_cell, state_size
 from .sequences import SequenceEvaluation
 from .reward_scaling import RewardScaler
@@ -315,7 +315,7 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
             ``[E, A, 1]``, ``"state_value"`` ``[E, A, 1]``; when recurrent also ``"recurrent_state"`` (the
             state this step used: store it) and ``("next", "recurrent_state")`` (feed it to the next step).
         """
-        self._check_entry(obs, "act")
+        check_group_entry(obs, self.group_name, "act")
         out = self.act_step(obs, shared, generator, deterministic, recurrent_state, episode_start)
         return TensorDict(out, batch_size=out[LOG_PROB].shape[:-1])
 
@@ -331,17 +331,9 @@ class GroupPolicy(SequenceEvaluation, nn.Module):
         Returns:
             TensorDict ``[N, A]`` with ``"log_prob"``, ``"entropy"``, ``"state_value"``, each ``[N, A, 1]``.
         """
-        self._check_entry(batch, "evaluate")
+        check_group_entry(batch, self.group_name, "evaluate")
         out = self.evaluate_terms(batch, shared)
         return TensorDict(out, batch_size=out[LOG_PROB].shape[:-1])
-
-    def _check_entry(self, entry, method: str) -> None:
-        """Refuses what is not this group's entry (a bare observation tensor, a whole step) by name."""
-        if hasattr(entry, "keys") and OBSERVATION in entry.keys():
-            return
-        got = f"one with keys {sorted(map(str, entry.keys()))}" if hasattr(entry, "keys") else f"a {type(entry).__name__}"
-        raise TypeError(f"GroupPolicy.{method} of group {self.group_name!r} takes the group's entry of a step or "
-                        f"batch (step[{self.group_name!r}], holding {OBSERVATION!r}); got {got}")
 
     def evaluate_terms(self, batch, shared=None) -> dict[str, Tensor]:
         """:meth:`evaluate` as a plain dict (the learner's per-minibatch path: no container built)."""

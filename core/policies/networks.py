@@ -271,6 +271,16 @@ class ObservationEncoder(nn.Module):
                 buffer.copy_(value)
 
 
+def check_group_entry(entry, group: str, method: str) -> None:
+    """Raises TypeError for what is not a group's entry of a step or batch (a bare observation tensor, a whole
+    step), naming ``GroupPolicy.<method>``, the group and what to pass."""
+    if hasattr(entry, "keys") and OBSERVATION in entry.keys():
+        return
+    got = f"one with keys {sorted(map(str, entry.keys()))}" if hasattr(entry, "keys") else f"a {type(entry).__name__}"
+    raise TypeError(f"GroupPolicy.{method} of group {group!r} takes the group's entry of a step or batch "
+                    f"(step[{group!r}], holding {OBSERVATION!r}); got {got}")
+
+
 def check_leaf_names(names: Sequence[str], paths: Sequence[Path]) -> None:
     """Raises ValueError for a name of ``PolicyConfig.leaf_encoders`` that is no observation leaf of ``paths``
     (named ``observation[/key path]``), naming the nearest one."""
@@ -306,5 +316,5 @@ class SharedEncoder(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
-__all__ = ["ObservationEncoder", "SharedEncoder", "check_leaf_names", "init_linear_", "mlp", "normalizes",
-           "read_path"]
+__all__ = ["ObservationEncoder", "SharedEncoder", "check_group_entry", "check_leaf_names", "init_linear_", "mlp",
+           "normalizes", "read_path"]

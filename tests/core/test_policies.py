@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import re
 
 import pytest
 import torch
@@ -100,24 +99,6 @@ def test_act_works_on_other_batch_dims_and_plain_dicts():
     assert isinstance(step, dict) and torch.equal(step[ACTION], policy.act(obs, generator=_gen(5))[ACTION])
 
 
-
-def test_act_and_evaluate_refuse_what_is_not_the_groups_entry_by_name():
-    policy, obs, _ = _setup(TREES["box_discrete"], PolicyConfig())
-    whole_step = TensorDict({"agents": obs}, batch_size=obs.batch_size[:1])
-    for method, given, got in (("act", obs[OBSERVATION], "a Tensor"), ("act", whole_step, "keys ['agents']"),
-                               ("evaluate", whole_step, "keys ['agents']")):
-        with pytest.raises(TypeError, match=rf"GroupPolicy.{method} of group 'agents' .*step\['agents'\].*{re.escape(got)}"):
-            getattr(policy, method)(given)
-
-
-_AIM_IN_STEPS = DictNode({"move": Leaf.discrete(3), "aim": Leaf.box((2,), dtype=torch.int32)})
-
-
-@pytest.mark.parametrize("action, where", [(Leaf.box((2,), dtype=torch.int64), "group agents: action:"),
-                                           (_AIM_IN_STEPS, "group agents: action/aim:")])
-def test_an_integer_box_action_is_refused_naming_its_group_and_path_and_what_would_fit(action, where):
-    with pytest.raises(ValueError, match=re.escape(where) + ".*float dtype.*discrete / multi-discrete"):
-        make_policies(_array(Leaf.box((3,)), action), PolicyConfig())
 
 def test_masked_actions_are_never_sampled():
     tree = _array(Leaf.box((4,)), Leaf.discrete(6), capacity=4)
