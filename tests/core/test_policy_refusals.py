@@ -23,7 +23,8 @@ def test_act_and_evaluate_refuse_what_is_not_the_groups_entry_by_name():
     whole_step = TensorDict({"agents": obs}, batch_size=obs.batch_size[:1])
     for method, entry, got in (("act", obs[OBSERVATION], "a Tensor"), ("act", whole_step, "keys ['agents']"),
                                ("evaluate", whole_step, "keys ['agents']")):
-        with pytest.raises(TypeError, match=rf"GroupPolicy.{method} of group 'agents' .*step\['agents'\].*{re.escape(got)}"):
+        said = rf"GroupPolicy.{method} of group 'agents' .*step\['agents'\].*{re.escape(got)}"
+        with pytest.raises(TypeError, match=said):
             getattr(policy, method)(entry)
 
 
