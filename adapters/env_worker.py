@@ -338,12 +338,12 @@ class EnvWorkerPool:
     def _raise(self, i: int, restarts_spent: bool = False) -> None:
         kind, payload = self._fault
         last = str(payload).strip().splitlines()[-1:] or [""]
-        what = {"timeout": f"did not answer within {self.config.step_timeout_s} s", "dead": "died"}.get(
-            kind, f"raised {last[0]}")
+        what = {"timeout": f"did not answer within {self.config.step_timeout_s} s", "dead": "died",
+                "start": f"could not be restarted ({last[0]})"}.get(kind, f"raised {last[0]}")
         first, n = self.offsets[i], self._sizes[i]
         self.close()
-        then = (f", again after all {self.config.max_restarts} restarts the pool allows: an env that fails every "
-                f"time cannot run, lenient or strict" if restarts_spent else ". Strict mode stops here; "
+        then = (f"; the pool has no restart left (it allows {self.config.max_restarts} over its life, for all its "
+                f"workers): mend the env, or lower what fails it" if restarts_spent else ". Strict mode stops here; "
                 "rollout.check='lenient' restarts the worker and counts the lost episodes")
         fault = EnvWorkerFault(f"env worker {i} (envs {first}..{first + n - 1} of the batch) {what}{then}")
         fault.env_output = kind == "error" and last[0].startswith(f"{EnvOutputError.__module__}.EnvOutputError:")
@@ -376,7 +376,8 @@ class EnvWorkerPool:
             self._workers[i], old = w, w
             try:
                 tree_json, n = self._handshake(w)
-            except RuntimeError:
+            except RuntimeError as err:  # the last failure is the one a spent pool names
+                self._fault = ("start", str(err))
                 continue
             if tree_json != self._tree_json or n != self._sizes[i]:
                 raise RuntimeError(f"restarted env worker {i} has a different tree or number of envs")

@@ -192,10 +192,9 @@ class PettingZooAECEnv(_PettingZooBase):
         return True
 
     def _flag_kinds_wrong(self, e: int, env) -> bool:
-        """Whether some live agent's ``terminations`` / ``truncations`` entry is no bool (each reported)."""
+        """Whether some live agent's ``terminations`` / ``truncations`` entry is no flag (each reported); the step
+        calls it only on an entry that is no ``bool`` (a numpy bool is a flag too)."""
         flags = (env.terminations, env.truncations)
-        if all(type(f[a]) is bool for f in flags for a in env.agents):  # the usual case, checked cheaply
-            return False
         return any([self._not_a_flag(e, a, name, f[a]) for a in env.agents
                     for f, name in zip(flags, (TERMINATED, TRUNCATED))])
 
@@ -211,7 +210,7 @@ class PettingZooAECEnv(_PettingZooBase):
         self._ended[e] = set()
         self._clear_row(root, e)
         if self._flag_kinds_wrong(e, env):  # before reading them: a string "False" would end every agent
-            return
+            return  # (once per episode: every entry checked)
         if self._advance(env):
             self._checker.report(EnvOutputError("no agent left to act after reset", env_index=e, agent=None,
                                                 key=(OBSERVATION,)))
@@ -236,11 +235,11 @@ class PettingZooAECEnv(_PettingZooBase):
                 else:
                     self._write_reward(e, agent, value, nxt)
             self._write_obs(e, slot, env.observe(slot.name), nxt["obs"], None, None, NEXT)
-            done = self._ended[e]
-            if self._flag_kinds_wrong(e, env):
-                continue
+            done, terms, truncs, wrong = self._ended[e], env.terminations, env.truncations, False
             for agent in env.agents:
-                term, trunc = env.terminations[agent], env.truncations[agent]
+                term, trunc = terms[agent], truncs[agent]
+                if not (type(term) is bool and type(trunc) is bool) and (wrong := self._flag_kinds_wrong(e, env)):
+                    break  # reported (lenient: the game is truncated): a string "False" would have ended them all
                 if (term or trunc) and agent not in done:
                     done.add(agent)
                     if (other := self._slot(e, agent, (NEXT, TERMINATED))) is not None:
@@ -249,6 +248,8 @@ class PettingZooAECEnv(_PettingZooBase):
                         trunc_buf[other.group][e, other.slot] = bool(trunc)
             if self._state is not None:
                 self._write_state(e, env, nxt["shared"], (NEXT, SHARED))
+            if wrong:
+                continue
             if self._advance(env):
                 ended.append(e)
             else:

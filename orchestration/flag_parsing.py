@@ -96,7 +96,9 @@ def one_paragraph(box: str, command: str) -> str | None:
     if similar:
         told.append(f"did you mean {', '.join(text for _, text in sorted(similar))}?")  # in the order given
     if command in ("train", "league") and (left := re.fullmatch(r"Unrecognized options: (.*)", message)):
-        envs = [w for w in left[1].split(", ") if re.fullmatch(r"[\w.]+:\S+|[A-Za-z][\w/]*-v\d+", w)]
+        words = left[1].split(", ")  # a word right after an unknown flag is that flag's value, not an env
+        envs = [w for i, w in enumerate(words) if not (i and words[i - 1].startswith("-"))
+                and re.fullmatch(r"[\w.]+:\S+|[A-Za-z][\w/.-]*-v\d+", w)]
         if envs:  # the env after other flags: read as the env only first, as shoal train ENV [flags]
             told.append(f"the env goes first (shoal {command} {envs[0]} ...) or after --env")
     return "; ".join(told) + f" (shoal {command} --help lists every flag)"

@@ -174,15 +174,15 @@ class LeagueTrainer:
         new = self.trainer.last_episodes.get(f"return/{self.learner}", [])
         self.current.games += len(new)
         self.current.score += float(sum(new))
+        won = float(score_from_return(torch.tensor(new, dtype=torch.float64)).mean()) if new else float("nan")
         if new:  # learner = player 0, the member = player 1; the iteration's games as one match (MATCH_K)
-            score = score_from_return(torch.tensor(new, dtype=torch.float64)).mean().reshape(1)
             ratings = elo_update(torch.tensor([self.rating, self.current.rating], dtype=torch.float64),
-                                 torch.tensor([0]), torch.tensor([1]), score, k=MATCH_K)
+                                 torch.tensor([0]), torch.tensor([1]), torch.tensor([won], dtype=torch.float64),
+                                 k=MATCH_K)
             self.rating, self.current.rating = float(ratings[0]), float(ratings[1])
         if self.trainer.iteration % self.snapshot_every == 0:
             version, weights = self.trainer.learners[self.learner].weights()
             self.pool.append(Member(f"{self.learner}@{version}", weights.clone(), rating=self.rating))
-        won = float(score_from_return(torch.tensor(new, dtype=torch.float64)).mean()) if new else float("nan")
         metrics.update(league_size=len(self.pool), league_opponent=self.pool.index(self.current),
                        league_win_rate=won, league_games=len(new), league_elo=self.rating,
                        league_opponent_win_rate=self.current.win_rate, league_opponent_elo=self.current.rating)

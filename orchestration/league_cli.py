@@ -16,8 +16,9 @@ and ``run.json`` ends with each player's settled fragment accounting (``final_ac
 A resumed league rebuilds its players from the saved configs and loads each player's checkpoint of the same
 iteration as the league's, so the league and its players go on from one consistent point. Ctrl-C (or SIGTERM)
 ends the league after the iteration every player is in (exit 130 / 143, with a checkpoint); a second Ctrl-C stops
-at once (a player that finished an iteration cut short for the others keeps it and its games, and sits the next
-one out; one cut halfway through its update is saved as it was).
+at once, except that players training on Ray finish their iteration first (a player that finished an iteration
+cut short for the others keeps it and its games, and sits the next one out; a local player cut halfway through
+its update is saved as it was).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -176,7 +176,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     """The loop of ``shoal league``: metrics every iteration, checkpoints every ``checkpoint_every`` and last."""
     from orchestration.league_roles import progress_line
     from orchestration.metrics_log import MetricsLog
-    from orchestration.run_loop import record_final_accounting, write_provenance
+    from orchestration.run_loop import exit_stopped, record_final_accounting, write_provenance
     from orchestration.run_state import config_to_dict
 
     run_dir = Path(config.run_dir)
@@ -196,10 +196,10 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
                                                         indent=1, default=str))
         write_provenance(run_dir, resume)
         # the first Ctrl-C ends the league after the current iteration of every player (none is saved halfway
-        # through its update, which a resume would train again); a second one stops at once
-        interrupt = lambda: [trainer.interrupt() for trainer in league.trainers]  # noqa: E731
+        # through its update, which a resume would train again); a second one stops at once (players on Ray that
+        # are training finish first). Leagues play internal envs: no collection waits for data to be given up.
         try:
-            with StopAfterIteration(interrupt) as stop:
+            with StopAfterIteration() as stop:
                 while league.iteration < config.iterations and stop.signal is None:
                     try:
                         metrics = league.train()
@@ -233,9 +233,7 @@ def train_league(league, config: TrainConfig, progress: bool = True, resume: boo
     summary = {"run_dir": str(run_dir), "iterations": league.iteration, **written,
                "ratings": {p["name"]: round(p["rating"], 1) for p in table["players"]}}
     if stopped is not None:  # as shoal train: no result line for a run that did not end
-        print(f"shoal league: stopped by {signal.Signals(stopped).name} after iteration {league.iteration}; "
-              f"continue with: shoal league --resume --run-dir {run_dir}", file=sys.stderr)
-        raise SystemExit(128 + stopped)
+        exit_stopped("league", stopped, league.iteration, run_dir)
     print_result(summary)
     return summary
 

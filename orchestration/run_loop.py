@@ -102,9 +102,7 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     settled = trainer.accounting()  # after close: what no learner got is lost, nothing is in flight any more
     record_final_accounting(run_dir, settled)
     if stopped is not None:
-        print(f"shoal {command}: stopped by {signal.Signals(stopped).name} after iteration {trainer.iteration}; "
-              f"continue with: shoal {command} --resume --run-dir {run_dir}", file=sys.stderr)
-        raise SystemExit(128 + stopped)
+        exit_stopped(command, stopped, trainer.iteration, run_dir)
     png = plot_learning_curve(log.csv_path, run_dir / "learning_curve.png", title=config.env)
     if not metrics:  # nothing left to train (a resumed run that had finished): the figures logged last
         print(f"shoal {command}: the run is at iteration {trainer.iteration} already (--iterations "
@@ -115,6 +113,13 @@ def run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     print_result({"run_dir": str(run_dir), "learning_curve": str(png) if png else None,
                   "checkpoint": str(ckpt_root), **final, "accounting": settled})
     return metrics
+
+
+def exit_stopped(command: str, signum: int, iteration: int, run_dir: Path) -> None:
+    """Ends a run that a signal stopped after ``iteration``: the way to continue it, and exit 128 + ``signum``."""
+    print(f"shoal {command}: stopped by {signal.Signals(signum).name} after iteration {iteration}; "
+          f"continue with: shoal {command} --resume --run-dir {run_dir}", file=sys.stderr)
+    raise SystemExit(128 + signum)
 
 
 def env_faults(metrics: dict[str, float]) -> int:
@@ -223,5 +228,5 @@ def record_final_accounting(run_dir: Path, settled: dict[str, Any]) -> None:
                                 indent=1))
 
 
-__all__ = ["env_faults", "fresh_run_dir", "provenance", "record_final_accounting", "run_training",
+__all__ = ["env_faults", "exit_stopped", "fresh_run_dir", "provenance", "record_final_accounting", "run_training",
            "write_provenance"]

@@ -202,7 +202,6 @@ def test_a_worker_that_cannot_start_raises(pool_factory):
         pool_factory([functools.partial(CartPole, "not a config")])
 
 
-
 class BrokenReset(CartPole):
     """CartPole whose every reset fails (what no restart can mend)."""
 
@@ -218,9 +217,35 @@ def test_a_worker_that_fails_after_every_restart_is_named_with_its_last_failure(
     pool = pool_factory([functools.partial(CartPole, CartPoleConfig(num_envs=2)),
                          functools.partial(BrokenReset, CartPoleConfig(num_envs=4))], max_restarts=2)
     with pytest.raises(EnvWorkerFault, match=r"env worker 1 \(envs 2\.\.5 of the batch\) raised RuntimeError: this env "
-                                             r"never resets, again after all 2 restarts the pool allows") as fault:
+                                             r"never resets; the pool has no restart left \(it allows 2") as fault:
         pool.reset(seed=0)
     assert not fault.value.env_output  # the env's own error, not data that breaks its tree (a traceback helps)
+
+
+class NoSecondLife(CartPole):
+    """CartPole that fails its first step and cannot be built again (the flag file says it ran once)."""
+
+    def __init__(self, flag: str) -> None:
+        if os.path.exists(flag):
+            raise OSError("the device this env drives is busy")
+        super().__init__(CartPoleConfig(num_envs=2))
+        self._flag = flag
+
+    def step(self, actions):
+        open(self._flag, "w").close()
+        raise RuntimeError("injected step failure")
+
+
+def test_a_spent_pool_names_the_last_failure_a_restart_that_could_not_start_included(pool_factory, tmp_path):
+    from adapters.env_worker import EnvWorkerFault
+
+    pool = pool_factory([functools.partial(NoSecondLife, str(tmp_path / "ran"))], max_restarts=2)
+    pool.reset(seed=0)
+    with pytest.raises(EnvWorkerFault, match=r"env worker 0 \(envs 0\.\.1 of the batch\) could not be restarted "
+                                             r"\(.*OSError: the device this env drives is busy\); the pool has no "
+                                             r"restart left \(it allows 2 over its life"):
+        pool.step(cartpole_actions(2, torch.Generator().manual_seed(0)))
+
 
 def test_close_is_idempotent_and_stops_the_processes(pool_factory):
     pool = pool_factory([functools.partial(CartPole, CartPoleConfig(num_envs=2))])

@@ -47,8 +47,10 @@ import pytest
     (["train", "builtin:cartpole", "--lrr", "3"], "shoal train: Unrecognized options: --lrr, 3; did you mean --lr?"),
     (["train", "--iterations", "2", "pettingzoo:classic.tictactoe_v3"],  # the env after a flag's value
      "Unrecognized options: pettingzoo:classic.tictactoe_v3; the env goes first (shoal train pettingzoo:classic"),
-    (["league", "--iterations", "2", "CartPole-v1"],
-     "the env goes first (shoal league CartPole-v1 ...) or after --env"),
+    (["league", "--iterations", "2", "MiniGrid-Empty-5x5-v0"],
+     "the env goes first (shoal league MiniGrid-Empty-5x5-v0 ...) or after --env"),
+    (["train", "builtin:cartpole", "--devic", "cuda:1"],  # the value of a mistyped flag is no env: no such hint
+     "shoal train: Unrecognized options: --devic, cuda:1; did you mean --device? (shoal train --help"),
     (["train", "builtin:cartpole", "--lr", "abc"],
      "--lr: could not convert string to float: 'abc'; it takes --lr FLOAT"),
     (["train", "builtin:cartpole", "--policy.recurrent-critic"], "--policy.recurrent-critic must be False unless"),

@@ -113,6 +113,6 @@ def test_the_cli_tells_a_refusal_in_one_line_in_a_terminal_and_at_any_width(tmp_
 def test_a_restores_misfit_line_is_read_without_the_colour_codes_of_a_ray_actors_traceback():
     from orchestration.run_state import shape_detail
 
-    err = RuntimeError("\x1b[36mray::LearnerServer.load_state()\x1b[39m (pid=1)\n"
-                       "\x1b[1;31mError(s) in loading state_dict: size mismatch for w: [4, 2] vs [8, 2].\x1b[0m")
+    err = RuntimeError("\x1b[36mray::LearnerServer.load_state()\x1b[39m (pid=1)\n"  # \x1b[K: erase to the line's end
+                       "\x1b[1;31mError(s) in loading state_dict: size mismatch for w: [4, 2] vs [8, 2].\x1b[0m\x1b[K")
     assert shape_detail(err) == "Error(s) in loading state_dict: size mismatch for w: [4, 2] vs [8, 2]"
