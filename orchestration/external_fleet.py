@@ -155,13 +155,13 @@ class ExternalFleet:
         """Nothing to do: simulators run at their own pace."""
 
     def broadcast(self, weights: Weights, wait: bool = False, force: bool = False) -> None:
-        """New weights for the service, loaded before its next batch (``wait``/``force`` change nothing here:
-        there is one copy, and it is swapped between batches)."""
+        """New weights for the service, loaded before its next batch (``wait`` changes nothing here: there is one
+        copy, and it is swapped between batches; ``force``: even a version the service has, as restored)."""
         for pid, (version, w) in weights.items():
             if pid in self.service.versions and (force or version != self.service.versions[pid]):
                 if not isinstance(w, TensorDictBase):  # a Ray learner's object-store ref: its own weights()
                     version, w = self.learners[pid].weights()
-                self.service.set_weights(pid, version, w)
+                self.service.set_weights(pid, version, w, force)
 
     # -- statistics, state -------------------------------------------------------------------------------------
     def episodes(self) -> dict[str, Any]:

@@ -196,10 +196,11 @@ class InferenceService:
             self._serving.release()
 
     # -- learner side ------------------------------------------------------------------------------------
-    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
+    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase, force: bool = False) -> None:
         """Stages ``weights`` (``TensorDict.from_module`` layout) as ``version`` of ``policy_id``; the service
-        loads them before its next batch, so no batch mixes versions. A later call before that wins."""
-        self._weights.stage(policy_id, version, weights)
+        loads them before its next batch, so no batch mixes versions. A later call before that wins. An older or
+        the same version than the service has is ignored unless ``force`` (:meth:`StagedWeights.stage`)."""
+        self._weights.stage(policy_id, version, weights, force)
 
     def weights(self, policy_id: str) -> TensorDictBase:
         """A copy of the weights the service acts with for ``policy_id`` (CPU)."""

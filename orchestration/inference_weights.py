@@ -52,12 +52,19 @@ class StagedWeights:
             raise KeyError(f"unknown policy id {policy_id!r}: this service serves {sorted(self.policies)}")
         return self._templates[policy_id]
 
-    def stage(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
-        """Stages a copy of ``weights`` as ``version`` (a later call before :meth:`swap` wins)."""
+    def stage(self, policy_id: str, version: int, weights: TensorDictBase, force: bool = False) -> bool:
+        """Stages a copy of ``weights`` as ``version`` (a later call before :meth:`swap` wins), unless the service
+        has that version or a newer one staged or acting: versions only rise, so callers that are behind (a
+        rollout worker handed an older version than another) never turn it back. ``force``: stage even so (a
+        restored learner that republishes a version). Returns whether it staged."""
         check_weights(policy_id, self.template(policy_id), weights)
         staged = weights.detach().to(self.device).clone()  # ours: the caller may reuse its tensors at once
         with self._lock:
+            newest = self._pending.get(policy_id, (self.versions[policy_id],))[0]
+            if not force and int(version) <= newest:
+                return False
             self._pending[policy_id] = (int(version), staged)
+        return True
 
     def swap(self) -> int:
         """Loads what is staged into the policies (the serving thread, between batches); how many it loaded."""

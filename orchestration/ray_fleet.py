@@ -388,8 +388,8 @@ class RemoteService:
     def act(self, policy_id: str, obs: Any, **kwargs: Any) -> InferenceResult:
         return ray.get(self.handle.act.remote(policy_id, obs, kwargs))
 
-    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None:
-        ray.get(self.handle.set_weights.remote(policy_id, version, to_wire(weights)))
+    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase, force: bool = False) -> None:
+        ray.get(self.handle.set_weights.remote(policy_id, version, to_wire(weights), force))
         self._sent[policy_id] = version
 
     def weights(self, policy_id: str) -> TensorDictBase:

@@ -100,7 +100,7 @@ class Sampler:
                         weights = self._fetch(refs[0])
                     except self._fetch_errors:  # its learner died with the object: keep acting, newer come
                         continue
-                    self.actor.set_weights(pid, version, weights, force=True)
+                    self.actor.set_weights(pid, version, weights, force=force or pid in forced)
 
     def sync_weights(self, weights: Weights, force: bool = False, timeout_s: float = 300.0) -> dict[str, int]:
         """Has the actor act with ``weights`` before it produces another fragment; returns the versions held.

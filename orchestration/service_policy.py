@@ -38,7 +38,7 @@ class ActionService(Protocol):
 
     def act(self, policy_id: str, obs: Any, **kwargs: Any) -> Any: ...
 
-    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase) -> None: ...
+    def set_weights(self, policy_id: str, version: int, weights: TensorDictBase, force: bool = False) -> None: ...
 
     def weights(self, policy_id: str) -> TensorDictBase: ...
 
@@ -83,7 +83,7 @@ class ServicePolicy:
         """Hands ``weights`` to the service unless it acts with that version or a newer one already (``force``:
         even then, e.g. a restored checkpoint that republishes a version number)."""
         if force or version > self.service.versions.get(self.policy_id, -1):
-            self.service.set_weights(self.policy_id, version, weights)
+            self.service.set_weights(self.policy_id, version, weights, force)
 
     def weights(self) -> TensorDictBase:
         """The weights the service acts with."""
@@ -100,8 +100,8 @@ class InferenceServer:
     def act(self, policy_id: str, obs: Any, kwargs: Mapping[str, Any]) -> InferenceResult:
         return self.service.act(policy_id, obs, **kwargs)
 
-    def set_weights(self, policy_id: str, version: int, message: Mapping[str, Any]) -> None:
-        self.service.set_weights(policy_id, version, from_wire(message, copy=True))
+    def set_weights(self, policy_id: str, version: int, message: Mapping[str, Any], force: bool = False) -> None:
+        self.service.set_weights(policy_id, version, from_wire(message, copy=True), force)
 
     def versions(self) -> dict[str, int]:
         return self.service.versions

@@ -1,0 +1,76 @@
+"""A shared inference service's version only rises: a rollout worker that is behind never turns it back, so a
+fragment's label (the version its actor was handed) never names a newer version than the one that acted."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from orchestration.inference import InferenceConfig, InferenceService
+from orchestration.service_policy import ServicePolicy
+from tests.orchestration.test_inference import _constant_weights, _obs, _policies
+
+TIMEOUT = 120.0
+
+
+class _WorkerView:
+    """A worker's handle on a shared service, as :class:`orchestration.ray_fleet.RemoteService` is: it knows only
+    the versions it sent itself."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service, self._sent = service, {}
+
+    @property
+    def versions(self) -> dict[str, int]:
+        return dict(self._sent)
+
+    def act(self, policy_id, obs, **kwargs):
+        return self.service.act(policy_id, obs, **kwargs)
+
+    def set_weights(self, policy_id: str, version: int, weights: TensorDict, force: bool = False) -> None:
+        self.service.set_weights(policy_id, version, weights, force)
+        self._sent[policy_id] = version
+
+
+def _acting(service: InferenceService) -> tuple[int, int]:
+    """``(version, mode action)`` the service acts with now."""
+    got = service.act("cartpole", _obs("cartpole", 1, 0, with_action_mask=False), timeout_s=TIMEOUT,
+                      deterministic=True)
+    return got.version, int(got.action.flatten()[0])
+
+
+def test_a_worker_that_is_behind_does_not_turn_a_shared_service_back():
+    """The audit's race: worker A hands over version 5, then worker B, not yet told of 5, hands over 4. The
+    service used to act with 4 while A labelled its fragment 5, so a learner at 6 with max_staleness 1 trained
+    data two versions old. Now 4 is ignored; a forced load (a restored learner) still goes through."""
+    service = InferenceService(_policies(), InferenceConfig(max_wait_s=0.0, device="cpu"))
+    like = _policies()["cartpole"]
+    a = ServicePolicy("cartpole", _WorkerView(service), like)
+    b = ServicePolicy("cartpole", _WorkerView(service), like)
+    with service:
+        a.load_weights_(5, _constant_weights(1))
+        b.load_weights_(4, _constant_weights(0))
+        assert _acting(service) == (5, 1)
+        b.load_weights_(5, _constant_weights(0))  # the same version again: not a newer one either
+        assert _acting(service) == (5, 1)
+        b.load_weights_(4, _constant_weights(0), force=True)  # a restored learner republishes its version
+        assert _acting(service) == (4, 0)
+        a.load_weights_(6, _constant_weights(1))
+        assert _acting(service) == (6, 1)
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.booleans()), min_size=1, max_size=12))
+def test_the_staged_version_is_the_newest_handed_over_since_the_last_forced_one(handed):
+    """Any order of hand-overs, some forced: what the next batch acts with is the last forced version, or a newer
+    one handed over after it (the initial weights are version 0)."""
+    service = InferenceService(_policies(), InferenceConfig(device="cpu"))
+    weights = TensorDict.from_module(_policies()["cartpole"]).detach().clone()
+    expected = 0
+    for version, force in handed:
+        service.set_weights("cartpole", version, weights, force)
+        expected = version if force or version > expected else expected
+    assert service.latest("cartpole", weights=False)[0] == expected
+    service.close()
+    torch.testing.assert_close(service.latest("cartpole")[1]["actor_out", "bias"], weights["actor_out", "bias"])
