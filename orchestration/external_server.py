@@ -348,19 +348,16 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
                                                       fatal=False, request=request_id, episode=episode.name),
                                     episodes, episode.name)
                 continue
-            outputs, versions = {}, {}
-            for g, spec in self._codec.groups.items():
-                if g in results:
-                    outputs[g] = {ACTION: results[g].action, LOG_PROB: results[g].log_prob}
-                    versions[g] = results[g].version
-                else:  # nobody of this group asked: zeros, masked out everywhere
-                    outputs[g] = self._codec.empty_outputs(g)
+            versions = {g: r.version for g, r in results.items()}
+            outputs = {g: {ACTION: results[g].action, LOG_PROB: results[g].log_prob} if g in results
+                       else self._codec.empty_outputs(g) for g in self._codec.groups}  # none asked: masked zeros
             actions = action_maps({g: out[ACTION] for g, out in outputs.items()}, request.agents)
             ws.send(encode({"type": "actions", "id": request_id, "episode": episode.name, "actions": actions,
                             "version": min(versions.values()) if versions else 0}))
-            # recorded after the answer left: the simulator does not wait for the bookkeeping
+            # recorded after the answer left; a group no agent of which acted: its policy's version now (all masked)
             episode.consequences(request)
-            episode.act(request, outputs, versions)
+            now = self._service.versions
+            episode.act(request, outputs, {**{g: now[p] for g, p in self._lanes.policy_of.items()}, **versions})
             episode.waiting = False
 
     def _end(self, ws, message: Mapping[str, Any], episodes: dict[str, Episode]) -> None:
