@@ -74,14 +74,20 @@ def with_values(policy: GroupPolicy, batch: TensorDictBase, group: str,
 def with_advantages(policy: GroupPolicy, batch: TensorDictBase, group: str, ppo: PPOConfig) -> TensorDictBase:
     """``(group, "advantage")`` and ``(group, "value_target")`` of ``batch`` ``[E, T]`` (with values) by the
     estimator ``ppo.advantage``: GAE, or V-trace with the log-probabilities of the recorded actions under
-    ``policy`` as it is now (feed-forward), evaluated :data:`VALUE_CHUNK` transitions at a time."""
+    ``policy`` as it is now (feed-forward), evaluated :data:`VALUE_CHUNK` transitions at a time, which then
+    replace the behaviour's ``(group, "log_prob")`` as PPO's reference (decoupled PPO)."""
     if ppo.advantage == "gae":
         return with_gae(batch, group, ppo.gamma, ppo.gae_lambda)
     g, shared = batch.get(group), batch.get(SHARED, None)
     rows = max(1, VALUE_CHUNK // max(1, g.batch_size[1:].numel()))
     target = torch.cat([policy.evaluate_terms(g[i:i + rows], None if shared is None else shared[i:i + rows])[LOG_PROB]
                         for i in range(0, g.batch_size[0], rows)])
-    return with_vtrace(batch, group, ppo.gamma, target_log_prob=target)
+    batch = with_vtrace(batch, group, ppo.gamma, target_log_prob=target)
+    # PPO's ratio is then taken against the policy as the update starts (decoupled PPO, Hilton et al. 2021): the
+    # behaviour policy's correction is V-trace's truncated rho inside the advantage. Against the behaviour policy
+    # again, an off-policy sample would weigh rho * pi / mu (rho squared, or unbounded where the clip lets it be).
+    batch.get(group).set(LOG_PROB, target)
+    return batch
 
 
 def _chunked_values(policy: GroupPolicy, obs: TensorDict, shared, rows: int) -> torch.Tensor:

@@ -35,7 +35,8 @@ class PPOConfig:
     """The estimator of advantages and value targets: ``gae``, or ``vtrace`` (IMPALA, Espeholt et al. 2018,
     arXiv:1802.01561; truncation thresholds rho and c of 1): corrects for data that older weights acted with
     (asynchronous mode, uploads of local policies) by the truncated importance ratios of the policy being
-    trained; feed-forward policies."""
+    trained, and PPO's ratio is then taken against that policy as the update starts, not the behaviour's
+    (decoupled PPO, Hilton et al. 2021: the correction counts once); feed-forward policies."""
     normalize_advantage: bool = True
     """Standardise advantages per minibatch over valid (unmasked) entries (detail 7)."""
     advantage_eps: float = 1e-8

@@ -52,6 +52,28 @@ def test_vtrace_reads_the_current_policys_log_probs_chunk_by_chunk(monkeypatch):
     assert not torch.allclose(got.get(("agent", "advantage")), gae.get(("agent", "advantage")))
 
 
+def test_with_vtrace_the_ppo_ratio_is_taken_against_the_policy_as_the_update_starts():
+    """Decoupled PPO: V-trace's advantage holds the behaviour correction (rho, truncated at 1); PPO's ratio against
+    the behaviour log-prob on top of it weighed an off-policy sample rho * pi / mu (the audit: 0.0625 for a
+    sample IMPALA weighs 0.25, -4 for one it weighs -1). At the update's first step the ratio is now 1."""
+    from core.losses import ppo_loss
+    from orchestration import train_batches
+    from orchestration.envs import make_env
+
+    env = make_env("builtin:cartpole", 1)
+    policy = make_policies(env.tree, PolicyConfig())["agent"]
+    batch = _batch(env.tree, 6, 5)
+    env.close()
+    behaviour = batch.get(("agent", LOG_PROB)).clone()
+    with torch.no_grad():
+        got = train_batches.with_advantages(policy, batch.clone(), "agent", PPOConfig(advantage="vtrace"))
+        now = policy.evaluate_terms(batch.get("agent"))
+    torch.testing.assert_close(got.get(("agent", LOG_PROB)), now[LOG_PROB])  # PPO's reference: the policy now
+    assert not torch.allclose(behaviour, now[LOG_PROB])  # (the behaviour's differs: V-trace corrected for it)
+    terms = ppo_loss(got.get("agent"), now, PPOConfig(normalize_advantage=False))
+    assert float(terms["clip_fraction"]) == 0.0 and abs(float(terms["approx_kl"])) < 1e-6
+
+
 def test_vtrace_is_refused_for_a_recurrent_policy():
     with pytest.raises(ValueError, match="--ppo.advantage vtrace: feed-forward policies only"):
         TrainConfig(ppo=PPOConfig(advantage="vtrace"), policy=PolicyConfig(recurrent=True))
