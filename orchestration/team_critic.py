@@ -93,7 +93,9 @@ def teams_for(config, tree: Tree, assignment: Mapping[str, Any], learning: Colle
                      (config.policy.recurrent_critic, "has no recurrent form: drop --policy.recurrent-critic (a "
                       "recurrent actor is fine)"),
                      (config.ray.learners_per_policy > 1, "does not shard its values over data-parallel ranks: "
-                      "use --ray.learners-per-policy 1")):
+                      "use --ray.learners-per-policy 1"),
+                     (config.ppo.advantage != "gae", "trains on GAE(lambda) targets of on-policy batches, which "
+                      "the members' advantages must match: use --ppo.advantage gae (V-trace is for lagging data)")):
         if bad:
             raise ValueError(f"{flag} {why}.")
     specs, teams, seen, mates = groups(tree), [], [], []

@@ -186,6 +186,7 @@ def test_state_round_trips_into_a_fresh_critic():
     ({"policy": PolicyConfig(recurrent=True, recurrent_critic=True)}, r"drop --policy.recurrent-critic"),
     ({"policy": PolicyConfig(scale_rewards=True)}, r"--policy.scale-rewards"),
     ({"ray": RayConfig(learners_per_policy=2)}, r"--ray.learners-per-policy 1"),
+    ({"ppo": PPOConfig(advantage="vtrace")}, r"GAE\(lambda\) targets .*use --ppo.advantage gae"),  # was accepted
 ])
 def test_what_it_cannot_do_is_refused_naming_the_flag(change, message):
     from orchestration.builder import build_trainer
