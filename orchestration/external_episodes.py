@@ -59,7 +59,7 @@ class Lanes:
         self._lock = threading.Lock()
         self._free: list[int] = []
         self._builders: list[FragmentBuilder] = []
-        self._versions: list[dict[str, int]] = []
+        self._versions: list[tuple[dict[str, int], dict[str, int]]] = []
         self.counters = dict(episodes_started=0, episodes_completed=0, episodes_cut=0, steps_recorded=0,
                              steps_lost=0, approx_bootstraps=0)
 
@@ -75,7 +75,7 @@ class Lanes:
             lane = len(self._builders)
             self._builders.append(FragmentBuilder(1, worker_id=worker_id_of(lane, 0),
                                                   group_sizes={g: s.capacity for g, s in self.codec.groups.items()}))
-            self._versions.append({})
+            self._versions.append(({}, {}))  # group -> version: the oldest that acted; for all-masked steps
             return lane
 
     def give_back(self, lane: int) -> None:
@@ -83,21 +83,30 @@ class Lanes:
             self._free.append(lane)
 
     def push(self, lane: int, step: dict, versions: Mapping[str, int]) -> None:
-        """Adds a complete step to ``lane`` (held by the calling thread's episode); builds the fragment at ``T``."""
-        builder, seen = self._builders[lane], self._versions[lane]
+        """Adds a complete step to ``lane`` (held by the calling thread's episode); builds the fragment at ``T``.
+        ``versions``: group -> the version that acted for it, or, for a group none of whose agents acted at this
+        step, its policy's version then: a fragment's label is the oldest version that acted for the group, the
+        newest such version only where nothing of the group acted in the whole fragment (all masked)."""
+        builder, (acted, idle) = self._builders[lane], self._versions[lane]
         for g, v in versions.items():
-            seen[g] = min(seen.get(g, v), v)
+            if bool(step[g][MASK].any()):
+                acted[g] = min(acted.get(g, v), v)
+            else:
+                idle[g] = max(idle.get(g, v), v)
         builder.add_step_(step)
         self.count("steps_recorded")
         if len(builder) < self.fragment_length:
             return
-        versions = dict(seen)
+        versions = {**idle, **acted}
         fragment = builder.build(versions)
-        seen.clear()
+        acted.clear()
+        idle.clear()
         episodes = episode_records(builder.pop_completed_episodes(), self.assignment)
+        labels: dict[str, int] = {}
+        for g, v in versions.items():  # groups of one policy: the oldest version that acted for any of them
+            labels[self.policy_of[g]] = min(labels.get(self.policy_of[g], v), v)
         meta = {"fragment_id": int(fragment.get("fragment_id")[0, 0]), "worker_id": builder.worker_id,
-                "sequence": builder.sequence - 1, "env_steps": self.fragment_length,
-                "policy_versions": {self.policy_of[g]: v for g, v in versions.items()}}
+                "sequence": builder.sequence - 1, "env_steps": self.fragment_length, "policy_versions": labels}
         self.deliver(fragment, meta, episodes)
 
     @property

@@ -58,13 +58,18 @@ class StagedWeights:
         rollout worker handed an older version than another) never turn it back. ``force``: stage even so (a
         restored learner that republishes a version). Returns whether it staged."""
         check_weights(policy_id, self.template(policy_id), weights)
+        if not force and int(version) <= self._newest(policy_id):  # (checked again below, with the copy made)
+            return False
         staged = weights.detach().to(self.device).clone()  # ours: the caller may reuse its tensors at once
         with self._lock:
-            newest = self._pending.get(policy_id, (self.versions[policy_id],))[0]
-            if not force and int(version) <= newest:
+            if not force and int(version) <= self._newest(policy_id):
                 return False
             self._pending[policy_id] = (int(version), staged)
         return True
+
+    def _newest(self, policy_id: str) -> int:
+        """The version staged, else the one acting."""
+        return self._pending.get(policy_id, (self.versions[policy_id],))[0]
 
     def swap(self) -> int:
         """Loads what is staged into the policies (the serving thread, between batches); how many it loaded."""

@@ -75,7 +75,7 @@ class Sampler:
         self._streaming = False
         self._next_env: str | None = None  # a collection member to switch to at the next fragment boundary
         self.set_latest(weights)
-        self._load(force=True)
+        self._load(force=service is None)  # a shared service may act with newer ones already: not turned back
 
     # -- weights -----------------------------------------------------------------------------------------
     def set_latest(self, weights: Weights, force: bool = False) -> None:

@@ -73,7 +73,7 @@ def test_simulators_with_local_policies_learn_off_policy(tmp_path):
 
     from orchestration.config import RayConfig
 
-    config = TrainConfig(env="external", iterations=8, seed=0, mode="async", max_staleness=3, **MEASURED_WITH,
+    config = TrainConfig(env="external", iterations=12, seed=0, mode="async", max_staleness=3, **MEASURED_WITH,
                          ray=RayConfig(iteration_timeout_s=120),  # fail fast if the uploads stopped being trainable
                          rollout=RolloutConfig(num_envs=1, fragment_length=16), train_batch_size=512,
                          external=ExternalConfig(command=SIM + " --local-policy 2", instances=2, start_timeout_s=60))
@@ -86,4 +86,4 @@ def test_simulators_with_local_policies_learn_off_policy(tmp_path):
     finally:
         trainer.close()
     assert metrics["env/external_uploaded_steps"] > 0 and metrics["env/external_requests"] == 0
-    assert returns[-1] > returns[0] + 5, returns
+    assert returns[-1] > returns[0] + 5, returns  # 12 iterations: 8 were enough alone, not always under load

@@ -74,3 +74,24 @@ def test_the_staged_version_is_the_newest_handed_over_since_the_last_forced_one(
     assert service.latest("cartpole", weights=False)[0] == expected
     service.close()
     torch.testing.assert_close(service.latest("cartpole")[1]["actor_out", "bias"], weights["actor_out", "bias"])
+
+
+def test_a_re_created_rollout_worker_does_not_turn_the_shared_service_back_with_its_starting_weights():
+    """The review's race: a worker re-created from the weights of its restart (v4) starts while the others have
+    handed the service v5 (asynchronous: the learner moved on). Its first load was forced, turning it back."""
+    from orchestration.builder import assignment_for, policy_module
+    from orchestration.config import RolloutConfig, TrainConfig
+    from orchestration.envs import make_env
+    from orchestration.sampler import Sampler
+
+    config = TrainConfig(env="builtin:cartpole", seed=0, mode="async",
+                         rollout=RolloutConfig(num_envs=2, fragment_length=8, num_workers=2, central_inference=True))
+    env = make_env("builtin:cartpole", 1)
+    policy = policy_module(config, env.tree, assignment_for(config, env.tree), "agent")
+    env.close()
+    service = InferenceService({"agent": policy}, InferenceConfig(device="cpu")).start()
+    service.set_weights("agent", 5, TensorDict.from_module(policy).detach().clone())
+    weights = TensorDict.from_module(policy).detach().clone()
+    Sampler(config, 1, 1, {"agent": (4, [weights])}, fetch=lambda ref: ref, queue_size=2, threads=1, service=service)
+    assert service.latest("agent", weights=False)[0] == 5
+    service.close()
