@@ -6,9 +6,8 @@ Behaviour log-probabilities are computed once per fragment where the policy allo
 (``GroupPolicy.defers_log_prob``: discrete, multi-discrete and binary heads with few params): a step records
 the action-head parameters, and :meth:`Actor.build_fragment` turns them into ``"log_prob"`` for all ``T`` steps
 in one call, bit for bit the values a per-step computation gives. Evaluation actors (``record=False``) do not
-compute those at all.
-Single-threaded; a fleet (:mod:`orchestration.fleet`, :mod:`orchestration.ray_fleet`) drives it and delivers
-its fragments to the learners.
+compute those at all. Single-threaded; a fleet (:mod:`orchestration.fleet`, :mod:`orchestration.ray_fleet`)
+drives it and delivers its fragments to the learners.
 
 Usage loop::
 
@@ -36,6 +35,7 @@ from core.specs import groups
 from core.tensordicts import get_str, key_dict, make_td, nested_td
 from orchestration.assignment import GroupAssignment
 from orchestration.episode_records import episode_records
+from orchestration.service_policy import fragment_versions
 
 
 def _plain(td: TensorDictBase) -> dict:
@@ -217,10 +217,10 @@ class Actor:
 
         Args:
             builder: whose steps to build (default: this actor's; a polling actor keeps one per env process).
-            versions: policy id -> the version recorded as the fragment's (default: the versions acting now).
+            versions: policy id -> the version recorded as the fragment's (default: :func:`fragment_versions`).
         """
         builder = self.builder if builder is None else builder
-        versions = self.versions if versions is None else versions
+        versions = fragment_versions(self.policies, self.versions) if versions is None else versions
         fragment = builder.build({g: versions[a.main_policy] for g, a in self.assignment.items()})
         for group, assigned in self.assignment.items():
             g = fragment.get(group)

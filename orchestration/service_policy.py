@@ -6,9 +6,9 @@ process on the local backend; a Ray actor hosting one, :mod:`orchestration.ray_f
 batches the requests of every actor into one forward pass, on the GPU when there is one. Weights handed to an
 actor go to the service (newer versions only), which swaps them in between two batches.
 
-Versions: an actor labels its fragment with the version it was last handed; a service shared by several
-actors may already act with a newer one for some steps, so the label never under-states a fragment's lag,
-and every step's behaviour log-probability is the one of the weights that acted.
+Versions: an actor labels its fragment with the oldest version the service answered its steps with (a service
+shared by several actors may act with a newer one than this actor was handed), so the label is the lag of the
+fragment's oldest step, and every step's behaviour log-probability is the one of the weights that acted.
 
 Usage (what :func:`orchestration.builder.build_actor` does)::
 
@@ -61,6 +61,7 @@ class ServicePolicy:
         self.recurrent = like.recurrent  # the Actor carries recurrent state only for recurrent policies
         self.reads_episode_starts = like.recurrent
         self.config = like.config
+        self._oldest_acted: int | None = None  # since the last take_oldest_acted()
 
     def act_step(self, obs, shared=None, generator: torch.Generator | None = None, deterministic: bool = False,
                  recurrent_state: torch.Tensor | None = None, episode_start: torch.Tensor | None = None,
@@ -74,10 +75,17 @@ class ServicePolicy:
                                   deterministic=deterministic, recurrent_state=recurrent_state,
                                   episode_start=episode_start)
         out = {ACTION: result.action, LOG_PROB: result.log_prob}
+        oldest = self._oldest_acted
+        self._oldest_acted = result.version if oldest is None or result.version < oldest else oldest
         if self.recurrent:
             out[RECURRENT_STATE] = result.recurrent_state
             out[NEXT] = {RECURRENT_STATE: result.next_recurrent_state}
         return out
+
+    def take_oldest_acted(self) -> int | None:
+        """The oldest version that answered since the last call (None: none did): a fragment's label."""
+        oldest, self._oldest_acted = self._oldest_acted, None
+        return oldest
 
     def load_weights_(self, version: int, weights: TensorDictBase, force: bool = False) -> None:
         """Hands ``weights`` to the service unless it acts with that version or a newer one already (``force``:
@@ -88,6 +96,16 @@ class ServicePolicy:
     def weights(self) -> TensorDictBase:
         """The weights the service acts with."""
         return self.service.weights(self.policy_id)
+
+
+def fragment_versions(policies: Mapping[str, Any], handed: Mapping[str, int]) -> dict[str, int]:
+    """A fragment's policy versions: ``handed`` (what its actor was handed), and where a stand-in asked a service
+    for the fragment's steps, the oldest version that answered them (the service may have moved on)."""
+    out = dict(handed)
+    for pid, policy in policies.items():
+        if isinstance(policy, ServicePolicy) and (acted := policy.take_oldest_acted()) is not None:
+            out[pid] = acted
+    return out
 
 
 class InferenceServer:
@@ -113,4 +131,4 @@ class InferenceServer:
         return self.service.stats()
 
 
-__all__ = ["ActionService", "InferenceServer", "ServicePolicy"]
+__all__ = ["ActionService", "InferenceServer", "ServicePolicy", "fragment_versions"]

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
+from core.layout import POLICY_VERSION
 from orchestration.inference import InferenceConfig, InferenceService
 from orchestration.service_policy import ServicePolicy
 from tests.orchestration.test_inference import _constant_weights, _obs, _policies
@@ -95,3 +96,30 @@ def test_a_re_created_rollout_worker_does_not_turn_the_shared_service_back_with_
     Sampler(config, 1, 1, {"agent": (4, [weights])}, fetch=lambda ref: ref, queue_size=2, threads=1, service=service)
     assert service.latest("agent", weights=False)[0] == 5
     service.close()
+
+
+def test_a_fragment_acted_through_a_shared_service_is_labelled_with_the_oldest_version_that_answered_it():
+    """The actor was handed 4 while the service (shared) acts with 5: its fragments were labelled 4, so fresh data
+    counted a version staler than it was (the audit: 25 of 40 fragments). Now the label is the oldest version
+    that answered the fragment's steps: 5, and after a swap to 6 mid-fragment still 5, then 6."""
+    from orchestration.actor import Actor
+    from orchestration.assignment import assign
+    from orchestration.envs import make_env
+
+    env = make_env("builtin:cartpole", 2)
+    policy = _policies()["cartpole"]
+    service = InferenceService({"agent": policy}, InferenceConfig(max_wait_s=0.0, device="cpu")).start()
+    weights = TensorDict.from_module(policy).detach().clone()
+    service.set_weights("agent", 5, weights)
+    actor = Actor(env, {"agent": ServicePolicy("agent", service, policy)}, assign(env.tree), fragment_length=4, seed=0)
+    actor.set_weights("agent", 4, weights)  # handed 4: the service keeps acting with 5
+    labels = []
+    for swap_after in (2, None, None):
+        for t in range(4):
+            actor.step()
+            if t == swap_after:
+                service.set_weights("agent", 6, weights)
+        labels.append(int(actor.build_fragment().get((POLICY_VERSION, "agent")).min()))
+    service.close()
+    env.close()
+    assert labels == [5, 6, 6] and actor.versions["agent"] == 4
