@@ -46,6 +46,8 @@ def unused_settings(config: TrainConfig) -> list[str]:
             ("team_critic", not config.team_critic.enabled, "--team-critic.enabled only; this run has no team critic",
              every),
             ("pretrain", not config.pretrain.dataset, "runs with --pretrain.dataset only; this run has none", every),
+            ("", not config.eval_every, "evaluations every --eval-every N iterations only; this run's N is 0",
+             ("eval_episodes",)),
             ("curiosity", not config.curiosity.enabled, "--curiosity.coef > 0 only; this run's is 0", every),
             ("ppo", not config.policy.recurrent, feed_forward, ("sequence_length", "burn_in")),
             ("policy", not config.policy.recurrent, feed_forward, ("recurrent_cell", "recurrent_size"))):

@@ -145,6 +145,10 @@ def test_settings_a_run_does_not_use_are_named_not_dropped(capsys):
     assert "--ray.iteration-timeout-s applies to --backend ray only" in err
     note_unused("train", TrainConfig(mode="async", max_staleness=3, ray=RayConfig(iteration_timeout_s=5)))
     assert capsys.readouterr().err == ""  # the iteration timeout guards async runs on either backend
+    note_unused("train", TrainConfig(eval_episodes=5))  # evaluations are never run: the count was taken in silence
+    assert "--eval-episodes applies to evaluations every --eval-every N iterations only" in capsys.readouterr().err
+    note_unused("train", TrainConfig(eval_episodes=5, eval_every=2))
+    assert capsys.readouterr().err == ""
     note_unused("train", TrainConfig(env="external", rollout=RolloutConfig(env_processes=1, check="lenient")))
     assert ("--rollout.env-processes, --rollout.check apply to envs Shoal steps itself; this run trains on external "
             "simulators and does not use them") in capsys.readouterr().err
