@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections import deque
 from typing import Literal
 
@@ -75,6 +76,12 @@ def _restored(cls: type, text: str, env_index: int | None, agent: str | None, ke
 
 class IllegalActionError(EnvOutputError):
     """An action of our policy that must not reach the env (out of range, NaN, masked); raised in every mode."""
+
+
+def is_flag(value) -> bool:
+    """Whether an env's terminated / truncated value is a flag: a bool (Python's or numpy's) or an int, not the
+    string "False" that any truth test reads as True."""
+    return isinstance(value, (bool, np.bool_, numbers.Integral))
 
 
 def check_mode(mode: str) -> CheckMode:
@@ -357,4 +364,4 @@ def validate_step(td: TensorDictBase, tree: Tree, parts=("observation",)) -> Non
 
 
 __all__ = ["ActionCheck", "CHECK_MODES", "CheckMode", "Checker", "EnvOutputError", "IllegalActionError",
-           "LeafCheck", "check_mode", "sample_problem", "validate_step"]
+           "LeafCheck", "check_mode", "is_flag", "sample_problem", "validate_step"]

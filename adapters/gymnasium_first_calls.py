@@ -8,14 +8,11 @@ The first call of each is checked, then the sub-env's own method is back: nothin
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
-
-import numpy as np
 
 from core.layout import NEXT, OBSERVATION, TERMINATED, TRUNCATED
 
-from .checking import EnvOutputError
+from .checking import EnvOutputError, is_flag
 from .gymnasium_base import AGENT
 
 
@@ -40,7 +37,7 @@ def check_first_calls(env: Any, index: int) -> None:
                                  f"truncated, info) (the gymnasium >= 0.26 API: done split into terminated and "
                                  f"truncated)", env_index=index, agent=AGENT, key=(NEXT,))
         for name, flag in ((TERMINATED, out[2]), (TRUNCATED, out[3])):
-            if not isinstance(flag, (bool, np.bool_, numbers.Integral)):
+            if not is_flag(flag):
                 raise EnvOutputError(f"step() returned {name} {flag!r} ({type(flag).__name__}), not a bool (a "
                                      f"vector env would read any non-empty string as True)", env_index=index,
                                      agent=AGENT, key=(NEXT, AGENT, name))

@@ -7,7 +7,6 @@ then checks, repairs and the conversion to tensors run vectorised over the whole
 
 from __future__ import annotations
 
-import numbers
 from typing import Callable
 
 import numpy as np
@@ -18,7 +17,7 @@ from core.layout import ACTION_MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINAT
 from core.specs import AgentNode, DictPopulation, Leaf, Payoff
 
 from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout, action_mask_size
-from .checking import ActionCheck, Checker, CheckMode, EnvOutputError, LeafCheck
+from .checking import ActionCheck, Checker, CheckMode, EnvOutputError, LeafCheck, is_flag
 from .spaces import SpaceCodec, space_to_node
 
 MASK_KEY = "action_mask"
@@ -187,7 +186,7 @@ class _PettingZooBase(AdapterBase):
 
     def _not_a_flag(self, e: int, agent, name: str, value) -> bool:
         """Reports a flag that is no bool (the string "False" would read as True); True when it is none."""
-        if isinstance(value, (bool, np.bool_, numbers.Integral)):
+        if is_flag(value):
             return False
         if (slot := self._slot(e, agent, (NEXT, name))) is not None:
             key = (NEXT, self._specs[slot.group].name, name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -148,8 +149,6 @@ def checkpoint_policy(config, tree, seat: str) -> str:
 
 def _differ(opponents: str, checkpoints: str) -> str:
     """Where two trees (JSON) differ, and what an opponent may be instead."""
-    import json
-
     from adapters.external.messages import tree_difference
 
     where = tree_difference(json.loads(opponents), json.loads(checkpoints), here="in the opponent's tree",

@@ -25,20 +25,27 @@ def _config(**kw) -> TrainConfig:
                           "ppo": PPOConfig(minibatch_size=128), **kw})
 
 
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_ctrl_c_inside_a_players_iteration_ends_the_league_after_that_iteration_with_nothing_saved_halfway(
-        tmp_path, capsys):
-    """Players that train one after another (the local backend): a Ctrl-C while the first one collects used to
-    stop it there and save it halfway through its iteration (a resume trained part of it again). Now every
-    player ends the iteration, the league is saved at its end, and the command exits 130 saying how to go on."""
+        tmp_path, capsys, backend, request):
+    """Players that train one after another (the local backend): a Ctrl-C after the first one collected used to
+    stop it there and save it halfway through its iteration (a resume trained part of it again); on Ray (players
+    in parallel) it raised once they had finished and left the league's iteration unrecorded. Now every player ends
+    the iteration, the league is saved at its end, and the command exits 130 saying how to go on."""
     import os
     import signal
 
     from orchestration.checkpoint import load_checkpoint
     from orchestration.league_cli import train_league
 
-    config = _config(iterations=3, run_dir=str(tmp_path))
+    extra = {}
+    if backend == "ray":  # players in parallel on the shared instance (0-CPU actors: 2 players fit on 2 CPUs)
+        request.getfixturevalue("ray_session")
+        extra = {"backend": "ray", "ray": RayConfig(worker_num_cpus=0, learner_num_cpus=0),
+                 "rollout": RolloutConfig(num_envs=8, fragment_length=32, num_workers=1)}
+    config = _config(iterations=3, run_dir=str(tmp_path), **extra)
     league = RoleLeague(config, LeagueConfig(league_exploiters=0, snapshot_every=100))
-    assert not league.parallel
+    assert league.parallel == (backend == "ray")
     fleet = league.trainers[0].fleet
     collect = fleet.collect
 
