@@ -25,6 +25,16 @@ def _config(**kw) -> TrainConfig:
                           "ppo": PPOConfig(minibatch_size=128), **kw})
 
 
+def _on(backend: str, request, **kw) -> TrainConfig:
+    """:func:`_config` on ``backend``; on Ray, players in parallel on the shared instance (0-CPU actors: 2 players
+    fit on 2 CPUs)."""
+    if backend == "local":
+        return _config(**kw)
+    request.getfixturevalue("ray_session")
+    return _config(backend="ray", ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0),
+                   rollout=RolloutConfig(num_envs=8, fragment_length=32, num_workers=1), **kw)
+
+
 @pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_ctrl_c_inside_a_players_iteration_ends_the_league_after_that_iteration_with_nothing_saved_halfway(
         tmp_path, capsys, backend, request):
@@ -38,12 +48,7 @@ def test_ctrl_c_inside_a_players_iteration_ends_the_league_after_that_iteration_
     from orchestration.checkpoint import load_checkpoint
     from orchestration.league_cli import train_league
 
-    extra = {}
-    if backend == "ray":  # players in parallel on the shared instance (0-CPU actors: 2 players fit on 2 CPUs)
-        request.getfixturevalue("ray_session")
-        extra = {"backend": "ray", "ray": RayConfig(worker_num_cpus=0, learner_num_cpus=0),
-                 "rollout": RolloutConfig(num_envs=8, fragment_length=32, num_workers=1)}
-    config = _config(iterations=3, run_dir=str(tmp_path), **extra)
+    config = _on(backend, request, iterations=3, run_dir=str(tmp_path))
     league = RoleLeague(config, LeagueConfig(league_exploiters=0, snapshot_every=100))
     assert league.parallel == (backend == "ray")
     fleet = league.trainers[0].fleet
@@ -78,12 +83,7 @@ def test_a_player_that_finished_an_interrupted_iteration_sits_the_resumed_one_ou
     from orchestration.checkpoint import load_checkpoint
     from orchestration.league_cli import restore_league_, train_league
 
-    extra = {}
-    if backend == "ray":  # players in parallel on the shared instance (0-CPU actors: 2 players fit on 2 CPUs)
-        request.getfixturevalue("ray_session")
-        extra = {"backend": "ray", "ray": RayConfig(worker_num_cpus=0, learner_num_cpus=0),
-                 "rollout": RolloutConfig(num_envs=8, fragment_length=32, num_workers=1)}
-    config = _config(iterations=3, run_dir=str(tmp_path), **extra)
+    config = _on(backend, request, iterations=3, run_dir=str(tmp_path))
     rules = LeagueConfig(league_exploiters=0, snapshot_every=100)
     league = RoleLeague(config, rules)
     assert league.parallel == (backend == "ray")
