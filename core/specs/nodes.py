@@ -139,9 +139,10 @@ class Leaf:
         if self.kind in ("discrete", "multi_discrete") and self.dtype != torch.bool:
             top = (self.start + self.n - 1) if self.kind == "discrete" else max(self.nvec) - 1
             if top > torch.iinfo(self.dtype).max or (self.start < torch.iinfo(self.dtype).min):
-                wide = next(d for d in (torch.int16, torch.int32, torch.int64) if torch.iinfo(d).max >= top)
+                wide = next((d for d in (torch.int16, torch.int32, torch.int64) if torch.iinfo(d).max >= top), None)
+                fix = f"give dtype={wide} (or wider)" if wide else "no integer dtype holds them: use fewer values"
                 raise TreeError(path, f"{self.kind} leaf's values reach {top}, past what {self.dtype} holds "
-                                      f"({torch.iinfo(self.dtype).max}): give dtype={wide} (or wider)")
+                                      f"({torch.iinfo(self.dtype).max}): {fix}")
 
 
 class StructuredActionError(TreeError):

@@ -213,6 +213,8 @@ def test_a_discrete_leaf_whose_dtype_cannot_hold_its_values_is_refused():
     with pytest.raises(TreeError, match="values reach 299, past what torch.uint8 holds"):
         Leaf.multi_discrete([3, 300], dtype=torch.uint8)
     assert Leaf.discrete(256, dtype=torch.uint8).n == 256 and Leaf.discrete(2, dtype=torch.bool).n == 2
+    with pytest.raises(TreeError, match="no integer dtype holds them"):  # was a StopIteration picking one
+        Leaf.discrete(2**64)
 
 
 def test_validate_takes_one_part_named_as_a_string():
