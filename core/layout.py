@@ -83,11 +83,14 @@ WORKER_ID = "worker_id"
 FRAGMENT_ID = "fragment_id"
 EPISODE_ID = "episode_id"
 ENV_ID = "env_id"
+#: Learner-side only, root ``[E, T]`` bool: rows of fragments trained on for the first time, so that running
+#: statistics (observation normalisers, curiosity's moments) count a fragment reused in later batches once.
+FRESH = "fresh"
 
 #: Root-level keys that are not agent groups.
 RESERVED_ROOT_KEYS = frozenset(
     {NEXT, SHARED, POLICY_VERSION, WORKER_ID, FRAGMENT_ID, EPISODE_ID, ENV_ID, DONE, TERMINATED, TRUNCATED,
-     SEQUENCE_START}
+     SEQUENCE_START, FRESH}
 )
 
 

@@ -95,7 +95,7 @@ class Curiosity:
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
     def add_bonus_(self, batch: TensorDictBase, group: str, slots: Tensor | None,
-                   metrics: dict[str, float]) -> TensorDictBase:
+                   metrics: dict[str, float], fresh: Tensor | None = None) -> TensorDictBase:
         """``batch`` with ``coef`` times the scaled RND error of each next observation added to ``group``'s
         rewards; updates the statistics and trains the predictor (mutates this object) and writes
         ``curiosity/*`` entries into ``metrics`` (mutates it). Works with or without autograd enabled.
@@ -106,6 +106,8 @@ class Curiosity:
             group: the group whose rewards get the bonus.
             slots: bool ``[A]`` slots this policy acts for (None: all): only they get a bonus and train it.
             metrics: the update's metrics.
+            fresh: bool ``[E, T]``, rows first trained now: the running statistics count only them (a fragment
+                reused in later batches counts once); None: every row.
 
         Returns:
             A shallow copy of ``batch`` with a new ``(NEXT, group, "reward")`` (the input is not modified).
@@ -117,16 +119,17 @@ class Curiosity:
         mask = torch.ones(obs.shape[:-1], dtype=torch.bool, device=self.device) if mask is None else mask
         if slots is not None:
             mask = mask & slots.to(mask.device)
+        counted = mask if fresh is None else mask & fresh.to(mask.device).unsqueeze(-1)
         with torch.no_grad():
             s["obs_mean"], s["obs_var"], s["obs_count"] = merged_observation_moments(
-                s["obs_mean"], s["obs_var"], s["obs_count"], obs, mask)
+                s["obs_mean"], s["obs_var"], s["obs_count"], obs, counted)
             x = normalized_observation(obs, s["obs_mean"], s["obs_var"])
             target = self.target(x)
             error = torch.where(mask.unsqueeze(-1), prediction_error(self.predictor(x), target), 0.0)
             carry = torch.zeros(error.shape[0], error.shape[2], dtype=torch.float64, device=error.device)
             returns, _ = intrinsic_returns(error, cfg.gamma, carry)                    # [E, T, A]
             s["return_mean"], s["return_var"], s["return_count"] = merge_moments(
-                s["return_mean"], s["return_var"], s["return_count"], returns[mask])
+                s["return_mean"], s["return_var"], s["return_count"], returns[counted])
             bonus = scaled_intrinsic_reward(error, s["return_var"])                   # [E, T, A, 1]
             reward = g_next.get(REWARD)
             rewarded = reward + (cfg.coef * bonus).to(reward)

@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import concat_fragments
-from core.layout import FRAGMENT_ID, MASK, OBSERVATION, POLICY_VERSION, WORKER_ID
+from core.layout import FRAGMENT_ID, FRESH, OBSERVATION, POLICY_VERSION, WORKER_ID
 from core.losses import PPOConfig, credit_absent_steps, ppo_update_
 from core.policies import GroupPolicy
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
@@ -40,7 +40,7 @@ from orchestration.curiosity import CuriosityConfig, curiosity_for
 from orchestration.devices import check_compute_dtype
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
-from orchestration.train_batches import only_slots, team_values_for, update_inputs, with_advantages, with_values
+from orchestration.train_batches import counted_rows, only_slots, team_values_for, update_inputs, with_advantages, with_values
 from orchestration.weights_fit import check_weights
 
 
@@ -175,27 +175,25 @@ class PPOLearner:
         """One PPO update on ``fragments`` (the math; no inbox rules); publishes a new version.
 
         Args:
-            fragments: ``[E_i, T]`` fragments, concatenated along env in this order.
+            fragments: ``[E_i, T]`` fragments, concatenated along env in this order; an optional ``FRESH``
+                ``[E_i, T]`` (:meth:`train` sets it) keeps reused ones out of the running statistics.
             progress: fraction of the run done, in [0, 1].
             team_values: a team critic's values of each fragment (:mod:`orchestration.team_critic`), or None.
         """
         batch = concat_fragments(fragments).to(self.device)
+        batch, fresh = batch.exclude(FRESH), batch.get(FRESH, None)  # fresh [N, T]: first trained now (None: all)
         team = None if team_values is None else concat_fragments(team_values).to(self.device)
         metrics: dict[str, float] = {}
         for group in self.groups:  # running observation statistics first: this update trains with them
-            g, slots = batch.get(group), self.groups[group]
-            mask = g.get(MASK, None)
-            if slots is not None:
-                mask = (mask if mask is not None else torch.ones(g.batch_size, dtype=torch.bool,
-                                                                 device=self.device)) & slots.to(self.device)
-            self.policy.observe_(g.get(OBSERVATION), mask, self.reduce_statistics)
+            rows = counted_rows(g := batch.get(group), self.groups[group], fresh, self.device)
+            self.policy.observe_(g.get(OBSERVATION), rows, self.reduce_statistics)
         if self.returns is not None:  # and the return statistics (orchestration.reward_scaling)
             metrics["reward_scale"] = self.returns.observe_(fragments, self.reduce_statistics)
         for group in self.groups:
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step
                 if self.curiosity is not None:  # the RND bonus joins the env's reward (trains its predictor)
-                    batch = self.curiosity.add_bonus_(batch, group, self.groups[group], metrics)
+                    batch = self.curiosity.add_bonus_(batch, group, self.groups[group], metrics, fresh)
                 if self.returns is not None:
                     batch = self.returns.scaled(batch, group)
                 batch = only_slots(batch, group, self.groups[group])  # other policies' agents: not trained on
@@ -250,7 +248,9 @@ class PPOLearner:
             self.set_lr(lr)
         self.last_fragment_ids = [int(e.meta["fragment_id"]) for e in entries]
         self.last_batch = entries if self.keep_last_batch else []
-        return (self.update_through or self.update_)([e.fragment for e in entries], progress,
+        fragments = [e.fragment.clone(False).set(FRESH, torch.full(e.fragment.batch_size, e.uses == 1))
+                     for e in entries]  # statistics count a reused fragment once (a shallow copy: the pool's stays)
+        return (self.update_through or self.update_)(fragments, progress,
                                                      team_values_for(team_values, self.last_fragment_ids, self.policy_id))
 
     def submit(self, progress: float = 0.0, lr: float | None = None, take_all: bool = False,

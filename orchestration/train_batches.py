@@ -6,6 +6,7 @@
 - Team values (:mod:`orchestration.team_critic`): :func:`team_values_for` lines a team critic's values up with
   a batch's fragments; :func:`with_values` then takes them instead of the policy's critic, and
   :func:`update_inputs` turns the policy's own value loss off for those groups.
+- :func:`counted_rows`: the rows running statistics count (a reused fragment's once).
 - :func:`with_advantages`: GAE, or V-trace (``--ppo.advantage vtrace``) with the current policy's log-probabilities.
 - :func:`update_inputs`: a feed-forward policy trains on shuffled transitions ``[N]``; a recurrent one on
   whole sequences ``[S]`` (groups ``[S, W, A]``, :func:`core.buffers.split_sequences`), minibatches of
@@ -31,6 +32,19 @@ from core.policies import GroupPolicy
 #: activations of one call stay far below a 1,024-env batch (``benchmarks/transition_memory.py``: calls of
 #: 4,096 transitions added about 35 bytes per transition to the peak of a 1,024-env x 64-step iteration).
 VALUE_CHUNK = 1 << 10
+
+
+def counted_rows(entry: TensorDictBase, slots: torch.Tensor | None, fresh: torch.Tensor | None,
+                 device: torch.device) -> torch.Tensor | None:
+    """Bool ``[E, T, A]``: the rows of a group's ``entry`` ``[E, T, A]`` that running statistics count: present
+    (``MASK``), in the policy's ``slots`` ``[A]`` and first trained now (``fresh`` ``[E, T]``: a fragment reused
+    in a later batch counts once), on ``device``. None: every row."""
+    mask = entry.get(MASK, None)
+    for rows in (slots, None if fresh is None else fresh.unsqueeze(-1)):
+        if rows is not None:
+            ones = torch.ones(entry.batch_size, dtype=torch.bool, device=device)
+            mask = (ones if mask is None else mask) & rows.to(device)
+    return mask
 
 
 def team_values_for(values: Mapping[int, TensorDictBase] | None, fragment_ids: Sequence[int],

@@ -61,6 +61,24 @@ def test_async_reuse_limit_tops_up_batches_with_trained_data():
     trainer.close()
 
 
+def test_running_statistics_count_a_fragment_reused_in_later_batches_once():
+    from core.policies import PolicyConfig
+    from orchestration.curiosity import CuriosityConfig
+
+    config = dataclasses.replace(ASYNC, reuse_limit=3, max_staleness=4, train_batch_size=192,
+                                 policy=PolicyConfig(normalize_observations=True), curiosity=CuriosityConfig(coef=0.1))
+    trainer = build_trainer(config)
+    for _ in range(5):
+        trainer.train()
+    learner = trainer.learners["agent"]
+    trained = learner.inbox.trained  # fragment id -> times trained on
+    assert max(trained.values()) > 1  # reused ...
+    rows = 4 * 16 * len(trained)      # ... yet each fragment's rows counted once
+    assert int(learner.policy.actor_encoder.obs_count0) == rows
+    assert int(learner.curiosity.stats["obs_count"]) == rows
+    trainer.close()
+
+
 def test_a_random_policy_for_two_groups_with_different_spaces_gets_one_module_per_group():
     config = TrainConfig(env="mpe2:simple_speaker_listener_v4", iterations=1,
                          policy_mapping=(("speaker_0", "random"), ("listener_0", "random")),
