@@ -40,7 +40,8 @@ from orchestration.curiosity import CuriosityConfig, curiosity_for
 from orchestration.devices import check_compute_dtype
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
-from orchestration.train_batches import counted_rows, only_slots, team_values_for, update_inputs, with_advantages, with_values
+from orchestration.train_batches import (counted_rows, only_slots, team_values_for, update_inputs, with_advantages,
+                                          with_values)
 from orchestration.weights_fit import check_weights
 
 
@@ -175,8 +176,7 @@ class PPOLearner:
         """One PPO update on ``fragments`` (the math; no inbox rules); publishes a new version.
 
         Args:
-            fragments: ``[E_i, T]`` fragments, concatenated along env in this order; an optional ``FRESH``
-                ``[E_i, T]`` (:meth:`train` sets it) keeps reused ones out of the running statistics.
+            fragments: ``[E_i, T]`` fragments, concatenated along env; statistics count rows ``FRESH`` marks (if any).
             progress: fraction of the run done, in [0, 1].
             team_values: a team critic's values of each fragment (:mod:`orchestration.team_critic`), or None.
         """
