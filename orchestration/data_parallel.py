@@ -153,14 +153,9 @@ class DataParallelRank:
         return check_in_sync(self.learner.policy)
 
     def load_state_(self, state: Mapping[str, Any]) -> None:
-        """Loads rank 0's :meth:`PPOLearner.state` with this rank's own ``"returns"`` (a resumed group: each step
-        averages the gradients and the normalisers' moments and every rank draws the same minibatches, so the
-        rest of every rank's state is rank 0's; the reward-scaling accumulators follow this rank's rows)."""
+        """Loads rank 0's :meth:`PPOLearner.state` (a resumed group: each step averages the gradients and the
+        normalisers' moments and every rank draws the same minibatches, so every rank's state is rank 0's)."""
         self.learner.load_state_(state)
-
-    def returns_state(self) -> dict[str, Any]:
-        """This rank's reward-scaling accumulators (its shards' rows), as :meth:`PPOLearner.state` has them."""
-        return self.learner.state().get("returns", {})
 
     def published(self) -> tuple[int, dict]:
         version, weights = self.learner.published()

@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import concat_fragments
-from core.layout import FRAGMENT_ID, FRESH, OBSERVATION, POLICY_VERSION, WORKER_ID
+from core.layout import FRAGMENT_ID, OBSERVATION, POLICY_VERSION, WORKER_ID
 from core.losses import PPOConfig, credit_absent_steps, ppo_update_
 from core.policies import GroupPolicy
 from orchestration.checkpoint import flatten_optimizer, restore_optimizer
@@ -40,8 +40,8 @@ from orchestration.curiosity import CuriosityConfig, curiosity_for
 from orchestration.devices import check_compute_dtype
 from orchestration.inbox import Inbox
 from orchestration.reward_scaling import ReturnStreams
-from orchestration.train_batches import (counted_rows, only_slots, team_values_for, update_inputs, with_advantages,
-                                          with_values)
+from orchestration.train_batches import (counted_rows, marked_fresh, only_slots, team_values_for, update_inputs,
+                                          with_advantages, with_values, without_marks)
 from orchestration.weights_fit import check_weights
 
 
@@ -112,8 +112,7 @@ class PPOLearner:
                  curiosity: CuriosityConfig | None = None) -> None:
         self.device = torch.device(device)
         check_compute_dtype(self.device, ppo.compute_dtype)
-        self.max_skipped_updates = max_skipped_updates
-        self._skipped_in_a_row = 0
+        self.max_skipped_updates, self._skipped_in_a_row = max_skipped_updates, 0
         self.policy = policy.to(self.device)
         self.groups = dict(groups)
         self.policy_id = policy_id
@@ -176,19 +175,21 @@ class PPOLearner:
         """One PPO update on ``fragments`` (the math; no inbox rules); publishes a new version.
 
         Args:
-            fragments: ``[E_i, T]`` fragments, concatenated along env; statistics count rows ``FRESH`` marks (if any).
+            fragments: ``[E_i, T]`` fragments, concatenated along env; statistics count rows ``FRESH`` marks (if
+                any), reward scaling reads ``STREAM_RETURNS`` where a data-parallel rank 0 put them (else adds them).
             progress: fraction of the run done, in [0, 1].
             team_values: a team critic's values of each fragment (:mod:`orchestration.team_critic`), or None.
         """
+        fragments = fragments if self.returns is None else [self.returns.annotated(f) for f in fragments]
         batch = concat_fragments(fragments).to(self.device)
-        batch, fresh = batch.exclude(FRESH), batch.get(FRESH, None)  # fresh [N, T]: first trained now (None: all)
+        batch, fresh, streams = without_marks(batch)  # fresh [N, T]: rows first trained now
         team = None if team_values is None else concat_fragments(team_values).to(self.device)
         metrics: dict[str, float] = {}
         for group in self.groups:  # running observation statistics first: this update trains with them
             rows = counted_rows(g := batch.get(group), self.groups[group], fresh, self.device)
             self.policy.observe_(g.get(OBSERVATION), rows, self.reduce_statistics)
         if self.returns is not None:  # and the return statistics (orchestration.reward_scaling)
-            metrics["reward_scale"] = self.returns.observe_(fragments, self.reduce_statistics)
+            metrics["reward_scale"] = self.returns.observe_(streams, self.reduce_statistics)
         for group in self.groups:
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step
@@ -248,8 +249,7 @@ class PPOLearner:
             self.set_lr(lr)
         self.last_fragment_ids = [int(e.meta["fragment_id"]) for e in entries]
         self.last_batch = entries if self.keep_last_batch else []
-        fragments = [e.fragment.clone(False).set(FRESH, torch.full(e.fragment.batch_size, e.uses == 1))
-                     for e in entries]  # statistics count a reused fragment once (a shallow copy: the pool's stays)
+        fragments = [marked_fresh(e.fragment, e.uses == 1) for e in entries]  # statistics count a reuse once
         return (self.update_through or self.update_)(fragments, progress,
                                                      team_values_for(team_values, self.last_fragment_ids, self.policy_id))
 

@@ -96,22 +96,22 @@ class LearnerHost(LearnerProbes):
     # -- a data-parallel group (rank 0 here), a restart -------------------------------------------------
     def join_group(self, peers: Sequence[Any], address: str, port: int,
                    send: Callable[[Any, TensorDict, float, float], Any], wait: Callable[[list], Any],
-                   load: Callable[[Any, Mapping], Any], returns: Callable[[Any], Any]) -> None:
+                   load: Callable[[Any, Mapping], Any]) -> None:
         """Becomes rank 0 of a group with ``peers`` (:class:`orchestration.data_parallel.DataParallelRank`s
         joining concurrently). Every batch is then split by env rows into one equal shard per rank: each peer
         gets its own through ``send(peer, shard, progress, lr)``, rank 0 trains the first, and ``wait`` (the
-        list of what ``send`` returned) returns once every rank ran the same number of averaged steps. A state
-        holds the peers' own reward-scaling accumulators too (``returns(peer)``), and a loaded one reaches every
-        peer through ``load(peer, state)``: a resumed group goes on as one."""
+        list of what ``send`` returned) returns once every rank ran the same number of averaged steps. A loaded
+        state reaches every peer through ``load(peer, state)``: a resumed group goes on as one (reward scaling's
+        accumulators live here alone: rank 0 annotates whole fragments before it splits a batch)."""
         init_process_group(0, len(peers) + 1, address, port, self.learner.device)
         data_parallel_(self.learner)
         self._peers = list(peers)
-        self._load_peers = lambda state: wait([load(peer, {**state, "returns": own}) for peer, own in zip(
-            self._peers, state.get("peer_returns") or [{}] * len(self._peers))])
-        self._peer_returns = lambda: wait([returns(peer) for peer in self._peers])
+        self._load_peers = lambda state: wait([load(peer, state) for peer in self._peers])
 
         def train_shards(fragments: list, progress: float, team: Any = None) -> dict:  # a team critic never
-            shards = shard_by_rows(fragments, len(self._peers) + 1, self.policy_id)   # runs with these (config)
+            streams = self.learner.returns      # runs with these (config); reward streams need whole fragments
+            fragments = fragments if streams is None else [streams.annotated(f) for f in fragments]
+            shards = shard_by_rows(fragments, len(self._peers) + 1, self.policy_id)
             lr = self.learner.optimizer.param_groups[0]["lr"]
             sent = [send(peer, shard, progress, lr) for peer, shard in zip(self._peers, shards[1:])]
             metrics = self.learner.update_([shards[0]], progress)
@@ -147,10 +147,7 @@ class LearnerHost(LearnerProbes):
         return {**report, "restarts": self.restarts, "restored_version": self.restored_version}
 
     def state(self) -> dict[str, Any]:
-        state = self.learner.state()
-        if self._peers and "returns" in state:  # each data-parallel rank's own rows (reward scaling)
-            state["peer_returns"] = self._peer_returns()
-        return state
+        return self.learner.state()
 
     def load_state(self, state: Mapping[str, Any]) -> tuple[int, list]:
         self.learner.load_state_(state)

@@ -55,8 +55,7 @@ class LearnerServer(LearnerHost):
     def join_data_parallel(self, peers: Sequence[Any], address: str, port: int) -> None:
         """Rank 0 of a group with ``peers`` (:meth:`LearnerHost.join_group`)."""
         self.join_group(peers, address, port, wait=ray.get, send=lambda peer, shard, progress, lr: peer.train.remote(
-            ray.put(to_wire(shard)), progress=progress, lr=lr), load=lambda peer, state: peer.load_state_.remote(state),
-            returns=lambda peer: peer.returns_state.remote())
+            ray.put(to_wire(shard)), progress=progress, lr=lr), load=lambda peer, state: peer.load_state_.remote(state))
 
     def publish(self) -> None:
         super().publish()

@@ -8,20 +8,25 @@ time axis (:func:`core.policies.reward_scaling.discounted_returns`, one vectoris
 from fragments it receives: the actor's hot path stays as it is and the actors need neither the discount nor
 extra state. :class:`ReturnStreams` holds the accumulators, one ``[E, A]`` per worker stream and group, and
 the last sequence number it consumed per worker, so a fragment trained on twice (asynchronous reuse) advances
-them once. A fragment dropped as stale is skipped, and the next one continues from the accumulator as it
+them once. Returns are computed from whole fragments before a batch is split between data-parallel ranks
+(:meth:`ReturnStreams.annotated`), so only the learner that receives them holds accumulators. A fragment dropped
+as stale is skipped, and the next one continues from the accumulator as it
 was: a small error in a statistic that only sets a scale. The accumulators are part of the learner's state
 (and so of checkpoints); like the inbox ledger, they are restored only when the workers' streams resume too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
-from core.layout import DONE, FRAGMENT_ID, MASK, NEXT, REWARD
+from core.layout import DONE, FRAGMENT_ID, MASK, NEXT, REWARD, STREAM_RETURNS
 from core.policies.reward_scaling import RewardScaler, discounted_returns, with_scaled_rewards
+
+#: ``STREAM_RETURNS``' entry of a group: the discounted return ``[E, T, A]`` float64.
+RETURN = "return"
 
 
 class ReturnStreams:
@@ -43,31 +48,41 @@ class ReturnStreams:
         self.sequence: dict[int, int] = {}
         """Worker id -> sequence number of the last fragment consumed."""
 
-    def observe_(self, fragments: Sequence[TensorDictBase], reduce=None) -> float:
-        """Advances the accumulators with every fragment not consumed before (in list order; a stream's
-        fragments must come in sequence order) and merges their returns into the scaler (mutates both).
-        Returns the scale rewards are divided by now. ``reduce``: :meth:`RewardScaler.observe_`'s
-        (data-parallel ranks, whose shards hold the same fragments' rows)."""
-        for fragment in fragments:
-            fid = int(fragment.get(FRAGMENT_ID).reshape(-1)[0])
-            worker, seq = fid >> 32, fid & 0xFFFFFFFF
-            if seq <= self.sequence.get(worker, -1):
-                continue  # reused: its returns are in the statistics already
+    def annotated(self, fragment: TensorDictBase) -> TensorDictBase:
+        """``fragment`` ``[E, T]`` with its returns under ``STREAM_RETURNS`` (a shallow copy; as it is when it has
+        them): per group ``[E, T, A]``, ``RETURN`` float64 and ``MASK``, the rows the statistics count (present
+        steps of the policy's slots, in a fragment not consumed before). Advances the accumulators once per
+        fragment (a stream's fragments must come in sequence order). The learner annotates whole fragments
+        before a batch is split between data-parallel ranks, so each rank counts its shard's rows exactly."""
+        if STREAM_RETURNS in fragment.keys():
+            return fragment
+        fid = int(fragment.get(FRAGMENT_ID).reshape(-1)[0])
+        worker, seq = fid >> 32, fid & 0xFFFFFFFF
+        new = seq > self.sequence.get(worker, -1)  # else reused: its returns are in the statistics already
+        if new:
             self.sequence[worker] = seq
-            for group, slots in self.groups.items():
-                g_next = fragment.get((NEXT, group))
-                reward = g_next.get(REWARD)
-                e, a = reward.shape[0], reward.shape[2]
-                carry = self.carry.get((worker, group))
-                if carry is None or carry.shape != (e, a):
-                    carry = torch.zeros(e, a, dtype=torch.float64, device=reward.device)
-                returns, self.carry[(worker, group)] = discounted_returns(reward, g_next.get(DONE), self.gamma,
-                                                                          carry.to(reward.device))  # a restored one
-                mask = fragment.get((group, MASK), None)
-                if slots is not None:
-                    slots = slots.to(returns.device)
-                    mask = slots.expand(returns.shape) if mask is None else mask & slots
-                self.scaler.observe_(returns, mask, reduce)
+        groups = {}
+        for group, slots in self.groups.items():
+            g_next = fragment.get((NEXT, group))
+            reward = g_next.get(REWARD)
+            e, a = reward.shape[0], reward.shape[2]
+            carry = self.carry.get((worker, group))
+            if carry is None or carry.shape != (e, a):
+                carry = torch.zeros(e, a, dtype=torch.float64, device=reward.device)
+            returns, after = discounted_returns(reward, g_next.get(DONE), self.gamma, carry.to(reward.device))
+            mask = fragment.get((group, MASK), torch.ones(returns.shape, dtype=torch.bool, device=returns.device))
+            mask = mask & (slots.to(returns.device) if slots is not None else True) & new
+            if new:
+                self.carry[(worker, group)] = after
+            groups[group] = TensorDict({RETURN: returns, MASK: mask}, batch_size=returns.shape)
+        return fragment.clone(False).set(STREAM_RETURNS, TensorDict(groups, batch_size=fragment.batch_size))
+
+    def observe_(self, streams: TensorDictBase, reduce=None) -> float:
+        """Merges the returns of a batch's :meth:`annotated` ``STREAM_RETURNS`` ``[N, T]`` (or a data-parallel
+        shard of it) into the scaler (mutates it); returns the scale rewards are divided by now. ``reduce``:
+        :meth:`RewardScaler.observe_`'s (the ranks' shards then add up to the whole batch)."""
+        for group in self.groups:
+            self.scaler.observe_(streams.get((group, RETURN)), streams.get((group, MASK)), reduce)
         return self.scaler.scale()
 
     def scaled(self, batch: TensorDictBase, group: str) -> TensorDictBase:
@@ -93,4 +108,4 @@ class ReturnStreams:
                 self.sequence[int(rest)] = int(value)
 
 
-__all__ = ["ReturnStreams"]
+__all__ = ["RETURN", "ReturnStreams"]

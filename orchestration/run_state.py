@@ -61,8 +61,6 @@ def trainer_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
             tensors[f"rng/learner/{pid}"] = _tensor(learner["generator"])
             entry["inbox"] = learner["inbox"]
         tensors.update({f"returns/{pid}/{k}": _tensor(v) for k, v in learner.get("returns", {}).items()})
-        for rank, own in enumerate(learner.get("peer_returns", []), 1):  # data-parallel peers' accumulators
-            tensors.update({f"peer_returns/{pid}/{rank}/{k}": _tensor(v) for k, v in own.items()})
         tensors.update({f"curiosity/{pid}/{k}": _tensor(v) for k, v in learner.get("curiosity", {}).items()})
         state["learners"][pid] = entry
     for i, actor in enumerate(raw["actors"]):
@@ -101,11 +99,6 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
                 learner["inbox"] = entry["inbox"]
             head = f"returns/{pid}/"  # reward scaling's return accumulators (orchestration.reward_scaling)
             learner["returns"] = {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
-            head = f"peer_returns/{pid}/"  # data-parallel peers' own: peer_returns/<pid>/<rank>/<key>
-            ranks = sorted({int(k[len(head):].split("/", 1)[0]) for k in tensors if k.startswith(head)})
-            if ranks:
-                learner["peer_returns"] = [{k[len(f"{head}{r}/"):]: v for k, v in tensors.items()
-                                            if k.startswith(f"{head}{r}/")} for r in ranks]
         head = f"curiosity/{pid}/"  # the RND networks, optimizer and statistics (orchestration.curiosity)
         if curiosity := {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}:
             learner["curiosity"] = curiosity

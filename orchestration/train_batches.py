@@ -6,7 +6,8 @@
 - Team values (:mod:`orchestration.team_critic`): :func:`team_values_for` lines a team critic's values up with
   a batch's fragments; :func:`with_values` then takes them instead of the policy's critic, and
   :func:`update_inputs` turns the policy's own value loss off for those groups.
-- :func:`counted_rows`: the rows running statistics count (a reused fragment's once).
+- :func:`marked_fresh`, :func:`without_marks`, :func:`counted_rows`: the rows running statistics count (a
+  fragment reused in later batches counts once).
 - :func:`with_advantages`: GAE, or V-trace (``--ppo.advantage vtrace``) with the current policy's log-probabilities.
 - :func:`update_inputs`: a feed-forward policy trains on shuffled transitions ``[N]``; a recurrent one on
   whole sequences ``[S]`` (groups ``[S, W, A]``, :func:`core.buffers.split_sequences`), minibatches of
@@ -22,8 +23,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from core.buffers import drop_trivial_masks, flatten_transitions, sequence_starts, split_sequences
-from core.layout import (CRITIC_MASK, EPISODE_ID, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE, SEQUENCE_START,
-                         SHARED, STATE_VALUE)
+from core.layout import (CRITIC_MASK, EPISODE_ID, FRESH, LOG_PROB, MASK, NEXT, OBSERVATION, RECURRENT_STATE,
+                         SEQUENCE_START, SHARED, STATE_VALUE, STREAM_RETURNS)
 from core.losses import PPOConfig, with_gae, with_vtrace
 from core.policies import GroupPolicy
 
@@ -32,6 +33,18 @@ from core.policies import GroupPolicy
 #: activations of one call stay far below a 1,024-env batch (``benchmarks/transition_memory.py``: calls of
 #: 4,096 transitions added about 35 bytes per transition to the peak of a 1,024-env x 64-step iteration).
 VALUE_CHUNK = 1 << 10
+
+
+def marked_fresh(fragment: TensorDictBase, fresh: bool) -> TensorDictBase:
+    """A shallow copy of ``fragment`` ``[E, T]`` with ``FRESH`` ``[E, T]``: whether it is trained for the first
+    time (:func:`counted_rows`)."""
+    return fragment.clone(False).set(FRESH, torch.full(fragment.batch_size, fresh, device=fragment.device))
+
+
+def without_marks(batch: TensorDictBase) -> tuple[TensorDictBase, torch.Tensor | None, TensorDictBase | None]:
+    """``batch`` ``[N, T]`` without the learner's marks, and the marks: ``FRESH`` ``[N, T]`` (:func:`marked_fresh`)
+    and ``STREAM_RETURNS`` (:meth:`orchestration.reward_scaling.ReturnStreams.annotated`); None where absent."""
+    return batch.exclude(FRESH, STREAM_RETURNS), batch.get(FRESH, None), batch.get(STREAM_RETURNS, None)
 
 
 def counted_rows(entry: TensorDictBase, slots: torch.Tensor | None, fresh: torch.Tensor | None,

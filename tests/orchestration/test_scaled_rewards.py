@@ -10,7 +10,7 @@ import torch
 
 from tensordict import TensorDict
 
-from core.layout import DONE, FRAGMENT_ID, MASK, NEXT, REWARD
+from core.layout import DONE, FRAGMENT_ID, MASK, NEXT, REWARD, STREAM_RETURNS
 from core.losses import PPOConfig
 from core.policies import PolicyConfig
 from core.policies.reward_scaling import RewardScaler, discounted_returns
@@ -33,14 +33,19 @@ def _fragment(worker: int, sequence: int, reward: torch.Tensor) -> TensorDict:
     return TensorDict({"agents": group, NEXT: nxt, FRAGMENT_ID: fid}, [e, t])
 
 
+def _observe(streams: ReturnStreams, batch: list[TensorDict]) -> None:
+    """What a learner does with a batch: annotate each whole fragment, then merge the batch's returns."""
+    streams.observe_(torch.cat([streams.annotated(f) for f in batch]).get(STREAM_RETURNS))
+
+
 def test_each_stream_carries_its_own_accumulator_and_a_reused_fragment_counts_once():
     g = torch.Generator().manual_seed(0)
     rewards = [torch.randn(2, 3, 2, 1, generator=g) for _ in range(3)]
     scaler = RewardScaler()
     streams = ReturnStreams(0.9, {"agents": torch.tensor([True, False])}, scaler)  # the policy acts for slot 0
     a0, b0, a1 = _fragment(0, 0, rewards[0]), _fragment(1, 0, rewards[1]), _fragment(0, 1, rewards[2])
-    streams.observe_([a0, b0])
-    streams.observe_([a0, a1])  # a0 again (asynchronous reuse): skipped
+    _observe(streams, [a0, b0])
+    _observe(streams, [a0, a1])  # a0 again (asynchronous reuse): skipped
     whole, _ = discounted_returns(torch.cat([rewards[0], rewards[2]], 1), torch.zeros(2, 6, 2, 1, dtype=torch.bool),
                                   0.9, torch.zeros(2, 2, dtype=torch.float64))
     other, _ = discounted_returns(rewards[1], torch.zeros(2, 3, 2, 1, dtype=torch.bool), 0.9,
@@ -53,6 +58,27 @@ def test_each_stream_carries_its_own_accumulator_and_a_reused_fragment_counts_on
     restored.load_state_({k: v.numpy() for k, v in streams.state().items()})
     assert restored.sequence == streams.sequence
     assert all(torch.equal(v, restored.carry[k]) for k, v in streams.carry.items())
+
+
+def test_shards_of_a_batch_count_every_streams_returns_once_whatever_rows_each_data_parallel_rank_gets():
+    """A data-parallel rank 0 annotates whole fragments, then splits the batch by env rows: an asynchronous batch
+    (arrival order, reuse) puts other streams' rows in each shard from batch to batch. The shards' returns must
+    still be each stream's own, counted once (observing both shards equals the ranks' summed moments)."""
+    g = torch.Generator().manual_seed(1)
+    r = {k: torch.randn(2, 3, 2, 1, generator=g) for k in ("a0", "b0", "a1", "b1")}
+    f = {k: _fragment(int(k[0] == "b"), int(k[1]), v) for k, v in r.items()}
+    scaler = RewardScaler()
+    streams = ReturnStreams(0.9, {"agents": None}, scaler)
+    for batch in (["a0", "b0"], ["b1", "a1", "a0"]):  # the second: shard 0 holds b1 and a row of a1; a0 reused
+        annotated = torch.cat([streams.annotated(f[k]) for k in batch]).get(STREAM_RETURNS)
+        for shard in annotated.split(annotated.shape[0] // 2):
+            streams.observe_(shard)
+    done = torch.zeros(2, 6, 2, 1, dtype=torch.bool)
+    seen = torch.cat([discounted_returns(torch.cat([r[f"{s}0"], r[f"{s}1"]], 1), done, 0.9,
+                                         torch.zeros(2, 2, dtype=torch.float64))[0].flatten() for s in "ab"])
+    assert int(scaler.return_count) == seen.numel() == 48
+    torch.testing.assert_close(scaler.return_mean, seen.mean())
+    torch.testing.assert_close(scaler.return_var, seen.var(unbiased=False))
 
 
 def test_return_statistics_and_accumulators_resume_bit_for_bit_from_a_checkpoint(tmp_path):
