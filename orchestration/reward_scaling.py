@@ -69,11 +69,13 @@ class ReturnStreams:
             carry = self.carry.get((worker, group))
             if carry is None or carry.shape != (e, a):
                 carry = torch.zeros(e, a, dtype=torch.float64, device=reward.device)
-            returns, after = discounted_returns(reward, g_next.get(DONE), self.gamma, carry.to(reward.device))
+            if new:
+                returns, self.carry[(worker, group)] = discounted_returns(reward, g_next.get(DONE), self.gamma,
+                                                                          carry.to(reward.device))
+            else:  # nothing counts: no need to run the stream again
+                returns = torch.zeros(reward.shape[:3], dtype=torch.float64, device=reward.device)
             mask = fragment.get((group, MASK), torch.ones(returns.shape, dtype=torch.bool, device=returns.device))
             mask = mask & (slots.to(returns.device) if slots is not None else True) & new
-            if new:
-                self.carry[(worker, group)] = after
             groups[group] = TensorDict({RETURN: returns, MASK: mask}, batch_size=returns.shape)
         return fragment.clone(False).set(STREAM_RETURNS, TensorDict(groups, batch_size=fragment.batch_size))
 
