@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import queue
 import sys
 import time
@@ -242,11 +243,13 @@ def build_external(config: TrainConfig, *, log=None):
     try:
         patience = "" if given is not None or ec.command else (  # the run needs the first one's tree
             f"; the first must connect within {ec.start_timeout_s:g} s (--external.start-timeout-s)")
-        print(f"shoal: waiting for external environments at {server.url} (token {server.token}){patience}", file=log)
-        if token_file is not None:
+        if token_file is not None:  # whole before the line below says so: a script may read it then
             token_file.parent.mkdir(parents=True, exist_ok=True)
-            token_file.touch(mode=0o600)
-            token_file.write_text(server.token)
+            partial = token_file.with_name(f".{token_file.name}.{os.getpid()}")
+            partial.touch(mode=0o600)
+            partial.write_text(server.token)
+            os.replace(partial, token_file)
+        print(f"shoal: waiting for external environments at {server.url} (token {server.token}){patience}", file=log)
         if ec.command:
             launcher = SimulatorLauncher(ec.command, ec.instances, host=ec.host, port=server.port, token=server.token,
                                          seed=config.seed, start_timeout_s=ec.start_timeout_s,

@@ -217,11 +217,21 @@ def test_a_resumed_run_keeps_its_token_and_a_given_token_wins(tmp_path):
     (tmp_path / "tree.json").write_text(json.dumps(TREE))
     external = ExternalConfig(tree=str(tmp_path / "tree.json"))
 
+    class Log(io.StringIO):  # what a script reading the file once it sees the waiting line would read
+        read_at_line: list = []
+
+        def write(self, text: str) -> int:
+            if "waiting for external environments" in text:
+                path = tmp_path / "run" / "external_token"
+                self.read_at_line.append(path.read_text() if path.is_file() else "<missing>")
+            return super().write(text)
+
     def token(**change) -> str:
         config = TrainConfig(env="external", run_dir=str(tmp_path / "run"), external=ExternalConfig(
             **{**{f: getattr(external, f) for f in ("tree",)}, **change}))
-        fleet, _, _, teardown = build_external(config, log=io.StringIO())
+        fleet, _, _, teardown = build_external(config, log=Log())
         try:
+            assert Log.read_at_line[-1] == fleet.server.token  # written whole before the line says it waits
             return fleet.server.token
         finally:
             fleet.close()
