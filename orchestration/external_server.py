@@ -259,7 +259,8 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
                         "spec_hash": self._hash, "heartbeat_s": self.config.heartbeat_s,
                         "idle_timeout_s": self.config.idle_timeout_s, "max_message_bytes": self.config.max_message_bytes,
                         "max_episodes": self.config.max_episodes,
-                        "policy_versions": {g: self._service.versions[p] for g, p in self._lanes.policy_of.items()}}))
+                        "policy_versions": {g: self._service.latest(p, weights=False)[0]  # what acts next
+                                            for g, p in self._lanes.policy_of.items()}}))
 
     def _serve(self, ws: ServerConnection, episodes: dict[str, Episode]) -> None:
         limit = self.config.max_message_bytes

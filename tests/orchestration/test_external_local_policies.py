@@ -87,3 +87,34 @@ def test_simulators_with_local_policies_learn_off_policy(tmp_path):
         trainer.close()
     assert metrics["env/external_uploaded_steps"] > 0 and metrics["env/external_requests"] == 0
     assert returns[-1] > returns[0] + 5, returns  # 12 iterations: 8 were enough alone, not always under load
+
+
+def test_the_welcome_tells_the_versions_the_next_batch_acts_with_as_get_policy_does():
+    """A resumed run stages its restored weights before any batch ran: the welcome said version 0 (what the
+    service had acted with) while get_policy said 30, until the first batch."""
+    import io
+    import json
+
+    from adapters.external.codec import TreeCodec
+    from core.policies import PolicyConfig, make_policies
+    from core.specs import from_json
+    from orchestration.assignment import assign
+    from orchestration.external_episodes import Lanes
+    from orchestration.external_server import ExternalServer
+    from orchestration.inference import InferenceService
+    from tensordict import TensorDict
+
+    tree = from_json(json.dumps(TREE))
+    policy = make_policies(tree, PolicyConfig())["agents"]
+    service = InferenceService({"agents": policy}).start()
+    service.set_weights("agents", 30, TensorDict.from_module(policy).detach().clone(), force=True)  # as restored
+    server = ExternalServer(ExternalConfig(token="secret"), tree, log=io.StringIO()).start()
+    server.attach(service, Lanes(TreeCodec(tree), assign(tree, {}), 4, lambda *item: None))
+    try:
+        with SimulatorClient(server.url, "secret", TREE, "robot") as client:
+            assert client.welcome["policy_versions"] == {"agents": 30}
+            assert client.get_policy()["agents"]["version"] == 30
+    finally:
+        server.close()
+        service.close()
+
