@@ -16,6 +16,15 @@ from adapters.external.messages import ProtocolError, encode
 
 _TOLD = 3  # refusals, fatal protocol errors and idle closes of each kind printed on the log; the rest are counted
 
+#: What a refusal or error code most often means, for a run that ends without data (:meth:`refusals`).
+_CAUSES = {
+    "bad_token": "the simulators' token is not the run's, in run_dir/external_token or --external.token",
+    "spec_mismatch": "their tree differs from the run's, in run_dir/tree.json or --external.tree",
+    "protocol_version": "they speak another protocol version",
+    "busy": "more simulators than --external.max-simulators, or more open episodes on one connection than "
+            "--external.max-episodes: does each episode end?",
+}
+
 
 class ConnectionEndings:
     """Refusals and idle closes of one connection (called from its thread)."""
@@ -24,6 +33,22 @@ class ConnectionEndings:
         """The run is ending: connections lost from now on (the launcher stopping its simulators) are counted as
         ever, but not told on the log as failures."""
         self._ending = True
+
+    def refusals(self) -> str:
+        """The refusals and errors answered so far by code, with their likely causes, for a message that says
+        why no data came ("" when none): e.g. ``"the server answered bad_token 3 times (the simulators' token
+        is not the run's, ...); its log names the first of each"``."""
+        with self._lock:
+            answered = sorted(self.errors.items(), key=lambda item: -item[1])
+        if not answered:
+            return ""
+        parts = [f"{code} {n} time{'s' if n != 1 else ''}" + (f" ({_CAUSES[code]})" if code in _CAUSES else "")
+                 for code, n in answered[:4]]
+        return f"the server answered {', '.join(parts)}; its log names the first of each"
+
+    def _counted(self, code: str) -> None:
+        """One more refusal or error answered with ``code`` (call under the lock)."""
+        self.errors[code] = self.errors.get(code, 0) + 1
 
     def _idle(self, state: dict) -> str:
         """Counts and logs a connection closed for silence; the close frame's reason."""
@@ -72,6 +97,7 @@ class ConnectionEndings:
         tell = tell and (refused or error.fatal)
         with self._lock:
             self.counters["refused" if refused else "protocol_errors"] += 1
+            self._counted(error.code)
             told = self._told[error.code] = self._told.get(error.code, 0) + tell
         if tell and told <= _TOLD:  # the simulator is told; whoever runs the server would not know
             why, more = str(error)[:300], f" (further {error.code} refusals are only counted)" if told == _TOLD else ""

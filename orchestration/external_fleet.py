@@ -115,10 +115,11 @@ class ExternalFleet:
             self._interrupted = False  # nobody acts: simulators away, restarting, or gone for good
             raise CollectionInterrupted("external collection interrupted")
         if not steps and self.wait_s and now - self._last_data > self.wait_s:
+            why = self.server.refusals() or ("is one running and pointed at this address, with the run's token "
+                                             "and tree?")
             raise NoSimulatorData(f"no data from any external simulator for {self.wait_s:g} s "
-                                  f"({len(self.server.connected)} connected to {self.server.url}): is one running and "
-                                  f"pointed at this address, with the run's token and tree? --external.wait-s sets "
-                                  f"this limit (0: wait for good)")
+                                  f"({len(self.server.connected)} connected to {self.server.url}): {why}. "
+                                  f"--external.wait-s sets this limit (0: wait for good)")
         if self.launcher is not None:
             self.launcher.check(self.server.connected, self.server.welcomed)
         return steps
@@ -255,7 +256,7 @@ def build_external(config: TrainConfig, *, log=None):
                                          seed=config.seed, start_timeout_s=ec.start_timeout_s,
                                          max_restarts=ec.max_restarts, restart_backoff_s=ec.restart_backoff_s,
                                          log_dir=Path(config.run_dir) / "simulators" if config.run_dir else None,
-                                         log=log)
+                                         log=log, refusals=server.refusals)
             launcher.start()
         # launched simulators get a second start_timeout_s: one that failed to connect is restarted once by then
         patience = ec.start_timeout_s * (2 if launcher is not None else 1)
@@ -269,8 +270,9 @@ def build_external(config: TrainConfig, *, log=None):
                         f"failed to connect is restarted once" if launcher is not None else "start simulators "
                         "(--external.command launches them), give --external.tree, or wait longer "
                         "(--external.start-timeout-s)")
-                raise TimeoutError(f"no simulator connected to {server.url} within {patience:g} s, so the "
-                                   f"environment's tree is unknown: {todo}")
+                refused = f" ({server.refusals()})" if server.errors else ""
+                raise TimeoutError(f"no simulator connected to {server.url} within {patience:g} s{refused}, so "
+                                   f"the environment's tree is unknown: {todo}")
         tree = server.tree
         if tree_file is not None and not tree_file.is_file():
             tree_file.parent.mkdir(parents=True, exist_ok=True)

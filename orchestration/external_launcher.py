@@ -62,14 +62,17 @@ class SimulatorLauncher:
         log_dir: each simulator's stdout and stderr go to ``log_dir/<sim_id>.log`` (None: discarded).
         restart_backoff_s: first pause before restarting a simulator that had connected (module docstring).
         clock: monotonic seconds (time is an argument: tests pass their own).
+        refusals: what the server refused so far, worded (``ExternalServer.refusals``), for the message of a
+            simulator that never got connected; None: not known.
     """
 
     def __init__(self, command: str, instances: int, *, host: str, port: int, token: str, seed: int = 0,
                  start_timeout_s: float = 60.0, max_restarts: int = 20, log_dir: str | Path | None = None,
                  restart_backoff_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 log: TextIO | None = None) -> None:
+                 log: TextIO | None = None, refusals: Callable[[], str] | None = None) -> None:
         render(command, host=host, port=port, seed=seed, sim_id="sim-0", token=token)  # fails early, named
         self._log = log  # a line per restart (what the counters say only in the metrics)
+        self._refusals = refusals
         self.command, self.instances = command, instances
         self.host, self.port, self.token, self.seed = host, port, token, seed
         self.start_timeout_s, self.max_restarts = start_timeout_s, max_restarts
@@ -188,6 +191,9 @@ class SimulatorLauncher:
         k = self._unconnected[i]
         if k < 2:
             return ""
+        refused = self._refusals() if self._refusals is not None else ""
+        if refused:  # they reached the server, which turned them away
+            return f"; none of its last {k} starts was let in: {refused}"
         return (f"; none of its last {k} starts connected to the server: check external.command (does it pass "
                 f"{{port}} and {{token}}, or read SHOAL_PORT and SHOAL_TOKEN?)")
 

@@ -182,6 +182,48 @@ def test_sigterm_while_waiting_for_launched_simulators_stops_them_and_ends_in_on
     assert simulators() == []
 
 
+def test_a_run_without_data_says_what_the_server_turned_away():
+    """A simulator with the wrong token (or one whose episodes never end: busy) reaches the server and is turned
+    away: the run used to end with "is one running and pointed at this address?", and a launched one with "none
+    of its starts connected: check external.command", though the server had refused them and knew why."""
+    from types import SimpleNamespace
+
+    from adapters.external.client import ExternalError, SimulatorClient
+    from orchestration.external_fleet import ExternalFleet
+    from orchestration.external_launcher import NoSimulatorData
+
+    from core.specs import from_json
+
+    server = ExternalServer(ExternalConfig(token="t"), from_json(json.dumps(TREE)), log=io.StringIO()).start()
+    try:
+        assert server.refusals() == ""
+        for _ in range(2):
+            with pytest.raises(ExternalError, match="bad_token"):
+                SimulatorClient(server.url, "wrong", TREE, "sim")
+        now = [0.0]
+        fleet = ExternalFleet(server, None, SimpleNamespace(fragment_length=64), {}, wait_s=1, clock=lambda: now[0])
+        now[0] = 2.0
+        with pytest.raises(NoSimulatorData, match=r"no data from any external simulator for 1 s \(0 connected to "
+                                                  r"ws://.*\): the server answered bad_token 2 times \(the "
+                                                  r"simulators' token is not the run's, in run_dir/external_token"):
+            fleet.pump()
+    finally:
+        server.close()
+
+
+def test_a_launched_simulator_turned_away_is_said_to_be_turned_away(tmp_path, capsys):
+    from orchestration.cli import main
+
+    command = f"{sys.executable} {Path(__file__).resolve().parents[2] / 'examples' / 'external_sim.py'} " \
+              "--port {port} --seed {seed} --sim-id {sim_id} --token wrong"
+    with pytest.raises(SystemExit):
+        main(["train", "--env", "external", "--external.command", command, "--external.max-restarts", "2",
+              "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert "none of its last 3 starts was let in: the server answered bad_token 3 times (the simulators' token is " \
+           "not the run's" in err, err
+
+
 def test_a_signal_gives_up_a_collection_only_once_no_simulator_acts():
     """A slow simulator (a robot acting every second, completing no fragment for many seconds) is acting, not away:
     a signal does not throw its collection away; once nobody acts for the grace period, it does. (A small fake
