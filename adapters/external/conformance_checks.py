@@ -59,6 +59,37 @@ class EpisodeState:
     pending: int | None = None
     """The id of its unanswered ``act``."""
     acts: int = 0
+    last: dict[str, int] = field(default_factory=dict)
+    """Agent -> the episode's act (1, 2, ...) with its latest decision."""
+    at: int = 0
+    """The connection's act count at the episode's latest act."""
+
+
+SILENT_ACTS = 8
+"""An agent with no decision in this many of its episode's last acts (at least; 4 per agent seen) that never left
+through ``left`` is a warning at the episode's end: the server cannot complete its last step until then."""
+ABANDONED_ACTS = 64
+"""A running episode with no act while the connection sent this many is abandoned (it never ends): a failure."""
+
+
+def silent_agents(episode: EpisodeState) -> list[str]:
+    """The agents of ``episode`` that stopped asking for decisions without leaving (:data:`SILENT_ACTS`)."""
+    quiet = max(SILENT_ACTS, 4 * len(episode.seen))
+    return sorted(a for a, k in episode.last.items() if a not in episode.gone and episode.acts - k >= quiet)
+
+
+def abandoned(episodes: dict[str, EpisodeState], ended: dict[str, str], acts: int) -> list[str]:
+    """Running episodes, no act unanswered, whose latest act is more than :data:`ABANDONED_ACTS` of the
+    connection's ``acts`` ago, oldest first."""
+    idle = [(e.at, name) for name, e in episodes.items()
+            if name not in ended and e.pending is None and acts - e.at > ABANDONED_ACTS]
+    return [name for _, name in sorted(idle)]
+
+
+def abandoned_note(idle: list[str]) -> str:
+    """What :func:`abandoned`'s list (not empty) means, for a finding."""
+    return (f"{len(idle)} episode(s) never ended: no act over the connection's last {ABANDONED_ACTS} acts (the "
+            f"first: {idle[0]!r}), and no 'end'")
 
 
 @dataclass(slots=True)
@@ -309,6 +340,12 @@ def check_end(message: dict[str, Any], tree: KitTree, episode: EpisodeState) -> 
             if problem:
                 out.fail("end.observation", problem)
     out.warnings += [(f"end.extra.{k}", f"unknown field {k!r} (ignored)") for k in sorted(set(message) - _END)]
+    if silent := silent_agents(episode):
+        out.warnings.append(("agent.silent", f"{', '.join(map(repr, silent[:4]))} had no decision in the episode's "
+                                             f"last {max(SILENT_ACTS, 4 * len(episode.seen))} acts or more and never "
+                                             f"left through 'left': the server could not complete their last step "
+                                             f"until this end (it bootstraps meanwhile, env/external_approx_"
+                                             f"bootstraps); send 'left' when an agent is done"))
     return out
 
 

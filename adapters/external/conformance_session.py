@@ -21,7 +21,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection
 
 from adapters.external.conformance_actions import random_action
-from adapters.external.conformance_checks import Checked, EpisodeState, KitTree, check_act, check_end, check_hello
+from adapters.external.conformance_checks import (Checked, EpisodeState, KitTree, abandoned, abandoned_note, check_act,
+                                                  check_end, check_hello)
 from adapters.external.conformance_report import Findings, Report, coverage_warnings, describe, short
 from adapters.external.conformance_uploads import check_trajectory, policy_message
 from adapters.external.messages import (CLIENT_TYPES, MAX_NAME, PROTOCOL_VERSION, ProtocolError, decode, encode,
@@ -247,8 +248,9 @@ class Session:
         if episode is None:
             open_now = sum(1 for e in self.episodes if e not in self.ended)
             if open_now >= MAX_EPISODES:
+                idle = abandoned(self.episodes, self.ended, self.report.acts)
                 self.f.fail("act.busy", f"{self.where}: a new episode while {open_now} are open; welcome said "
-                                        f"max_episodes={MAX_EPISODES}")
+                                        f"max_episodes={MAX_EPISODES}{'; ' + abandoned_note(idle) if idle else ''}")
             episode = self.episodes[name] = EpisodeState()
             self.recovered = self.recovered or self.injected is not None
         elif episode.pending is not None:
@@ -276,6 +278,8 @@ class Session:
         self.report.left += len(checked.left)
         episode.seen |= set(agents)
         episode.gone |= checked.left
+        episode.last.update(dict.fromkeys(agents, episode.acts))
+        episode.at = self.report.acts
         if self.injected is None and episode.acts == 2:
             self.injected = name
             self.cover.add("error")
@@ -373,6 +377,9 @@ class Session:
         if self.bye and len(self.ended) < self.o.episodes:
             self.f.fail("stopped", f"{self.where}: bye after {len(self.ended)} of {self.o.episodes} episodes (a "
                                    f"simulator under the kit plays until the server closes; or lower --episodes)")
+        if idle := abandoned(self.episodes, self.ended, self.report.acts):
+            self.f.fail("episode.abandoned", f"{abandoned_note(idle)}: a server counts an episode open until its "
+                                             f"'end', and past max_episodes refuses new ones with 'busy'")
         if self.injected is not None and not self.recovered and not self.closed_by_sim:
             self.f.fail("error.stopped", f"no new episode after the kit's non-fatal error for episode "
                                          f"{self.injected!r} (the last message was {self.where})")

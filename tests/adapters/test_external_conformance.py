@@ -15,7 +15,7 @@ import torch
 
 from adapters.external.conformance import Report, main, run_conformance
 from adapters.external.conformance_actions import random_action
-from adapters.external.conformance_checks import EpisodeState, check_act, parse_tree, value_problem
+from adapters.external.conformance_checks import EpisodeState, check_act, check_end, parse_tree, value_problem
 from adapters.external.messages import from_array
 from core.specs import AgentNode, DictNode, DictPopulation, Leaf, tree_to_dict
 
@@ -110,6 +110,8 @@ def episode(name, k):
             assert value.dtype == np.int64 and value.shape == () and agents[agent]["action_mask"][value], answer
         rewards = {a: 1.0 for a in answer["actions"]}
         left = {"agents_2": "terminated"} if step == 1 else {}
+    if FAULT == "no_end" and k % 2 == 0:  # abandoned: never ended
+        return
     end = {"type": "end", "episode": name, "outcome": "truncated" if k % 2 == 0 else "terminated", "rewards": rewards}
     if k % 2 == 0:
         end["observations"] = {"agents_0": obs(0, 4)}
@@ -240,6 +242,24 @@ def test_a_broken_simulator_gets_its_failure_named(sim, fault, expected):
     assert expected in failures(report), report.format()
     if fault == "wrong_hash":  # refused in the hello as the server refuses it (the kit welcomed it and played on)
         assert report.acts == 0, report.format()
+
+
+def test_episodes_that_never_end_fail_by_name(sim):
+    """A simulator that abandons episodes (no 'end') passed the kit, which closed before its open episodes mattered;
+    a real server counts them open and, past max_episodes, refuses new ones with busy: no data ever trained."""
+    report = check(sim, "no_end", episodes=12)
+    assert not report.ok and "episode(s) never ended: no act over the connection's last 64 acts (the first: 'e2'), " \
+                             "and no 'end'" in failures(report), report.format()
+
+
+def test_an_agent_that_stops_asking_without_leaving_is_a_warning_at_its_episodes_end():
+    tree, _ = parse_tree(TREE_DOC)
+    quiet = EpisodeState(seen={"agents_0", "agents_1"}, acts=20, last={"agents_0": 20, "agents_1": 3})
+    checked = check_end({"type": "end", "episode": "e", "outcome": "terminated"}, tree, quiet)
+    assert not checked.failures and [k for k, _ in checked.warnings] == ["agent.silent"]
+    assert "'agents_1' had no decision in the episode's last 8 acts" in checked.warnings[0][1]
+    quiet.gone.add("agents_1")  # left through 'left': nothing to say
+    assert check_end({"type": "end", "episode": "e", "outcome": "terminated"}, tree, quiet).warnings == []
 
 
 @pytest.mark.parametrize("fault, expected", [
