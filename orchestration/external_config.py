@@ -27,7 +27,8 @@ class ExternalConfig:
     """Simulators launched from ``command``."""
     start_timeout_s: float = 60.0
     """A launched simulator that has not connected this long after its start is killed and started again; also
-    the longest wait for the first simulator's tree."""
+    the longest wait for the first simulator's tree when none is given (``tree``; twice this with a launcher, so
+    that a failed first start is restarted once), whatever ``wait_s`` says."""
     max_restarts: int = 20
     """Restarts of launched simulators allowed over the run; one more stops the run with an error."""
     restart_backoff_s: float = 1.0
