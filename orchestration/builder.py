@@ -98,8 +98,10 @@ def policy_module(config: TrainConfig, tree: Tree, assignment: Mapping[str, Grou
 
 def build_policies(config: TrainConfig, tree: Tree,
                    assignment: Mapping[str, GroupAssignment]) -> tuple[dict[str, GroupPolicy], set[str]]:
-    """Policy id -> initial module, and the ids that do not learn; the same draws on every backend
-    (call right after ``torch.manual_seed(config.seed)``). ``random`` gets a uniform policy."""
+    """Policy id -> initial module, and the ids that do not learn; the same draws on every backend: the global
+    generator is seeded with ``config.seed`` first, so that envs built before (torchrl envs draw from it, as
+    many as the backend builds) never move the initial weights. ``random`` gets a uniform policy."""
+    torch.manual_seed(config.seed)
     made = make_policies(tree, config.policy)
     out, fixed = {}, set()
     for pid in sorted({p for a in assignment.values() for p in a.policies}):

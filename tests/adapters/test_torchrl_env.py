@@ -234,3 +234,21 @@ def test_a_torchrl_gym_env_id_trains_from_the_cli(tmp_path):
     with open(tmp_path / "run" / "metrics.csv") as f:
         assert int(float(list(csv.DictReader(f))[-1]["env_steps"])) == 64
     assert imports_code("torchrl:CartPole-v1") is None and imports_code("torchrl:evil:Env-v0")
+
+
+def test_the_initial_weights_do_not_depend_on_how_many_torchrl_envs_are_built():
+    """Building a torchrl env draws from torch's global generator: a run's initial weights moved with
+    --rollout.num-envs and --rollout.num-workers, and a Ray run (which builds one probe env) started from other
+    weights than a local one with the same seed."""
+    from tensordict import TensorDict
+
+    from orchestration.builder import build_trainer
+    from orchestration.config import RolloutConfig, TrainConfig
+
+    weights = []
+    for envs, workers in ((2, 1), (4, 2)):
+        trainer = build_trainer(TrainConfig(env="torchrl:CartPole-v1", seed=2, rollout=RolloutConfig(
+            num_envs=envs, num_workers=workers, fragment_length=8)))
+        weights.append(TensorDict.from_module(trainer.learners["agent"].policy).clone())
+        trainer.close()
+    assert (weights[0] == weights[1]).all()

@@ -61,11 +61,12 @@ MEMORY = {"env": "builtin:recall", "ppo": PPOConfig(sequence_length=8, burn_in=4
           "policy": PolicyConfig(recurrent=True, recurrent_cell="lstm", normalize_observations=True)}
 CENTRAL = {"env": "builtin:spread", "policy": PolicyConfig(critic="central", normalize_observations=True)}
 CONTINUOUS = {"env": "Pendulum-v1"}  # a Gaussian head on a bounded box action (gymnasium's vector env)
+TORCHRL = {"env": "torchrl:CartPole-v1"}  # building its envs draws from torch's generator (not the weights')
 
 
-@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS],
+@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS, TORCHRL],
                          ids=["cartpole", "spread_3_policies", "images_scaled_rewards", "lstm_burn_in_normalised",
-                              "central_critic", "continuous_actions"])
+                              "central_critic", "continuous_actions", "torchrl_env"])
 def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overrides):
     from orchestration.builder import build_trainer
 
