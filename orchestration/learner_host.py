@@ -57,7 +57,7 @@ class LearnerHost(LearnerProbes):
         self.policy_id, self._put = policy_id, put
         self.learner = build_learner(config, assignment, policy_id, policy)
         self.learner.keep_last_batch = True  # LearnerProbes.last_batch
-        self.counters = {"serializations": 0, "fragments_pushed": 0}
+        self.learner.counters["serializations"] = 0  # weights put, over the run (a learner counter: checkpointed)
         self.restarts, self.restored_version = 0, None
         self._peers: list = []  # data-parallel ranks beside this one (a Ray server's group)
         self._weights: Any = None
@@ -65,7 +65,7 @@ class LearnerHost(LearnerProbes):
     # -- data in -----------------------------------------------------------------------------------------
     def push(self, meta: Mapping[str, Any], fetch: Callable[[], Mapping]) -> int:
         """Takes one fragment (:func:`take_pushed`); returns the learner's version."""
-        self.counters["fragments_pushed"] += 1
+        self.learner.counters["fragments_received"] += 1
         take_pushed(self.learner.inbox, meta, fetch,
                     lambda fragment: self.learner.inbox.add(fragment, meta, self.learner.version))
         return self.learner.version
@@ -135,7 +135,7 @@ class LearnerHost(LearnerProbes):
         """Puts the newest weights once (one message per version, shared by every worker)."""
         version, weights = self.learner.published()
         self._weights = self._put(to_wire(weights, {"version": version, "policy_id": self.policy_id}))
-        self.counters["serializations"] += 1
+        self.learner.counters["serializations"] += 1
 
     def published(self) -> tuple[int, list]:
         """``(version, [handle])`` of the newest weights (nested: a Ray caller passes the ref on unresolved)."""
@@ -143,7 +143,7 @@ class LearnerHost(LearnerProbes):
 
     def report(self) -> dict[str, Any]:
         report = self.learner.report()
-        report["counters"].update(self.counters)
+        report["counters"]["serializations"] = self.learner.counters["serializations"]
         return {**report, "restarts": self.restarts, "restored_version": self.restored_version}
 
     def state(self) -> dict[str, Any]:

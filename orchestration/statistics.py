@@ -204,7 +204,8 @@ def fragment_accounting(reports: Mapping[str, Mapping], reported: Mapping[int, i
         counters = report["counters"]
         values.update(fragments_duplicate=counters["duplicates"], fragments_max_uses=counters["max_uses"],
                       trained_max_lag=counters["max_trained_lag"], policy_version=report["version"])
-        if "serializations" in counters:  # Ray learners: weights put in the object store once per version
+        if "serializations" in counters:  # Ray learners: weights put in the object store once per version (and
+            # once more per resume or restart: the restored version)
             values["weights_serializations"] = counters["serializations"]
         trained = report.get("learner", {}).get("env_steps_trained")
         if trained is not None:  # in async mode env_steps counts what the fleet sampled, this what was learnt from

@@ -41,7 +41,7 @@ def test_a_host_trains_as_the_local_learner_and_puts_each_version_once():
             assert result["weights"] == [len(puts) - 1] and host.published() == (result["version"], result["weights"])
             weights = from_wire(puts[-1])
             assert (weights == TensorDict.from_module(local.policy)).all()  # the message holds the new version
-        assert len(puts) == 3 and host.counters["serializations"] == 3  # version 0, 1, 2: one put each
+        assert len(puts) == 3 and host.learner.counters["serializations"] == 3  # version 0, 1, 2: one put each
         assert host.train() is None and len(puts) == 3  # nothing new: no update, nothing put
     finally:
         trainer.close()
@@ -65,7 +65,7 @@ def test_a_re_delivery_is_never_fetched_and_an_unreadable_one_is_counted_lost():
         second = actor.collect()
         host.push(actor.fragment_meta(second), lambda: (_ for _ in ()).throw(TimeoutError("object lost")))
         totals = host.report()["totals"]
-        assert totals["lost"] == 1 and totals["accepted"] == 1 and host.counters["fragments_pushed"] == 3
+        assert totals["lost"] == 1 and totals["accepted"] == 1 and host.learner.counters["fragments_received"] == 3
         assert [e.fragment.get("fragment_id")[0, 0] for e in host.learner.inbox.pool.values()] == \
             [first.get("fragment_id")[0, 0]]  # only the first was filed
     finally:

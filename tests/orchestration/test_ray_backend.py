@@ -144,11 +144,14 @@ def _assert_resumes_exactly(config: TrainConfig, local, remote) -> None:
     assert remote.resume_exact
     resumed = _ray(config)
     try:
-        restore_trainer_(resumed, *trainer_state(remote))
+        weights, tensors, state = trainer_state(remote)
+        (pid, learner), = local.trainable.items()  # the learner's counters are checkpointed as a local one's
+        assert state["learners"][pid]["counters"]["fragments_received"] == learner.counters["fragments_received"] > 0
+        restore_trainer_(resumed, weights, tensors, state)
         expected, got = local.train(), resumed.train()
         compared = [k for k, v in expected.items() if not k.startswith("time") and not k.endswith("per_s") and v == v]
         assert {k: got[k] for k in compared} == {k: expected[k] for k in compared}  # per-agent means too
-        (pid, learner), = local.trainable.items()
+        assert got["weights_serializations"] == got["policy_version"] + 2  # one put per version, and the restored
         assert (from_wire(ray.get(resumed.weights[pid][1][0])) == TensorDict.from_module(learner.policy)).all()
     finally:
         resumed.close()
