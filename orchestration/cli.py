@@ -198,7 +198,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     config = parse(command, TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]),
                                                      presets=", ".join(preset_names())))
-    note_unused(command, config)
+    note_unused(command, config, default if resume else None)
     if resume:
         check_resumed(command, default, config)
     if not resume and config.run_dir:

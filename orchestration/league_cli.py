@@ -112,7 +112,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
                          prog="shoal league").league
     if not resume and config.run_dir:
         _refuse_a_used_run_dir(config.run_dir, "league/checkpoints")
-    note_unused("league", config)
+    note_unused("league", config, default if resume else None)
     if resume:
         check_resumed("league", default, config)
     if config.past_selves != default.past_selves:  # flags gave them (a preset's for self-play are not news)

@@ -15,16 +15,19 @@ class UnusedSettingWarning(UserWarning):
     :func:`orchestration.builder.build_trainer`; the ``shoal`` commands say it on stderr instead."""
 
 
-def note_unused(command: str, config: TrainConfig) -> None:
-    """Names on stderr the settings given (unlike their defaults) that this run does not use: never silently."""
-    for sentence in unused_settings(config):
+def note_unused(command: str, config: TrainConfig, base: TrainConfig | None = None) -> None:
+    """Names on stderr the settings given (unlike their defaults) that this run does not use: never silently.
+    ``base``: a resumed run's saved config, whose settings were the user's at the start (only flags changing
+    them now are news)."""
+    for sentence in unused_settings(config, base):
         print(f"shoal {command}: {sentence}", file=sys.stderr)
     note_capped(command, config)
 
 
-def unused_settings(config: TrainConfig) -> list[str]:
-    """One sentence per group of settings given (unlike their defaults) that a run of ``config`` does not use
-    (the Ray backend's on a local run, async-only ones on a synchronous run, ...), naming them as flags."""
+def unused_settings(config: TrainConfig, base: TrainConfig | None = None) -> list[str]:
+    """One sentence per group of settings given (unlike their defaults, or unlike ``base``'s: a resumed run's
+    saved config) that a run of ``config`` does not use (the Ray backend's on a local run, async-only ones on a
+    synchronous run, ...), naming them as flags."""
     sentences = []
     every, feed_forward = None, "recurrent policies only (--policy.recurrent); this run's is feed-forward"
     ray_fields = [f for f in config.ray.__dataclass_fields__  # the iteration timeout guards async runs anywhere
@@ -52,9 +55,10 @@ def unused_settings(config: TrainConfig) -> list[str]:
             ("ppo", not config.policy.recurrent, feed_forward, ("sequence_length", "burn_in")),
             ("policy", not config.policy.recurrent, feed_forward, ("recurrent_cell", "recurrent_size"))):
         settings = getattr(config, section) if section else config
+        given = type(settings)() if base is None else getattr(base, section) if section else base
         prefix = f"--{section.replace('_', '-')}." if section else "--"
         changed = [f"{prefix}{f.replace('_', '-')}" for f in fields or settings.__dataclass_fields__
-                   if getattr(settings, f) != getattr(type(settings)(), f)]
+                   if getattr(settings, f) != getattr(given, f)]
         if unused and changed:
             one = len(changed) == 1
             sentences.append(f"{', '.join(changed)} {'applies' if one else 'apply'} to {what} and does not use "

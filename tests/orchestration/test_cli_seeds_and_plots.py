@@ -298,6 +298,13 @@ def test_a_trainer_built_from_python_warns_of_settings_it_does_not_use_and_the_c
         main(["train", *ARGS, "--iterations", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
               "--ray.num-cpus", "4"])  # the CLI's note, not a warning (which would raise here)
     assert capsys.readouterr().err.count("--ray.num-cpus applies to --backend ray only") == 1
+    # resumed: the settings come from the checkpoint, not from the user now (a Ray run resumed with --backend
+    # local was told of Ray settings it had not typed); a flag changing one is news again
+    main(["train", "--resume", "--run-dir", str(tmp_path / "run"), "--iterations", "2", "--no-progress"])
+    assert "--ray.num-cpus" not in capsys.readouterr().err
+    main(["train", "--resume", "--run-dir", str(tmp_path / "run"), "--iterations", "3", "--no-progress",
+          "--ray.num-cpus", "2"])
+    assert capsys.readouterr().err.count("--ray.num-cpus applies to --backend ray only") == 1
 
 
 def test_a_resume_with_central_inference_says_its_sampling_stream_is_drawn_afresh(tmp_path, monkeypatch, capsys):
