@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from core.losses import PPOConfig
 from core.policies import PolicyConfig
-from orchestration.config import RayConfig, RolloutConfig, TrainConfig
+from orchestration.config import CuriosityConfig, RayConfig, RolloutConfig, TrainConfig
 from orchestration.wire import from_wire, to_wire
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -62,11 +62,12 @@ MEMORY = {"env": "builtin:recall", "ppo": PPOConfig(sequence_length=8, burn_in=4
 CENTRAL = {"env": "builtin:spread", "policy": PolicyConfig(critic="central", normalize_observations=True)}
 CONTINUOUS = {"env": "Pendulum-v1"}  # a Gaussian head on a bounded box action (gymnasium's vector env)
 TORCHRL = {"env": "torchrl:CartPole-v1"}  # building its envs draws from torch's generator (not the weights')
+CURIOSITY = {"curiosity": CuriosityConfig(coef=0.1)}  # the RND bonus, its predictor and statistics in the learner
 
 
-@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS, TORCHRL],
+@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS, TORCHRL, CURIOSITY],
                          ids=["cartpole", "spread_3_policies", "images_scaled_rewards", "lstm_burn_in_normalised",
-                              "central_critic", "continuous_actions", "torchrl_env"])
+                              "central_critic", "continuous_actions", "torchrl_env", "curiosity"])
 def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overrides):
     from orchestration.builder import build_trainer
 
