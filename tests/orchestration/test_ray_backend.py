@@ -235,7 +235,8 @@ def test_streaming_workers_faster_than_the_learner_wait_for_credit_instead_of_ma
 
 def test_with_two_learners_a_fragment_frees_its_credit_when_both_are_done_with_it(ray_session):
     """Had the first learner's training given the credit back, the workers would run ahead of the second one,
-    which got their fragments too late: 6 to 8 of them stale in 10 iterations, over both learners (now 0 to 2)."""
+    which got their fragments too late: 18 to 24 of them stale in 10 iterations, over both learners, with that
+    rule put back (now 0 to 2, and 4 with the 2 cores loaded by the rest of the suite)."""
     trainer = _ray(_config(mode="async", max_staleness=1, **SPLIT))  # a batch: two 64-step fragments
     try:
         for _ in range(10):
@@ -243,7 +244,7 @@ def test_with_two_learners_a_fragment_frees_its_credit_when_both_are_done_with_i
     finally:
         trainer.close()
     assert metrics["agents/policy_version"] == metrics["other/policy_version"] == 10, metrics
-    assert metrics["agents/fragments_stale"] + metrics["other/fragments_stale"] <= 3, metrics
+    assert metrics["agents/fragments_stale"] + metrics["other/fragments_stale"] <= 8, metrics
 
 
 def test_slow_worker_data_beyond_max_staleness_is_dropped_and_counted(streaming, ray_session):
