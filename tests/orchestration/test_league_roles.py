@@ -274,6 +274,35 @@ def test_shoal_league_resumes_from_its_checkpoint_with_every_player_at_the_same_
     assert stop.value.code == 2 and "holds a league already" in err and "shoal league --resume" in err, err
 
 
+def test_shoal_league_on_ray_trains_and_resumes_as_on_the_local_backend(tmp_path, capsys, ray_session):
+    """The league's command, its exploiter resets and its resume on Ray: the same table, pool and rows as the local
+    backend's with the same seed (players train side by side there, one after another here)."""
+    import csv
+
+    def table(path) -> dict:
+        out = json.loads((path / "league" / "league.json").read_text())
+        return {k: out[k] for k in ("iteration", "players", "win_rates")}
+
+    def rows(path) -> list[dict]:
+        return [{k: v for k, v in row.items() if not k.startswith("time") and not k.endswith("per_s")}
+                for row in csv.DictReader((path / "metrics.csv").read_text().splitlines())]
+
+    flags = ["--rollout.num-envs", "4", "--rollout.fragment-length", "16", "--checkpoint-every", "1",
+             "--league.snapshot-every", "1", "--league.league-exploiters", "0", "--league.exploiter-threshold", "0",
+             "--league.exploiter-min-games", "1", "--no-progress"]  # the main exploiter starts over every iteration
+    ray = ["--backend", "ray", "--ray.worker-num-cpus", "0", "--ray.learner-num-cpus", "0"]
+    for name, backend in (("local", []), ("ray", ray)):
+        main(["league", GAME, "--iterations", "2", "--run-dir", str(tmp_path / name), *flags, *backend])
+        main(["league", "--resume", "--iterations", "3", "--run-dir", str(tmp_path / name)])
+    capsys.readouterr()
+    assert table(tmp_path / "ray") == table(tmp_path / "local") and table(tmp_path / "local")["iteration"] == 3
+    assert rows(tmp_path / "ray") == rows(tmp_path / "local") and len(rows(tmp_path / "local")) == 3
+    exploiter = table(tmp_path / "ray")["players"][1]  # started over: its record wiped, its rating the initial one
+    assert exploiter["role"] == "main_exploiter" and exploiter["games_in_table"] < exploiter["games"]
+    pools = [sorted(p.name for p in (tmp_path / name / "league" / "pool").iterdir()) for name in ("local", "ray")]
+    assert pools[0] == pools[1] and len(pools[0]) == 7
+
+
 @pytest.mark.ray
 def test_a_league_on_ray_refuses_a_cluster_too_small_for_its_players_by_name(ray_session):
     """Every player's learner and workers must fit at once: otherwise some actors wait for CPUs for ever."""
