@@ -85,10 +85,10 @@ EPISODE_ID = "episode_id"
 ENV_ID = "env_id"
 #: Learner-side only, root ``[E, T]`` bool: rows of fragments trained on for the first time, so that running
 #: statistics (observation normalisers, curiosity's moments) count a fragment reused in later batches once.
-FRESH = "fresh"
+FRESH = "_shoal_fresh"
 #: Learner-side only, root: group -> ``[E, T, A]`` discounted returns of a fragment's reward stream and the rows
 #: reward scaling counts (:meth:`orchestration.reward_scaling.ReturnStreams.annotated`).
-STREAM_RETURNS = "stream_returns"
+STREAM_RETURNS = "_shoal_stream_returns"
 
 #: Root-level keys that are not agent groups.
 RESERVED_ROOT_KEYS = frozenset(

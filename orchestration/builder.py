@@ -98,19 +98,21 @@ def policy_module(config: TrainConfig, tree: Tree, assignment: Mapping[str, Grou
 
 def build_policies(config: TrainConfig, tree: Tree,
                    assignment: Mapping[str, GroupAssignment]) -> tuple[dict[str, GroupPolicy], set[str]]:
-    """Policy id -> initial module, and the ids that do not learn; the same draws on every backend: the global
-    generator is seeded with ``config.seed`` first, so that envs built before (torchrl envs draw from it, as
-    many as the backend builds) never move the initial weights. ``random`` gets a uniform policy."""
-    torch.manual_seed(config.seed)
-    made = make_policies(tree, config.policy)
+    """Policy id -> initial module, and the ids that do not learn; the same draws on every backend: made from a
+    generator seeded with ``config.seed`` (torch's global one, forked: the caller's stream is untouched), so that
+    envs built before (torchrl envs draw from it, as many as the backend builds) never move the initial weights.
+    ``random`` gets a uniform policy."""
     out, fixed = {}, set()
-    for pid in sorted({p for a in assignment.values() for p in a.policies}):
-        policy = policy_module(config, tree, assignment, pid, made)
-        if is_fixed(config, pid):
-            fixed.add(pid)
-            if pid.split("@", 1)[0] == "random":
-                policy = _uniform(policy)
-        out[pid] = policy
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        made = make_policies(tree, config.policy)
+        for pid in sorted({p for a in assignment.values() for p in a.policies}):
+            policy = policy_module(config, tree, assignment, pid, made)  # other policy ids draw their values
+            if is_fixed(config, pid):
+                fixed.add(pid)
+                if pid.split("@", 1)[0] == "random":
+                    policy = _uniform(policy)
+            out[pid] = policy
     return out, fixed
 
 
@@ -288,7 +290,7 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
         warnings.warn(sentence, UnusedSettingWarning, stacklevel=2)
 
     keep_freed_memory()  # this process trains: its activations' pages stay mapped (orchestration.allocator)
-    torch.manual_seed(config.seed)  # initial weights: the only use of the global generator, at the entry point
+    torch.manual_seed(config.seed)  # what draws from the global generator before build_policies (torchrl envs)
     collection = load_collection(config)  # a file is read once: the run (and its checkpoints) keep the document
     config = with_collection(config, collection)
     rc = config.rollout

@@ -9,11 +9,14 @@ and log).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection
 
 from adapters.external.messages import ProtocolError, encode
 
+_REFUSED_KEPT = 1024  # sim ids whose refusal is remembered (a launcher asks about its own starts)
 _TOLD = 3  # refusals, fatal protocol errors and idle closes of each kind printed on the log; the rest are counted
 
 #: What a refusal or error code most often means, for a run that ends without data (:meth:`refusals`).
@@ -34,21 +37,33 @@ class ConnectionEndings:
         ever, but not told on the log as failures."""
         self._ending = True
 
-    def refusals(self) -> str:
-        """The refusals and errors answered so far by code, with their likely causes, for a message that says
-        why no data came ("" when none): e.g. ``"the server answered bad_token 3 times (the simulators' token
-        is not the run's, ...); its log names the first of each"``."""
+    def refusals(self, since: Mapping[str, int] | None = None) -> str:
+        """The refusals that keep simulators from acting (:data:`_CAUSES`' codes: a token, a tree, a protocol
+        version, busy) answered so far, or since ``since`` (an earlier copy of :attr:`errors`), with their likely
+        causes, for a message that says why no data came ("" when none): e.g. ``"the server answered bad_token 3
+        times (the simulators' token is not the run's, ...); its log names the first of each"``."""
         with self._lock:
-            answered = sorted(self.errors.items(), key=lambda item: -item[1])
+            counts = {c: n - (since or {}).get(c, 0) for c, n in self.errors.items() if c in _CAUSES}
+        answered = sorted(((c, n) for c, n in counts.items() if n > 0), key=lambda item: -item[1])
         if not answered:
             return ""
-        parts = [f"{code} {n} time{'s' if n != 1 else ''}" + (f" ({_CAUSES[code]})" if code in _CAUSES else "")
-                 for code, n in answered[:4]]
+        parts = [f"{code} {n} time{'s' if n != 1 else ''} ({_CAUSES[code]})" for code, n in answered]
         return f"the server answered {', '.join(parts)}; its log names the first of each"
 
-    def _counted(self, code: str) -> None:
-        """One more refusal or error answered with ``code`` (call under the lock)."""
+    def refusal_of(self, sim_id: str) -> str:
+        """Why the connection claiming ``sim_id`` was refused, worded ("" if it was not, or is forgotten)."""
+        with self._lock:
+            code = self.refused_sims.get(sim_id)
+        return f"the server refused {sim_id} with {code} ({_CAUSES.get(code, 'its log says why')})" if code else ""
+
+    def _counted(self, code: str, sim: str | None = None) -> None:
+        """One more refusal or error answered with ``code`` (call under the lock); a refusal of ``sim`` is kept
+        for :meth:`refusal_of` (the newest :data:`_REFUSED_KEPT`)."""
         self.errors[code] = self.errors.get(code, 0) + 1
+        if sim is not None:
+            self.refused_sims[sim] = code
+            if len(self.refused_sims) > _REFUSED_KEPT:
+                del self.refused_sims[next(iter(self.refused_sims))]
 
     def _idle(self, state: dict) -> str:
         """Counts and logs a connection closed for silence; the close frame's reason."""
@@ -97,7 +112,7 @@ class ConnectionEndings:
         tell = tell and (refused or error.fatal)
         with self._lock:
             self.counters["refused" if refused else "protocol_errors"] += 1
-            self._counted(error.code)
+            self._counted(error.code, sim if refused else None)
             told = self._told[error.code] = self._told.get(error.code, 0) + tell
         if tell and told <= _TOLD:  # the simulator is told; whoever runs the server would not know
             why, more = str(error)[:300], f" (further {error.code} refusals are only counted)" if told == _TOLD else ""

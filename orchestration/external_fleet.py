@@ -72,6 +72,7 @@ class ExternalFleet:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._clock = clock
         self._last_data = self._last_activity = clock()
+        self._errors_at_data: dict[str, int] = {}  # the server's error counts when data last came (refusals since)
         self._activity = -1  # act requests and uploaded steps the server had counted when last looked at
         self._interrupted = False
 
@@ -107,7 +108,7 @@ class ExternalFleet:
                 steps += meta["env_steps"]
         now = self._clock()
         if arrived:
-            self._last_data = now
+            self._last_data, self._errors_at_data = now, dict(getattr(self.server, "errors", {}))
         if not check:
             return steps
         acted = self._acted(now)  # looked at on every delivery, so that a signal's grace runs from the last act
@@ -115,8 +116,8 @@ class ExternalFleet:
             self._interrupted = False  # nobody acts: simulators away, restarting, or gone for good
             raise CollectionInterrupted("external collection interrupted")
         if not steps and self.wait_s and now - self._last_data > self.wait_s:
-            why = self.server.refusals() or ("is one running and pointed at this address, with the run's token "
-                                             "and tree?")
+            why = self.server.refusals(self._errors_at_data) or ("is one running and pointed at this address, with "
+                                                                 "the run's token and tree?")
             raise NoSimulatorData(f"no data from any external simulator for {self.wait_s:g} s "
                                   f"({len(self.server.connected)} connected to {self.server.url}): {why}. "
                                   f"--external.wait-s sets this limit (0: wait for good)")
@@ -256,7 +257,7 @@ def build_external(config: TrainConfig, *, log=None):
                                          seed=config.seed, start_timeout_s=ec.start_timeout_s,
                                          max_restarts=ec.max_restarts, restart_backoff_s=ec.restart_backoff_s,
                                          log_dir=Path(config.run_dir) / "simulators" if config.run_dir else None,
-                                         log=log, refusals=server.refusals)
+                                         log=log, refusal_of=server.refusal_of)
             launcher.start()
         # launched simulators get a second start_timeout_s: one that failed to connect is restarted once by then
         patience = ec.start_timeout_s * (2 if launcher is not None else 1)
@@ -270,7 +271,7 @@ def build_external(config: TrainConfig, *, log=None):
                         f"failed to connect is restarted once" if launcher is not None else "start simulators "
                         "(--external.command launches them), give --external.tree, or wait longer "
                         "(--external.start-timeout-s)")
-                refused = f" ({server.refusals()})" if server.errors else ""
+                refused = f" ({server.refusals()})" if server.refusals() else ""
                 raise TimeoutError(f"no simulator connected to {server.url} within {patience:g} s{refused}, so "
                                    f"the environment's tree is unknown: {todo}")
         tree = server.tree

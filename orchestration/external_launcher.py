@@ -62,17 +62,17 @@ class SimulatorLauncher:
         log_dir: each simulator's stdout and stderr go to ``log_dir/<sim_id>.log`` (None: discarded).
         restart_backoff_s: first pause before restarting a simulator that had connected (module docstring).
         clock: monotonic seconds (time is an argument: tests pass their own).
-        refusals: what the server refused so far, worded (``ExternalServer.refusals``), for the message of a
-            simulator that never got connected; None: not known.
+        refusal_of: why the server refused the connection claiming a sim id, worded, or ""
+            (``ExternalServer.refusal_of``), for the message of a simulator that never got in; None: not known.
     """
 
     def __init__(self, command: str, instances: int, *, host: str, port: int, token: str, seed: int = 0,
                  start_timeout_s: float = 60.0, max_restarts: int = 20, log_dir: str | Path | None = None,
                  restart_backoff_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 log: TextIO | None = None, refusals: Callable[[], str] | None = None) -> None:
+                 log: TextIO | None = None, refusal_of: Callable[[str], str] | None = None) -> None:
         render(command, host=host, port=port, seed=seed, sim_id="sim-0", token=token)  # fails early, named
         self._log = log  # a line per restart (what the counters say only in the metrics)
-        self._refusals = refusals
+        self._refusal_of = refusal_of
         self.command, self.instances = command, instances
         self.host, self.port, self.token, self.seed = host, port, token, seed
         self.start_timeout_s, self.max_restarts = start_timeout_s, max_restarts
@@ -191,8 +191,8 @@ class SimulatorLauncher:
         k = self._unconnected[i]
         if k < 2:
             return ""
-        refused = self._refusals() if self._refusals is not None else ""
-        if refused:  # they reached the server, which turned them away
+        refused = self._refusal_of(self.sim_id(i)) if self._refusal_of is not None else ""
+        if refused:  # its last start reached the server, which turned it away
             return f"; none of its last {k} starts was let in: {refused}"
         return (f"; none of its last {k} starts connected to the server: check external.command (does it pass "
                 f"{{port}} and {{token}}, or read SHOAL_PORT and SHOAL_TOKEN?)")

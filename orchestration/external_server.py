@@ -83,7 +83,7 @@ class ExternalServer(LocalPolicyHandlers, ConnectionEndings):
         self.counters = dict(connections=0, refused=0, protocol_errors=0, requests=0, disconnects=0, uploaded_steps=0,
                              idle_closed=0)
         self._told: dict[str, int] = {}  # refusals printed on the log, per error code
-        self.errors: dict[str, int] = {}  # error code -> refusals and errors answered with it (refusals())
+        self.errors, self.refused_sims = {}, {}  # code -> times answered; claimed sim id -> its refusal's code
         self._server, self._thread = None, None
         self._closed = self._ending = False
 

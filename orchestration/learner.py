@@ -176,20 +176,19 @@ class PPOLearner:
 
         Args:
             fragments: ``[E_i, T]`` fragments, concatenated along env; statistics count rows ``FRESH`` marks (if
-                any), reward scaling reads ``STREAM_RETURNS`` where a data-parallel rank 0 put them (else adds them).
+                any), reward scaling reads ``STREAM_RETURNS`` where a data-parallel rank 0 put them.
             progress: fraction of the run done, in [0, 1].
             team_values: a team critic's values of each fragment (:mod:`orchestration.team_critic`), or None.
         """
-        fragments = fragments if self.returns is None else [self.returns.annotated(f) for f in fragments]
         batch = concat_fragments(fragments).to(self.device)
-        batch, fresh, streams = without_marks(batch)  # fresh [N, T]: rows first trained now
+        batch, fresh = without_marks(batch)  # fresh [N, T]: rows first trained now (None: every row)
         team = None if team_values is None else concat_fragments(team_values).to(self.device)
         metrics: dict[str, float] = {}
         for group in self.groups:  # running observation statistics first: this update trains with them
             rows = counted_rows(g := batch.get(group), self.groups[group], fresh, self.device)
             self.policy.observe_(g.get(OBSERVATION), rows, self.reduce_statistics)
         if self.returns is not None:  # and the return statistics (orchestration.reward_scaling)
-            metrics["reward_scale"] = self.returns.observe_(streams, self.reduce_statistics)
+            metrics["reward_scale"] = self.returns.observe_(fragments, self.reduce_statistics)
         for group in self.groups:
             with torch.no_grad():
                 batch = credit_absent_steps(batch, group)  # turn-based rewards reach the mover's last step
@@ -249,7 +248,8 @@ class PPOLearner:
             self.set_lr(lr)
         self.last_fragment_ids = [int(e.meta["fragment_id"]) for e in entries]
         self.last_batch = entries if self.keep_last_batch else []
-        fragments = [marked_fresh(e.fragment, e.uses == 1) for e in entries]  # statistics count a reuse once
+        reused = any(e.uses > 1 for e in entries)  # then statistics count only the rows trained the first time
+        fragments = [marked_fresh(e.fragment, e.uses == 1) if reused else e.fragment for e in entries]
         return (self.update_through or self.update_)(fragments, progress,
                                                      team_values_for(team_values, self.last_fragment_ids, self.policy_id))
 

@@ -17,7 +17,7 @@ was: a small error in a statistic that only sets a scale. The accumulators are p
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -48,20 +48,16 @@ class ReturnStreams:
         self.sequence: dict[int, int] = {}
         """Worker id -> sequence number of the last fragment consumed."""
 
-    def annotated(self, fragment: TensorDictBase) -> TensorDictBase:
-        """``fragment`` ``[E, T]`` with its returns under ``STREAM_RETURNS`` (a shallow copy; as it is when it has
-        them): per group ``[E, T, A]``, ``RETURN`` float64 and ``MASK``, the rows the statistics count (present
-        steps of the policy's slots, in a fragment not consumed before). Advances the accumulators once per
-        fragment (a stream's fragments must come in sequence order). The learner annotates whole fragments
-        before a batch is split between data-parallel ranks, so each rank counts its shard's rows exactly."""
-        if STREAM_RETURNS in fragment.keys():
-            return fragment
+    def _returns(self, fragment: TensorDictBase) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Group -> ``(returns [E, T, A] float64, mask [E, T, A])`` of a fragment not consumed before (the rows
+        the statistics count: present steps of the policy's slots); advances the accumulators. None for a
+        fragment consumed before (asynchronous reuse: its returns are in the statistics already)."""
         fid = int(fragment.get(FRAGMENT_ID).reshape(-1)[0])
         worker, seq = fid >> 32, fid & 0xFFFFFFFF
-        new = seq > self.sequence.get(worker, -1)  # else reused: its returns are in the statistics already
-        if new:
-            self.sequence[worker] = seq
-        groups = {}
+        if seq <= self.sequence.get(worker, -1):
+            return None
+        self.sequence[worker] = seq
+        out = {}
         for group, slots in self.groups.items():
             g_next = fragment.get((NEXT, group))
             reward = g_next.get(REWARD)
@@ -69,22 +65,44 @@ class ReturnStreams:
             carry = self.carry.get((worker, group))
             if carry is None or carry.shape != (e, a):
                 carry = torch.zeros(e, a, dtype=torch.float64, device=reward.device)
-            if new:
-                returns, self.carry[(worker, group)] = discounted_returns(reward, g_next.get(DONE), self.gamma,
-                                                                          carry.to(reward.device))
-            else:  # nothing counts: no need to run the stream again
+            returns, self.carry[(worker, group)] = discounted_returns(reward, g_next.get(DONE), self.gamma,
+                                                                      carry.to(reward.device))
+            mask = fragment.get((group, MASK), None)
+            if slots is not None:
+                slots = slots.to(returns.device)
+                mask = slots.expand(returns.shape) if mask is None else mask & slots
+            out[group] = returns, mask
+        return out
+
+    def annotated(self, fragment: TensorDictBase) -> TensorDictBase:
+        """``fragment`` ``[E, T]`` with its returns under ``STREAM_RETURNS`` (a shallow copy): per group
+        ``[E, T, A]``, ``RETURN`` and ``MASK`` (all False for a fragment consumed before). A data-parallel rank 0
+        annotates whole fragments before it splits a batch, so each rank counts its shard's rows exactly."""
+        found, groups = self._returns(fragment), {}
+        for group in self.groups:
+            if found is None:  # nothing of it counts
+                reward = fragment.get((NEXT, group, REWARD))
                 returns = torch.zeros(reward.shape[:3], dtype=torch.float64, device=reward.device)
-            mask = fragment.get((group, MASK), torch.ones(returns.shape, dtype=torch.bool, device=returns.device))
-            mask = mask & (slots.to(returns.device) if slots is not None else True) & new
+                mask = torch.zeros(returns.shape, dtype=torch.bool, device=returns.device)
+            else:
+                returns, mask = found[group]
+                mask = torch.ones(returns.shape, dtype=torch.bool, device=returns.device) if mask is None else mask
             groups[group] = TensorDict({RETURN: returns, MASK: mask}, batch_size=returns.shape)
         return fragment.clone(False).set(STREAM_RETURNS, TensorDict(groups, batch_size=fragment.batch_size))
 
-    def observe_(self, streams: TensorDictBase, reduce=None) -> float:
-        """Merges the returns of a batch's :meth:`annotated` ``STREAM_RETURNS`` ``[N, T]`` (or a data-parallel
-        shard of it) into the scaler (mutates it); returns the scale rewards are divided by now. ``reduce``:
-        :meth:`RewardScaler.observe_`'s (the ranks' shards then add up to the whole batch)."""
-        for group in self.groups:
-            self.scaler.observe_(streams.get((group, RETURN)), streams.get((group, MASK)), reduce)
+    def observe_(self, fragments: Sequence[TensorDictBase], reduce=None) -> float:
+        """Merges the returns of every fragment not consumed before (in list order; a stream's fragments must
+        come in sequence order) into the scaler, advancing the accumulators (mutates both); a fragment that holds
+        ``STREAM_RETURNS`` (a data-parallel shard, :meth:`annotated`) brings its own. Returns the scale rewards
+        are divided by now. ``reduce``: :meth:`RewardScaler.observe_`'s (data-parallel ranks, one shard each)."""
+        for fragment in fragments:
+            if STREAM_RETURNS in fragment.keys():
+                streams = fragment.get(STREAM_RETURNS)
+                found = {g: (streams.get((g, RETURN)), streams.get((g, MASK))) for g in self.groups}
+            else:
+                found = self._returns(fragment)
+            for returns, mask in (found or {}).values():
+                self.scaler.observe_(returns, mask, reduce)
         return self.scaler.scale()
 
     def scaled(self, batch: TensorDictBase, group: str) -> TensorDictBase:

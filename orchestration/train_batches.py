@@ -41,10 +41,13 @@ def marked_fresh(fragment: TensorDictBase, fresh: bool) -> TensorDictBase:
     return fragment.clone(False).set(FRESH, torch.full(fragment.batch_size, fresh, device=fragment.device))
 
 
-def without_marks(batch: TensorDictBase) -> tuple[TensorDictBase, torch.Tensor | None, TensorDictBase | None]:
-    """``batch`` ``[N, T]`` without the learner's marks, and the marks: ``FRESH`` ``[N, T]`` (:func:`marked_fresh`)
-    and ``STREAM_RETURNS`` (:meth:`orchestration.reward_scaling.ReturnStreams.annotated`); None where absent."""
-    return batch.exclude(FRESH, STREAM_RETURNS), batch.get(FRESH, None), batch.get(STREAM_RETURNS, None)
+def without_marks(batch: TensorDictBase) -> tuple[TensorDictBase, torch.Tensor | None]:
+    """``batch`` ``[N, T]`` without the learner's marks (``FRESH``; ``STREAM_RETURNS``, read from the fragments by
+    :class:`orchestration.reward_scaling.ReturnStreams`), and ``FRESH`` ``[N, T]`` (None where absent)."""
+    fresh = batch.get(FRESH, None)
+    if fresh is None and STREAM_RETURNS not in batch.keys():
+        return batch, None
+    return batch.exclude(FRESH, STREAM_RETURNS), fresh
 
 
 def counted_rows(entry: TensorDictBase, slots: torch.Tensor | None, fresh: torch.Tensor | None,

@@ -117,4 +117,3 @@ def test_the_welcome_tells_the_versions_the_next_batch_acts_with_as_get_policy_d
     finally:
         server.close()
         service.close()
-

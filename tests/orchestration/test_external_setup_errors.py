@@ -207,6 +207,10 @@ def test_a_run_without_data_says_what_the_server_turned_away():
                                                   r"ws://.*\): the server answered bad_token 2 times \(the "
                                                   r"simulators' token is not the run's, in run_dir/external_token"):
             fleet.pump()
+        assert server.refusal_of("sim").startswith("the server refused sim with bad_token (the simulators' token")
+        server.errors["unknown_episode"] = 5  # an episode's error, answered to a simulator let in: not a refusal
+        assert "unknown_episode" not in server.refusals()
+        assert server.refusals(since=dict(server.errors)) == ""  # none since (data came then): the old hint stays
     finally:
         server.close()
 
@@ -220,8 +224,8 @@ def test_a_launched_simulator_turned_away_is_said_to_be_turned_away(tmp_path, ca
         main(["train", "--env", "external", "--external.command", command, "--external.max-restarts", "2",
               "--iterations", "1", "--no-progress", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert "none of its last 3 starts was let in: the server answered bad_token 3 times (the simulators' token is " \
-           "not the run's" in err, err
+    assert "none of its last 3 starts was let in: the server refused sim-0.2 with bad_token (the simulators' token " \
+           "is not the run's" in err, err
 
 
 def test_a_signal_gives_up_a_collection_only_once_no_simulator_acts():
