@@ -173,6 +173,9 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
     if len(set(envs.values()) - {None}) > 1:  # the mean and IQM of two tasks' returns mean nothing
         raise ValueError(f"the runs are of different envs ({', '.join(f'{r}: {e}' for r, e in envs.items() if e)}); "
                          f"shoal plot draws the seeds of one setup: plot each env's runs apart")
+    if differ := _settings_that_differ(runs):  # one curve of two setups (MAPPO and IPPO) would look like one
+        raise ValueError(f"the runs differ in {differ}; shoal plot draws the seeds of one setup as one curve: plot "
+                         f"each setup's runs apart and compare the figures and their finals")
     curves = []
     for run in runs:
         path = Path(run) / "metrics.csv"
@@ -214,6 +217,39 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
             "final_ci95": [float(np.mean(finals)) - final_half, float(np.mean(finals)) + final_half] if n > 1
             else None,  # one run has no interval (a zero-width one would claim certainty)
             "final_iqm": interquartile_mean(finals), "plot": str(png_path)}
+
+
+#: ``config.json`` fields that may differ between the seeds of one setup (bookkeeping, not what is learnt).
+_BOOKKEEPING = ("seed", "run_dir", "iterations", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
+                "loggers", "project", "mlflow_tracking_uri", "threads", "backend", "address", "ray", "device",
+                "eval_every", "eval_episodes", "external")
+
+
+def _settings_that_differ(runs: list[Path]) -> str:
+    """The first settings (at most 3) whose values differ between runs' ``config.json`` files, worded with two
+    runs' values ("" when none differ or fewer than two runs have a readable config)."""
+    def flat(value, prefix=""):
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): value}
+
+    configs = {}
+    for run in runs:
+        try:
+            config = json.loads((Path(run) / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict):
+            configs[str(run)] = {k: v for k, v in flat(config).items() if k.split(".")[0] not in _BOOKKEEPING}
+    if len(configs) < 2:
+        return ""
+    (first, a), rest = next(iter(configs.items())), list(configs.items())[1:]
+    differ = []
+    for key in sorted({k for c in configs.values() for k in c}):
+        other = next(((r, c.get(key)) for r, c in rest if c.get(key) != a.get(key)), None)
+        if other is not None:
+            differ.append(f"{key} ({a.get(key)!r} in {first}, {other[1]!r} in {other[0]})")
+    return "; ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
 
 
 def _env_of(run: Path) -> str | None:
