@@ -40,7 +40,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         env: the env to play in, instead of the checkpoint's env or collection (default: the checkpoint's,
             unless naming it would import a module: an env read from a checkpoint never imports code).
         env_kwargs: the env's keyword arguments as ``NAME VALUE`` pairs (``--env-kwargs delay 8``), as for
-            ``shoal train``; default: the checkpoint's for its own env, none for another ``--env``.
+            ``shoal train``: for the checkpoint's own env, on top of the checkpoint's (given ones win); for
+            another ``--env``, alone.
         threads: torch CPU threads (1 is fastest for small networks on a shared machine).
         opponent: ``random``, a scripted player ``scripted:MODULE:FUNCTION`` (:mod:`orchestration.scripted`),
             another checkpoint (same tree) or a league snapshot (``league/pool/NAME``) playing every seat but the
@@ -88,10 +89,12 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     if env is not None or env_kwargs:  # it replaces the checkpoint's env (and collection): is its tree the same?
         trained_on = "its collection's envs" if config.collection else config.env
         new_env = config.env if env is None else env
-        kwargs = tuple(map(tuple, env_kwargs)) if env_kwargs or new_env != config.env else config.env_kwargs
+        kwargs = tuple(map(tuple, env_kwargs))  # the checkpoint's env: on top of its own (they win)
+        kwargs = kwargs if new_env != config.env else tuple({**dict(config.env_kwargs), **dict(kwargs)}.items())
         given = dataclasses.replace(config, env=new_env, env_kwargs=kwargs, collection=None)
         if (trained_on, config.env_kwargs) != (new_env, kwargs):
-            _check_same_tree(given, state["tree"], trained_on)
+            _check_same_tree(given, state["tree"], trained_on if trained_on != new_env or not config.env_kwargs
+                             else f"{trained_on} with {' '.join(f'{k} {v}' for k, v in config.env_kwargs)}")
         config = given
     if opponent is not None:
         from orchestration.matches import play_seats
@@ -156,9 +159,10 @@ def _check_same_tree(config, saved_tree: str, trained_on: str) -> None:
     finally:
         probe.close()
     if tree != saved_tree:
-        where = tree_difference(json.loads(tree), json.loads(saved_tree), here=f"in {config.env}",
-                                there=f"in {trained_on}")
-        given = f" --env-kwargs {' '.join(f'{k} {v}' for k, v in config.env_kwargs)}" if config.env_kwargs else ""
+        kwargs = " ".join(f"{k} {v}" for k, v in config.env_kwargs)
+        where = tree_difference(json.loads(tree), json.loads(saved_tree), here=f"in {config.env}"
+                                + (f" with {kwargs}" if kwargs else ""), there=f"in {trained_on}")
+        given = f" --env-kwargs {kwargs}" if kwargs else ""
         raise ValueError(f"--env {config.env}{given}: the checkpoint's policies were trained on {trained_on}, whose "
                          f"observations and actions differ: {where}")
 

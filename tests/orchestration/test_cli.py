@@ -296,8 +296,9 @@ def test_evaluate_on_an_env_of_another_tree_names_it_and_the_difference(cartpole
 
 
 def test_evaluate_takes_env_kwargs_and_drops_the_checkpoints_for_another_env(tmp_path, capsys):
-    """The checkpoint's --env-kwargs were carried to another --env (refused as keywords it does not take); they
-    are its own env's default, and --env-kwargs overrides them (a recall policy at a longer delay)."""
+    """The checkpoint's --env-kwargs were carried to another --env (refused as keywords it does not take); for its
+    own env, --env-kwargs go on top of them (a recall policy at a longer delay; they used to replace them all, so
+    ``delay 6`` alone dropped ``num_cues 3`` and was refused naming builtin:recall on both sides)."""
     from orchestration.cli import main
 
     run = tmp_path / "recall"
@@ -311,10 +312,13 @@ def test_evaluate_takes_env_kwargs_and_drops_the_checkpoints_for_another_env(tmp
         "builtin:recall, whose observations and actions differ" in err and "num_cues" not in err, err
     main(["evaluate", str(run), "--env-kwargs", "num_cues", "3", "delay", "6", "--episodes", "2"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["episodes"] == 2
+    main(["evaluate", str(run), "--env-kwargs", "delay", "6", "--episodes", "2"])  # num_cues 3 kept
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["episodes"] == 2
     with pytest.raises(SystemExit) as exit_:  # two cues: another observation than the checkpoint's three
-        main(["evaluate", str(run), "--env-kwargs", "delay", "6", "--episodes", "1"])
+        main(["evaluate", str(run), "--env-kwargs", "num_cues", "2", "--episodes", "1"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "--env builtin:recall --env-kwargs delay 6: the checkpoint's policies" in err, err
+    assert exit_.value.code == 2 and "--env builtin:recall --env-kwargs num_cues 2: the checkpoint's policies were " \
+        "trained on builtin:recall with num_cues 3, whose" in err and "in builtin:recall with num_cues 2" in err, err
 
 
 def test_a_run_directory_names_its_checkpoints(cartpole_run, capsys):
