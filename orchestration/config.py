@@ -318,6 +318,10 @@ class TrainConfig:
         if self.train_batch_size and self.train_batch_size % (self.rollout.num_envs * self.rollout.fragment_length):
             raise ValueError(f"train_batch_size {self.train_batch_size} must be a multiple of num_envs * "
                              f"fragment_length = {self.rollout.num_envs * self.rollout.fragment_length}")
+        if self.backend == "ray" and self.env.startswith("__main__:"):
+            raise ValueError(f"--env {self.env} with --backend ray: Ray's workers are other processes and cannot "
+                             f"import the script you run (__main__); move the factory into a module beside it "
+                             f"(my_envs.py: --env my_envs:{self.env.split(':', 1)[1]}), or use --backend local")
         world, rows = self.ray.learners_per_policy, self.steps_per_iteration // self.rollout.fragment_length
         if self.backend == "ray" and rows % world:  # found here rather than by the learner actors once Ray runs
             made = (f"--train-batch-size {self.train_batch_size} / --rollout.fragment-length "
@@ -336,6 +340,10 @@ class TrainConfig:
             if dataclasses.is_dataclass(kind) and not isinstance(value, kind):
                 raise TypeError(f"TrainConfig.{name} must be a {kind.__name__}, got a {type(value).__name__}"
                                 f"{f' (write {kind.__name__}(**{value!r}))' if isinstance(value, dict) else ''}")
+        if callable(self.env):  # the form a Python caller wants: a factory, named by module path
+            raise TypeError(f"TrainConfig.env takes a str: name a factory as 'module:function' (e.g. "
+                            f"'{getattr(self.env, '__module__', 'my_envs')}:{getattr(self.env, '__name__', 'make')}'"
+                            f"), which every worker imports; got the {type(self.env).__name__} itself")
         pairs = self.env_kwargs.items() if isinstance(self.env_kwargs, Mapping) else self.env_kwargs
         if not isinstance(pairs, (tuple, list, type({}.items()))) or not all(
                 isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in pairs):

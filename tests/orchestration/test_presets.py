@@ -94,3 +94,17 @@ def test_a_config_file_takes_what_its_fields_allow(tmp_path):
     (tmp_path / "kw.yaml").write_text("env_kwargs: {max_steps: 50, sutton_barto_reward: true}\n")
     assert config_from_file(str(tmp_path / "kw.yaml")).env_kwargs == (("max_steps", "50"),
                                                                         ("sutton_barto_reward", "True"))
+
+
+def test_an_env_factory_from_the_running_script_is_refused_on_ray_and_a_function_is_told_its_name_form():
+    """``__main__:factory`` trained locally and failed on Ray with a worker's traceback (workers cannot import the
+    script); a function given itself was told only "takes a str"."""
+    def make_bandit():
+        pass
+
+    with pytest.raises(TypeError, match=r"name a factory as 'module:function' \(e.g. '.*:make_bandit'\)"):
+        TrainConfig(env=make_bandit)
+    with pytest.raises(ValueError, match=r"cannot import the script you run \(__main__\); move the factory into a "
+                                         r"module beside it \(my_envs.py: --env my_envs:make_bandit\)"):
+        TrainConfig(env="__main__:make_bandit", backend="ray")
+    assert TrainConfig(env="__main__:make_bandit").env == "__main__:make_bandit"  # one process: fine
