@@ -115,7 +115,8 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
         wins, draws = int((returns > 0).sum()), int((returns == 0).sum())
         n = len(returns)
         out[seat] = {"games": n, "return_mean": float(returns.mean()), "return_std": float(returns.std(correction=0))}
-        if groups(tree)[group].payoff != "cooperative":  # a shared reward has no winner: its returns alone
+        if groups(tree)[group].payoff == "zero_sum":  # elsewhere (shared or general rewards) a positive return is
+            # no win: the returns alone
             out[seat].update({"win": wins / n, "draw": draws / n, "loss": (n - wins - draws) / n,
                               "win_ci95": list(wilson_interval(wins, n))})
     return out

@@ -92,14 +92,16 @@ def test_a_league_snapshot_is_an_opponent(connect_four, tmp_path):
     assert seats["player_0"]["games"] == 4
 
 
-def test_a_cooperative_game_has_returns_and_no_winner(tmp_path, capsys):
-    """Every agent of builtin:spread shares one reward: it used to report 'win' 1.0 for a return above 0."""
+@pytest.mark.parametrize("env, seat", [("builtin:spread", "agents_0"), ("mpe2:simple_spread_v3", "agent_0")])
+def test_a_game_that_is_not_zero_sum_has_returns_and_no_winner(tmp_path, capsys, env, seat):
+    """Every agent of builtin:spread shares one reward (cooperative): it used to report 'win' 1.0 for a return
+    above 0; mpe2's spread (a general payoff) still reported win 0 / loss 1.0 for its negative returns."""
     run = tmp_path / "spread"
-    main(["train", "builtin:spread", "--iterations", "1", "--rollout.num-envs", "4", "--rollout.fragment-length", "16",
+    main(["train", env, "--iterations", "1", "--rollout.num-envs", "4", "--rollout.fragment-length", "16",
           "--run-dir", str(run), "--no-progress"])
     capsys.readouterr()
-    main(["evaluate", str(run / "checkpoints"), "--opponent", "random", "--episodes", "4", "--seats", "agents_0"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["seats"]["agents_0"]
+    main(["evaluate", str(run / "checkpoints"), "--opponent", "random", "--episodes", "4", "--seats", seat])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["seats"][seat]
     assert result["games"] == 4 and "win" not in result and result["return_std"] >= 0, result
 
 
