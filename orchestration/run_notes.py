@@ -114,6 +114,13 @@ def note_policy_fit(command: str, config: TrainConfig, tree, learning: bool = Tr
     if policy.critic != default.critic and sum(g.capacity for g in specs) == 1:
         print(f"shoal {command}: --policy.critic {policy.critic} reads every agent's observation, and {config.env} has "
               f"one agent: its critic sees what --policy.critic local would", file=sys.stderr)
+    boxes = [leaf for g in specs for _, leaf in iter_leaves(g.agent.action) if leaf.kind == "box"]
+    given = [f"--policy.{f.replace('_', '-')}" for f in ("squash_bounded_actions", "log_std_init")
+             if getattr(policy, f) != getattr(default, f)]
+    if given and not boxes:
+        print(f"shoal {command}: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to box (continuous) "
+              f"actions, and {config.env} has none: {'it does' if len(given) == 1 else 'they do'} nothing here",
+              file=sys.stderr)
     cnn = policy.image_encoder != "flatten"  # (per-leaf overrides aside) images a CNN reads are not standardised
     if policy.normalize_observations and not any(normalizes(leaf, cnn and leaf in images) for leaf in leaves):
         print(f"shoal {command}: --policy.normalize-observations standardises float vector observations, and "

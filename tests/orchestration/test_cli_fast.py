@@ -197,3 +197,21 @@ def test_help_read_by_a_reader_that_leaves_early_ends_quietly(tmp_path):
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
     os.close(writer)
     assert done.returncode == 141 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_continuous_action_settings_on_an_env_without_one_are_named(capsys):
+    """--policy.log-std-init and --policy.no-squash-bounded-actions on CartPole (discrete actions only) were taken
+    in silence; where a box action reads them, nothing is said."""
+    from core.policies import PolicyConfig
+    from orchestration.config import TrainConfig
+    from orchestration.envs import make_env
+    from orchestration.run_notes import note_policy_fit
+
+    policy = PolicyConfig(log_std_init=-1.0, squash_bounded_actions=False)
+    for env, said in (("builtin:cartpole", True), ("Pendulum-v1", False)):
+        probe = make_env(env, 1)
+        note_policy_fit("train", TrainConfig(env=env, policy=policy), probe.tree)
+        probe.close()
+        err = capsys.readouterr().err
+        assert ("--policy.squash-bounded-actions, --policy.log-std-init apply to box (continuous) actions, and "
+                "builtin:cartpole has none: they do nothing here" in err) is said, err
