@@ -192,9 +192,9 @@ def _setup_training(argv: list[str], command: str = "train"):
                   f"config (flags given still change it)", file=sys.stderr)
         default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
         if "--env" not in rest and (why := imports_code(saved.env)):
-            raise SystemExit(f"shoal train --resume: the checkpoint names env {saved.env!r}; {why}, and an env "
-                             f"read from a checkpoint is never allowed to import code. Pass the env yourself: "
-                             f"shoal train --resume --env {saved.env} ...")
+            raise ValueError(f"--resume: the checkpoint names env {saved.env!r}; {why}, and an env read from a "
+                             f"checkpoint is never allowed to import code. Pass the env yourself: shoal {command} "
+                             f"--resume --env {saved.env} ...")
     config = parse(command, TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]),
                                                      presets=", ".join(preset_names())))

@@ -81,8 +81,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
                          f"player's{league_players_hint(checkpoint)}")
     config = load_config(state)
     if env is None and (why := imports_code(config.env)):
-        raise SystemExit(f"shoal evaluate: the checkpoint names env {config.env!r}; {why}, and an env read from a "
-                         f"checkpoint is never allowed to import code. Pass it yourself: --env {config.env}")
+        raise ValueError(f"the checkpoint names env {config.env!r}; {why}, and an env read from a checkpoint is "
+                         f"never allowed to import code. Pass it yourself: --env {config.env}")
     if env is None and env_kwargs and config.collection:
         raise ValueError("--env-kwargs: this checkpoint was trained on a collection, whose envs keep their own "
                          "keyword arguments; name the env to play in with --env too")

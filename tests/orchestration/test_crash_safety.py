@@ -172,7 +172,7 @@ def test_a_checkpoint_naming_a_module_env_imports_nothing(tmp_path):
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in commands]  # side by side
     for process in processes:
         _, err = process.communicate(timeout=300)
-        assert process.returncode != 0 and "never allowed to import code" in err, err[-2000:]
+        assert process.returncode == 2 and "never allowed to import code" in err, err[-2000:]  # a user error's status
         assert "Traceback" not in err
     assert not marker.exists()
 
