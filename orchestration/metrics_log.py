@@ -219,10 +219,11 @@ def plot_runs(runs: list[str | Path], png_path: str | Path, *, y: str = "episode
             "final_iqm": interquartile_mean(finals), "plot": str(png_path)}
 
 
-#: ``config.json`` fields that may differ between the seeds of one setup (bookkeeping, not what is learnt).
-_BOOKKEEPING = ("seed", "run_dir", "iterations", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
-                "loggers", "project", "mlflow_tracking_uri", "threads", "backend", "address", "ray", "device",
-                "eval_every", "eval_episodes", "external")
+#: ``config.json`` fields that may differ between the seeds of one setup (bookkeeping, not what is learnt;
+#: ``anneal_iterations``: a resumed run writes the horizon it keeps, a fresh one 0 for the same schedule).
+_BOOKKEEPING = ("seed", "run_dir", "iterations", "anneal_iterations", "checkpoint_every", "checkpoint_every_s",
+                "keep_checkpoints", "loggers", "project", "mlflow_tracking_uri", "threads", "backend", "address", "ray",
+                "device", "eval_every", "eval_episodes", "external")
 
 
 def _settings_that_differ(runs: list[Path]) -> str:
@@ -233,14 +234,8 @@ def _settings_that_differ(runs: list[Path]) -> str:
             return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
         return {prefix.rstrip("."): value}
 
-    configs = {}
-    for run in runs:
-        try:
-            config = json.loads((Path(run) / "config.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(config, dict):
-            configs[str(run)] = {k: v for k, v in flat(config).items() if k.split(".")[0] not in _BOOKKEEPING}
+    configs = {str(run): {k: v for k, v in flat(config).items() if k.split(".")[0] not in _BOOKKEEPING}
+               for run in runs if (config := _config_of(run)) is not None}
     if len(configs) < 2:
         return ""
     (first, a), rest = next(iter(configs.items())), list(configs.items())[1:]
@@ -252,13 +247,19 @@ def _settings_that_differ(runs: list[Path]) -> str:
     return "; ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
 
 
-def _env_of(run: Path) -> str | None:
-    """The env (or collection) a run's ``config.json`` names; None without a readable one."""
+def _config_of(run: Path) -> dict | None:
+    """A run's ``config.json`` as a dict; None without a readable one."""
     try:
         config = json.loads((Path(run) / "config.json").read_text())
-        return str(config.get("collection") or config.get("env")) if isinstance(config, dict) else None
     except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
+
+
+def _env_of(run: Path) -> str | None:
+    """The env (or collection) a run's ``config.json`` names; None without a readable one."""
+    config = _config_of(run)
+    return None if config is None else str(config.get("collection") or config.get("env"))
 
 
 def _run_dirs(path: Path) -> list[Path]:
