@@ -130,7 +130,7 @@ class CsvLogger:
             self._columns = [*self._columns, *new]
             self._rewrite([self._columns, *(r + [""] * (len(self._columns) - len(r)) for r in rows)])
         with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerow([row.get(c, "") for c in self._columns])
+            csv.writer(f).writerow([_cell(row.get(c, "")) for c in self._columns])
 
     def _rewrite(self, rows) -> None:
         """Replaces the CSV atomically (write, then rename): a kill leaves the old file or the new one."""
@@ -141,6 +141,13 @@ class CsvLogger:
 
     def close(self) -> None:
         pass  # every row is on disk once written
+
+
+def _cell(value):
+    """A whole number as one (iterations, counts: ``3``, not ``3.0``); any other value as it is."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+        return int(value)
+    return value
 
 
 class TensorboardLogger:

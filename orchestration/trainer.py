@@ -121,8 +121,8 @@ class Trainer:
         new_steps = self.env_steps - steps_before
         # sync: collecting and learning alternate (a rate per collect second); async: they overlap (per wall second)
         sampling_s = t_collect if cfg.mode == "sync" else wall
-        metrics.update(iteration=self.iteration, env_steps=self.env_steps, time_collect=t_collect, time_learn=t_learn,
-                       time_iteration=wall, env_steps_per_s=new_steps / max(sampling_s, 1e-9),
+        metrics.update(iteration=self.iteration, env_steps=self.env_steps, lr=lr, time_collect=t_collect,
+                       time_learn=t_learn, time_iteration=wall, env_steps_per_s=new_steps / max(sampling_s, 1e-9),
                        wall_env_steps_per_s=new_steps / max(wall, 1e-9))
         if self.evaluator is not None and cfg.eval_every and self.iteration % cfg.eval_every == 0:
             metrics.update(self.evaluate())

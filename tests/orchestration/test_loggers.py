@@ -96,6 +96,10 @@ def test_a_run_sends_every_iteration_to_wandb_and_mlflow_and_closes_them(tmp_pat
     expected = [{k: v[i] for k, v in rows.items() if math.isfinite(v[i])} for i in range(2)]  # env_steps too
     assert "eval_return_mean" in expected[1] and "eval_return_mean" not in expected[0]  # evaluation at iteration 2
     assert ("pipeline/fragments" in expected[0]) == (backend == "ray")  # the Ray workers' pipeline report too
+    assert rows["lr"] == [TINY.lr, TINY.lr / 2]  # the annealed learning rate each iteration trained with
+    header, *lines = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    at = header.split(",").index("iteration")
+    assert [line.split(",")[at] for line in lines] == ["1", "2"]  # counts written as whole numbers, not 1.0
     (run,) = wandb.runs
     assert run.kwargs["project"] == "proj" and run.kwargs["name"] == "run" and run.kwargs["config"]["seed"] == 0
     assert [step for step, _ in run.logged] == [1, 2] and run.finished

@@ -33,7 +33,7 @@ def test_a_trial_restored_in_a_new_directory_keeps_the_rows_before_its_checkpoin
     _trial(tmp_path / "first", None, keep=tmp_path / "at2")
     _trial(tmp_path / "restored", tmp_path / "at2")  # as Tune restores it: a new, empty trial directory
     first, restored = _rows(tmp_path / "first" / "metrics.csv"), _rows(tmp_path / "restored" / "metrics.csv")
-    assert [r["iteration"] for r in restored] == ["1.0", "2.0", "3.0", "4.0"]
+    assert [r["iteration"] for r in restored] == ["1", "2", "3", "4"]
     assert restored[:2] == first[:2]  # the rows of the first session, as written
     assert restored[-1]["env_steps"] == first[-1]["env_steps"]
 
@@ -60,7 +60,8 @@ def test_the_rows_a_checkpoint_carries_never_replace_a_trials_own(tmp_path):
     _trial(tmp_path / "trial", None, keep=tmp_path / "at2")
     own = _rows(tmp_path / "trial" / "metrics.csv")
     carried = tmp_path / "at2" / "metrics.csv"
-    carried.write_text(carried.read_text().replace("1.0", "7.0"))  # told apart from the trial's own
+    header, *lines = carried.read_text().splitlines()  # told apart from the trial's own: env_steps -7
+    carried.write_text("\n".join([header, *("-7" + line[line.index(","):] for line in lines)]) + "\n")
     shorter = dataclasses.replace(CONFIG, iterations=2)
     run_trial(shorter, str(tmp_path / "trial"), str(tmp_path / "at2"), lambda *_: None)  # nothing left to train
     assert _rows(tmp_path / "trial" / "metrics.csv") == own[:2]
