@@ -22,7 +22,7 @@ from orchestration.result_line import print_result
 def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs: int = 4,
              env: str | None = None, env_kwargs: tuple[tuple[str, str], ...] = (), threads: int = 1,
              opponent: str | None = None, seats: tuple[str, ...] = (), sample: bool = False,
-             video: str | None = None) -> float:
+             video: str | None = None, seed: int | None = None) -> float:
     """Plays ``episodes`` episodes with the deterministic policies of ``checkpoint``; prints the mean return
     and its standard deviation. With ``--opponent``: plays each seat against it and prints win/draw/loss rates
     with 95% intervals per seat (:mod:`orchestration.matches`). With ``--video DIR``: plays the episodes in one
@@ -49,6 +49,8 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         seats: the agents the checkpoint plays, one at a time (default: every agent).
         sample: the checkpoint's policy samples instead of acting with its mode (the opponent always samples).
         video: a directory to write a video of every episode into (one env, whatever ``num_envs`` says).
+        seed: the evaluation's seed: its envs' and any sampling's (default: the run's). The same checkpoint,
+            seed and ``num_envs`` play the same episodes; another seed or ``num_envs`` other ones.
     """
     import statistics
 
@@ -80,6 +82,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         raise ValueError(f"{checkpoint} is a league's own checkpoint (its pool, payoff table and ratings), not a "
                          f"player's{league_players_hint(checkpoint)}")
     config = load_config(state)
+    config = config if seed is None else dataclasses.replace(config, seed=seed)
     if env is None and (why := imports_code(config.env)):
         raise ValueError(f"the checkpoint names env {config.env!r}; {why}, and an env read from a checkpoint is "
                          f"never allowed to import code. Pass it yourself: --env {config.env}")
@@ -100,7 +103,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
         from orchestration.matches import play_seats
 
         per_seat = play_seats(checkpoint, opponent, episodes=episodes, seats=tuple(seats), env=config.env,
-                              num_envs=num_envs, sample=sample)
+                              num_envs=num_envs, sample=sample, seed=config.seed)
         print_result({"checkpoint": str(checkpoint), "opponent": opponent, "seats": per_seat})
         return min((r["win"] for r in per_seat.values() if "win" in r), default=math.nan)
     tree = from_json(state["tree"])

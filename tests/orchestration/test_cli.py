@@ -326,3 +326,15 @@ def test_a_run_directory_names_its_checkpoints(cartpole_run, capsys):
 
     main(["evaluate", str(cartpole_run), "--episodes", "2"])  # the run, not its checkpoints directory
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["episodes"] == 2
+
+
+def test_evaluate_plays_the_episodes_of_its_seed(cartpole_run, capsys):
+    """The same seed plays the same episodes, another seed other ones; the default is the run's seed (3)."""
+    from orchestration.cli import main
+
+    def returns(*flags):
+        main(["evaluate", str(cartpole_run), "--episodes", "4", "--sample", *flags])
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval_return_mean"]
+
+    assert returns("--seed", "5") == returns("--seed", "5") != returns("--seed", "6")
+    assert returns() == returns("--seed", "3") != returns("--seed", "0")
