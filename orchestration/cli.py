@@ -44,7 +44,7 @@ from orchestration.result_line import print_result
 from orchestration.run_notes import (UnusedSettingWarning, check_resumed, note_past_selves, note_policy_fit,
                                     note_schedule, note_unused)
 from orchestration.signals import Terminated, stop_on_sigterm
-from orchestration.user_errors import is_users_mistake, user_errors
+from orchestration.user_errors import exit_if_users_mistake, user_errors
 
 
 def _config_from_file(path: str, base: TrainConfig | None = None) -> TrainConfig:
@@ -156,10 +156,8 @@ def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
     try:  # run_training wrote a checkpoint of what was trained before the error
         return run_training(trainer, config, resume, progress, command)
     except (RuntimeError, ValueError) as err:
-        if not is_users_mistake(err):
-            raise
-        print(f"shoal {command}: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_if_users_mistake(err, command, config.run_dir)
+        raise
 
 
 def _setup_training(argv: list[str], command: str = "train"):

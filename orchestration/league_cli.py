@@ -124,7 +124,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
 
 def run(argv: Sequence[str]) -> dict:
     """Parses, builds the league, trains ``config.iterations`` league iterations, writes its outputs."""
-    from orchestration.user_errors import user_errors
+    from orchestration.user_errors import exit_if_users_mistake, user_errors
 
     with user_errors("league"):
         config, league_config, progress, checkpoint = parse(argv)
@@ -150,7 +150,11 @@ def run(argv: Sequence[str]) -> dict:
             except BaseException:
                 league.close()
                 raise
-    return train_league(league, config, progress, resume=checkpoint is not None)
+    try:
+        return train_league(league, config, progress, resume=checkpoint is not None)
+    except (RuntimeError, ValueError) as err:  # the checkpoint is written; a user's mistake is one paragraph
+        exit_if_users_mistake(err, "league", config.run_dir)
+        raise
 
 
 def restore_league_(league, run_dir: Path, checkpoint: tuple) -> None:

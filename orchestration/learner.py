@@ -228,8 +228,8 @@ class PPOLearner:
                             if v.is_floating_point() and not bool(torch.isfinite(v).all())), "the loss")
         raise NonFiniteTraining(f"policy {self.policy_id!r}: {self._skipped_in_a_row} consecutive updates were "
                                 f"skipped entirely (non-finite loss or gradients); first non-finite tensor: "
-                                f"{culprit}. Lower the learning rate, check the env's rewards and observations, "
-                                f"or raise TrainConfig.max_skipped_updates")
+                                f"{culprit}. Lower the learning rate (TrainConfig.lr), check the env's rewards and "
+                                f"observations, or raise TrainConfig.max_skipped_updates.")
 
     def train(self, progress: float = 0.0, *, lr: float | None = None, take_all: bool = True,
               team_values: Mapping[int, TensorDictBase] | None = None) -> dict[str, float]:

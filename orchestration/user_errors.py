@@ -49,6 +49,10 @@ def known(name: str, kind: str, choices) -> str:
     raise ValueError(f"no {kind} {name!r} in this run{hint(name, sorted(choices))}")
 
 
+DIVERGED = "NonFiniteTraining"
+"""The name of :class:`orchestration.learner.NonFiniteTraining` (imported only when an error is one: torch)."""
+
+
 class StalledRun(RuntimeError):
     """An asynchronous run whose learners could not train while no fragment arrived for
     ``--ray.iteration-timeout-s``: the envs or workers deliver nothing (or the batch is far larger than what
@@ -68,13 +72,18 @@ def is_users_mistake(err: Exception, gymnasium: bool = False) -> bool:
     command template), external simulators that deliver nothing for ``external.wait_s``, a stalled asynchronous
     run (:class:`StalledRun`), env data that breaks its tree (``adapters.checking.EnvOutputError``: a wrong shape,
     a value outside its space, a missing agent; the message names the env, agent and key, and Shoal's frames
-    would say nothing more), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
+    would say nothing more), updates that stay non-finite (``NonFiniteTraining``: the learning rate, the
+    rewards), and with ``gymnasium`` gymnasium's id errors (they name the nearest id)."""
     from orchestration.external_launcher import NoSimulatorData, SimulatorsFailed  # light: no torch
 
     if type(err).__name__ == "EnvOutputError":  # imported only when it is one (adapters.checking imports torch)
         from adapters.checking import EnvOutputError
 
         return isinstance(err, EnvOutputError)
+    if type(err).__name__ == DIVERGED:  # updates that stay non-finite: --lr or the env's rewards, told how
+        from orchestration.learner import NonFiniteTraining
+
+        return isinstance(err, NonFiniteTraining)
     if type(err).__name__ == "EnvWorkerFault":  # the same, found in an env process (--rollout.env-processes)
         from adapters.env_worker import EnvWorkerFault
 
@@ -91,4 +100,17 @@ def users_mistake_within(err: BaseException) -> Exception | None:
     return cause if isinstance(cause, Exception) and is_users_mistake(cause) else None
 
 
-__all__ = ["StalledRun", "is_users_mistake", "user_errors", "users_mistake_within", "without_colours"]
+def exit_if_users_mistake(err: BaseException, command: str, run_dir: str) -> None:
+    """Ends a run that failed while training with one paragraph and exit status 2 when ``err`` (or, from a Ray
+    actor, its cause) is the user's mistake, :func:`is_users_mistake`; returns otherwise (the caller re-raises).
+    The run's checkpoint holds what was trained before the error: a diverged run is told how to continue."""
+    if (mistake := err if is_users_mistake(err) else users_mistake_within(err)) is None:
+        return
+    again = (f" The checkpoints keep what was trained before it: continue with shoal {command} --resume "
+             f"--run-dir {run_dir} and, say, a lower --lr") if type(mistake).__name__ == DIVERGED else ""
+    print(f"shoal {command}: {as_flags(str(mistake))}{again}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+__all__ = ["DIVERGED", "StalledRun", "exit_if_users_mistake", "is_users_mistake", "user_errors",
+           "users_mistake_within", "without_colours"]

@@ -331,6 +331,34 @@ def test_training_that_only_skips_updates_stops_naming_the_policy_and_tensor():
         trainer.train()
 
 
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_diverging_run_ends_in_one_paragraph_with_the_way_to_continue(tmp_path, monkeypatch, capsys, backend,
+                                                                         request):
+    """A learning rate that makes every update non-finite: exit 2 with the policy, the flags to change and the
+    resume command, never a traceback (on Ray the learner actor's error carries it); the iterations before are
+    in the checkpoint, and the run resumes from it with a lower --lr."""
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ray = []
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+        ray = ["--backend", "ray", "--ray.worker-num-cpus", "0", "--ray.learner-num-cpus", "0", "--loggers", "csv"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *ARGS, *ray, "--lr", "1e30", "--no-anneal-lr", "--max-skipped-updates", "2", "--iterations",
+              "8", "--run-dir", "r"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    err = err.strip().splitlines()[-1]  # Ray prints its progress lines first
+    assert "shoal train: policy 'agent': 2 consecutive updates were skipped entirely" in err, err
+    assert "(--lr)" in err and "raise --max-skipped-updates" in err, err
+    assert "continue with shoal train --resume --run-dir r and, say, a lower --lr" in err, err
+    saved = ckpt.load_checkpoint(tmp_path / "r" / "checkpoints")[2]["iteration"]
+    assert saved >= 1 and _iterations(tmp_path / "r" / "metrics.csv")[-1] == saved
+    main(["train", "--resume", "--run-dir", "r", "--lr", "1e-3", *ray, "--iterations", str(saved + 1)])
+    assert _iterations(tmp_path / "r" / "metrics.csv") == list(range(1, saved + 2))
+
+
 def test_metrics_that_appear_later_get_their_own_column_and_keep_earlier_rows(tmp_path):
     from orchestration.metrics_log import MetricsLog, read_csv
 

@@ -179,6 +179,17 @@ def test_shoal_league_trains_writes_checkpoints_a_pool_and_a_table(tmp_path, cap
     assert stop.value.code == 2 and "two-player zero-sum" in capsys.readouterr().err
 
 
+def test_a_diverging_league_ends_in_one_paragraph_with_the_way_to_continue(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["league", GAME, "--iterations", "6", "--rollout.num-envs", "4", "--rollout.fragment-length", "16",
+              "--run-dir", str(tmp_path), "--league.league-exploiters", "0", "--lr", "1e30", "--no-anneal-lr",
+              "--max-skipped-updates", "2"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert "2 consecutive updates were skipped entirely" in err.strip().splitlines()[-1], err
+    assert f"continue with shoal league --resume --run-dir {tmp_path} and, say, a lower --lr" in err, err
+
+
 def test_a_league_state_loads_into_a_fresh_league_with_the_same_pool_table_and_ratings():
     config = _config(rollout=RolloutConfig(num_envs=4, fragment_length=16))
     rules = LeagueConfig(snapshot_every=1, league_exploiters=0)
