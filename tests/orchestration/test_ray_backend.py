@@ -63,11 +63,13 @@ CENTRAL = {"env": "builtin:spread", "policy": PolicyConfig(critic="central", nor
 CONTINUOUS = {"env": "Pendulum-v1"}  # a Gaussian head on a bounded box action (gymnasium's vector env)
 TORCHRL = {"env": "torchrl:CartPole-v1"}  # building its envs draws from torch's generator (not the weights')
 CURIOSITY = {"curiosity": CuriosityConfig(coef=0.1)}  # the RND bonus, its predictor and statistics in the learner
+FIXED = {"env": "builtin:spread", "policy_mapping": (("agents_1", "frozen"),),  # --fixed-policies: acts, never
+         "fixed_policies": ("frozen",)}                                            # trains, is checkpointed
 
 
-@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS, TORCHRL, CURIOSITY],
+@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS, TORCHRL, CURIOSITY, FIXED],
                          ids=["cartpole", "spread_3_policies", "images_scaled_rewards", "lstm_burn_in_normalised",
-                              "central_critic", "continuous_actions", "torchrl_env", "curiosity"])
+                              "central_critic", "continuous_actions", "torchrl_env", "curiosity", "fixed_policy"])
 def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overrides):
     from orchestration.builder import build_trainer
 
@@ -100,9 +102,11 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
                 if not key.startswith("time") and not key.endswith("per_s") and value == value:
                     assert ray_metrics[key] == value, key
         _assert_same_checkpoint(local, remote)
+        for pid in local.learners.keys() - trained.keys():  # fixed policies: never trained, on either backend
+            assert local.weights[pid][0] == remote.weights[pid][0] == 0
         if not overrides:
             _assert_resumes_exactly(config, local, remote)
-        prefix = "other/" if overrides is SPLIT else ""  # several trained policies: metrics per policy
+        prefix = {id(SPLIT): "other/", id(FIXED): "agents/"}.get(id(overrides), "")  # several: per policy
         assert ray_metrics[f"{prefix}fragments_in_flight"] == 0
         assert ray_metrics[f"{prefix}weights_serializations"] == version + 1  # one put per version
         if not overrides:
