@@ -108,11 +108,15 @@ class PettingZooParallelEnv(_PettingZooBase):
                     self._write_reward(e, agent, value, nxt)
             if rewards.keys() != act.keys():  # every agent that acted gets its reward (0 would pass unseen)
                 self._check_rewards(e, rewards, act)
+            live = env.agents
             if any(terms.values()) or any(truncs.values()):
                 self._write_flags(e, nxt, terms, truncs)
+                for agent in live:  # PettingZoo removes a done agent (its parallel_api_test checks it)
+                    if (terms.get(agent) or truncs.get(agent)) and agent in slots:
+                        self._report(e, slots[agent], "is still in env.agents after the step that ended it "
+                                     "(terminated or truncated): remove it from env.agents", (NEXT,), TERMINATED)
             if self._state is not None:
                 self._write_state(e, env, nxt["shared"], (NEXT, SHARED))
-            live = env.agents
             if live != possible:
                 partial.append((e, list(live)))
             # usual case: the agents that acted are the live ones and each got an observation

@@ -31,8 +31,8 @@ SEED = 3
 class JoinLeaveEnv(ParallelEnv):
     """A real ParallelEnv: walker_2 joins at t=2, walker_0 terminates at t=3, the rest truncate at t=6.
 
-    Action masks come in ``infos``; ``fault`` makes it emit an unknown agent, drop one without a flag, or leave
-    out the reward of one that acted.
+    Action masks come in ``infos``; ``fault`` makes it emit an unknown agent, drop one without a flag, leave
+    out the reward of one that acted, or keep one that ended in ``agents``.
     """
 
     metadata = {"name": "join_leave_v0"}
@@ -84,8 +84,10 @@ class JoinLeaveEnv(ParallelEnv):
             return obs, rewards, dones, {a: self._info(a) for a in self.agents}
         if self.fault == "str_flag" and self.t == 2:  # "False" is a non-empty string: read as True, it ended them
             truncs = {a: "False" for a in self.agents}
+        if self.fault == "zombie" and self.t == 2:  # ended, yet kept in agents (PettingZoo removes it)
+            terms["walker_1"] = True
         infos = {a: self._info(a) for a in self.agents}
-        self.agents = [a for a in self.agents if not (terms[a] or truncs[a])]
+        self.agents = [a for a in self.agents if not (terms[a] or truncs[a]) or self.fault == "zombie"]
         return obs, rewards, terms, truncs, infos
 
 
@@ -232,6 +234,7 @@ def test_an_action_mask_shoal_cannot_apply_is_refused_not_dropped(where):
     ("vanish", "walker_1", ("next", "walker", "truncated")),
     ("no_reward", "walker_1", ("next", "walker", "reward")),
     ("str_flag", "walker_0", ("next", "walker", "truncated")),
+    ("zombie", "walker_1", ("next", "walker", "terminated")),
 ])
 def test_unknown_or_vanishing_agent_strict_and_lenient(fault, agent, key):
     legal = TensorDict({"walker": TensorDict({"action": torch.tensor([[1, 2, 2]])}, batch_size=(1, 3))},
