@@ -216,6 +216,7 @@ class Checker:
                                          "env_restarts": 0}
         self.recent: deque[EnvOutputError] = deque(maxlen=recent)
         self.pending: list[EnvOutputError] = []
+        self._logged: set[tuple] = set()  # (agent, key) of the problems logged: each kind once, not every episode
 
     def report(self, error: EnvOutputError) -> None:
         """Raises in strict mode; in lenient mode keeps the problem for the adapter to repair this step."""
@@ -224,10 +225,14 @@ class Checker:
         self.pending.append(error)
 
     def take(self) -> list[EnvOutputError]:
-        """The problems reported since the last call; each is logged and remembered."""
+        """The problems reported since the last call; each is remembered, the first of each agent and key logged
+        (a long lenient run would otherwise log one line per truncated episode; the counters count them all)."""
         errors, self.pending = self.pending, []
         for err in errors:
-            _log.warning("truncating episode on invalid env output: %s", err)
+            if (err.agent, err.key) not in self._logged:
+                self._logged.add((err.agent, err.key))
+                _log.warning("truncating episode on invalid env output: %s (later ones of this agent and key are "
+                             "counted in env/invalid_output_truncations, not logged)", err)
             self.recent.append(err)
         return errors
 

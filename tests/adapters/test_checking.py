@@ -358,3 +358,18 @@ def test_an_env_output_error_pickles_as_it_is():
         assert type(back) is cls and str(back) == str(error) == ("env 0, agent 'agent', key next/agent/observation: "
                                                                  "expected shape (4,), got (3,)")
         assert (back.env_index, back.agent, back.key) == (0, "agent", ("next", "agent", "observation"))
+
+
+def test_a_lenient_run_logs_each_agent_and_keys_problem_once_and_counts_every_one(caplog):
+    """A long lenient run truncates many episodes for the same fault: the first is logged, every one counted."""
+    from adapters.checking import Checker
+
+    checker = Checker("lenient")
+    for e in range(5):
+        checker.report(EnvOutputError("NaN", env_index=e, agent="a", key=("next", "g", "reward")))
+        checker.report(EnvOutputError("NaN", env_index=e, agent="b", key=("next", "g", "reward")))
+        assert len(checker.take()) == 2
+        checker.count_truncations(2)
+    logged = [r.getMessage() for r in caplog.records if "truncating episode" in r.getMessage()]
+    assert len(logged) == 2 and "env 0, agent 'a'" in logged[0] and "env 0, agent 'b'" in logged[1], logged
+    assert checker.counters["invalid_output_truncations"] == 10 and len(checker.recent) == 10
