@@ -24,6 +24,7 @@ _ADAPTER_KEYWORDS = {"vmas": ("payoff", "seed"), "mpe2": ("payoff", "action_mask
 _SET_BY_SHOAL = {family: {"num_envs": "--rollout.num-envs"} for family in ("builtin", "vmas", "torchrl")}
 
 _PAYOFFS = ("cooperative", "zero_sum", "general")  # core.specs.PAYOFFS, without importing torch here
+_MASK_SOURCES = ("auto", "observation", "info", "none")  # the PettingZoo adapters' action_mask
 
 
 def factory_of(name: str):
@@ -59,13 +60,14 @@ def check_values(name: str, kwargs: dict[str, Any]) -> None:
     torch_device = name.split(":", 1)[0] in ("builtin", "vmas", "torchrl")  # the others may mean their own thing
     if isinstance(device := kwargs.get("device"), str) and (why := _unusable(device, torch_device)):
         raise ValueError(f"env {name!r}: --env-kwargs device {device!r}: {why}; use --env-kwargs device cpu")
-    payoff = kwargs.get("payoff", "cooperative")
-    if isinstance(payoff, str) and payoff not in _PAYOFFS:  # the adapters' keyword; the tree would refuse it later
-        import difflib                                       # without naming the flag
+    for key, kind, choices in (("payoff", "payoff", _PAYOFFS), ("action_mask", "mask source", _MASK_SOURCES)):
+        value = kwargs.get(key, choices[0])  # the adapters' keywords; they would refuse it later without the flag
+        if isinstance(value, str) and value not in choices:
+            import difflib
 
-        near = difflib.get_close_matches(payoff, _PAYOFFS, n=1)
-        raise ValueError(f"env {name!r}: --env-kwargs payoff {payoff!r} is not a payoff"
-                         + (f" (did you mean {near[0]!r}?)" if near else f"; the payoffs are {', '.join(_PAYOFFS)}"))
+            near = difflib.get_close_matches(value, choices, n=1)
+            raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is not a {kind}"
+                             + (f" (did you mean {near[0]!r}?)" if near else f"; they are {', '.join(choices)}"))
     params = parameters(name) if kwargs else {}
     if name.startswith("vmas:") and params:
         from core.envsets.ids import hint  # imports torch: only on this path (the command's --help stays light)

@@ -28,6 +28,7 @@ import numbers
 import pkgutil
 import re
 from functools import partial
+from pathlib import Path
 from typing import Any, Iterable
 
 from adapters.extras import EXTRAS, extra_for, is_installed, missing_extra, require
@@ -80,8 +81,15 @@ def make_env(name: str, num_envs: int, *, check: str = "strict", kwargs: dict[st
 def _blame_kwargs(name: str, kwargs: dict[str, Any] | None, err: BaseException) -> None:
     """Raises ValueError naming the env and its ``--env-kwargs`` when the env's own code refused them while
     being built (a VMAS scenario's ``assert``, a ``TypeError`` deep inside, numpy's errors: they named neither);
-    returns when no keywords were given or the message names the env already (Shoal's own: raised as is)."""
-    if not kwargs or name in str(err):
+    returns when no keywords were given or the message names the env already. Shoal's own refusals (an
+    adapter's: a space it cannot lay out, a value outside the tree) are not the keywords': they get the env's
+    name in front, and keep their type."""
+    if name in str(err):
+        return
+    if _raised_by_shoal(err):
+        err.args = (f"env {name!r}: {err}", *err.args[1:])
+        return
+    if not kwargs:
         return
     given = " ".join(f"{k} {v!r}" for k, v in kwargs.items())
     if str(err):
@@ -93,6 +101,20 @@ def _blame_kwargs(name: str, kwargs: dict[str, Any] | None, err: BaseException) 
         why = f"{type(err).__name__}" + (f" at `{frames[-1].line}`" if frames and frames[-1].line else "")
     raise ValueError(f"env {name!r} failed to build with --env-kwargs {given}: {why} (check the values against "
                      f"what the env accepts)") from err
+
+
+def _raised_by_shoal(err: BaseException) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is Shoal's own code (adapters/, core/, orchestration/)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    here = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return any(here.is_relative_to(_ROOT / part) for part in ("adapters", "core", "orchestration"))
+
+
+_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _make_env(name: str, num_envs: int, *, check: str, kwargs: dict[str, Any] | None, shared_state: bool | None):

@@ -67,6 +67,38 @@ def test_adapter_keywords_given_to_a_gymnasium_factory_are_refused_not_dropped(t
     assert make_env("keyword_envs:make_stateful", 2, kwargs={"state": 7}).num_envs == 2  # the factory's own
 
 
+TEXT_ENVS = """
+import gymnasium
+
+
+class TextEnv(gymnasium.Env):  # an observation space Shoal has no tensor layout for
+    observation_space = gymnasium.spaces.Text(5)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def __init__(self, length=5):
+        self.length = length
+
+
+def make_text(length=5):
+    return TextEnv(length)
+"""
+
+
+def test_a_space_shoal_cannot_lay_out_names_the_env_not_its_keywords(tmp_path, monkeypatch, capsys):
+    """Shoal's own refusal while building (the adapter's) names the env; its --env-kwargs are not blamed."""
+    from orchestration.cli import main
+
+    (tmp_path / "text_envs.py").write_text(TEXT_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for kwargs in ([], ["--env-kwargs", "length", "3"]):
+        with pytest.raises(SystemExit):
+            main(["train", "text_envs:make_text", *kwargs, "--no-progress"])
+        err = capsys.readouterr().err
+        assert err.startswith("shoal train: env 'text_envs:make_text': agent/observation: unsupported gymnasium "
+                              "space Text") and "failed to build" not in err, err
+
+
 def test_a_factory_returning_something_else_is_named(tmp_path, monkeypatch, capsys):
     from orchestration.cli import main
 
