@@ -120,11 +120,29 @@ def restore_trainer_(trainer, weights: dict[str, torch.Tensor], tensors: dict[st
                           entry["optimizer"]),
             "generator": tensors["rng/team_critic"], "version": entry["version"], "counters": entry["counters"],
             "inbox": entry["inbox"]}
-    trainer.load_state_({"iteration": state["iteration"], "env_steps": state["env_steps"],
-                         "produced": state.get("produced", 0), "episodes_total": state.get("episodes_total", 0),
-                         "history": state["history"],
-                         "agent_history": state.get("agent_history", {}), "learners": learners,
-                         "actors": actors, **extra})
+    try:
+        trainer.load_state_({"iteration": state["iteration"], "env_steps": state["env_steps"],
+                             "produced": state.get("produced", 0), "episodes_total": state.get("episodes_total", 0),
+                             "history": state["history"],
+                             "agent_history": state.get("agent_history", {}), "learners": learners,
+                             "actors": actors, **extra})
+    except (RuntimeError, ValueError) as err:
+        raise _other_tree(trainer, state) or err
+
+
+def _other_tree(trainer, state: dict[str, Any]) -> ValueError | None:
+    """A state that did not load into ``trainer``: a ValueError naming both envs and the first difference of their
+    trees when the checkpoint's run played another tree (another env, or keywords that reshape it), else None."""
+    saved = state.get("tree")
+    if not isinstance(saved, str) or (mine := to_json(trainer.tree)) == saved:
+        return None
+    from adapters.external.messages import tree_difference
+
+    env, saved_env = trainer.config.env, state["config"]["env"]
+    where = tree_difference(json.loads(mine), json.loads(saved), here=f"in {env}", there=f"in {saved_env}'s")
+    return ValueError(f"the checkpoint's run played {saved_env}, and this run's {env} has other agents, observations "
+                      f"or actions: {where}. Resume it on its own env (--env {saved_env}, with its --env-kwargs), "
+                      f"or train a new run in another --run-dir")
 
 
 def _tensor(value) -> torch.Tensor:

@@ -250,6 +250,12 @@ def test_a_resume_names_the_settings_it_changes_and_refuses_a_new_seed(tmp_path,
             main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", *flags])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and named in err and "does not fit this run" in err, err
+    with pytest.raises(SystemExit) as exit_:  # another env: where its tree differs, not a state dict's keys
+        main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", "--env", "builtin:spread"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and ("the checkpoint's run played builtin:cartpole, and this run's builtin:spread has "
+                                      "other agents, observations or actions: ") in err and "--env builtin:cartpole" \
+        in err, err
     with pytest.raises(SystemExit):  # a learning rate changed alongside is not what does not fit
         main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress", "--lr", "0.01",
               "--policy.hidden-sizes", "32"])
