@@ -191,7 +191,8 @@ class TorchRLEnv:
         """Closes the torchrl env; idempotent."""
         if not self._closed:
             self._closed = True
-            self._env.close()
+            if not getattr(self._env, "is_closed", False):  # a batched env never started is closed: it would raise
+                self._env.close()
 
     # -- reading torchrl data ------------------------------------------------------------------------------
     def _observations(self, td: TensorDict) -> dict:

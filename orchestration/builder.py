@@ -273,6 +273,20 @@ def pretrain_policies_(config: TrainConfig, tree: Tree, assignment: Mapping[str,
             for pid in sorted(set(policies) - set(fixed))}
 
 
+def _with_env_batch(config: TrainConfig, built: int | None) -> TrainConfig:
+    """``config`` with ``rollout.num_envs`` set to the ``built`` envs a factory's env brings itself (a batched
+    torchrl env: its batch is the env dim), said in an :class:`UnusedSettingWarning` when it is not the number
+    asked for; batch sizes and env-step counts then follow what is stepped. ``config`` itself otherwise."""
+    import dataclasses
+
+    if built is None or built == config.rollout.num_envs:
+        return config
+    warnings.warn(f"--rollout.num-envs {config.rollout.num_envs} is not used: env {config.env} steps {built} envs "
+                  f"together itself (its own batch), and Shoal steps them as they are", UnusedSettingWarning,
+                  stacklevel=3)
+    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, num_envs=built))
+
+
 def build_trainer(config: TrainConfig, *, pretrain: bool = True):
     """The composition root: a :class:`orchestration.trainer.Trainer` over the backend ``config`` names.
 
@@ -312,7 +326,7 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
     if config.backend == "ray":
         if collection is None:
             probe = make_run_env(config, 1)
-            tree = probe.tree
+            tree, config = probe.tree, _with_env_batch(config, probe.num_envs if probe.num_envs != 1 else None)
             probe.close()
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
@@ -326,7 +340,7 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
         learners.update({pid: FixedLearner(policies[pid]) for pid in fixed})
     else:
         envs = [make_actor_env(config, rc.num_envs) for _ in range(rc.num_workers)]
-        tree = envs[0].tree
+        tree, config = envs[0].tree, _with_env_batch(config, envs[0].num_envs)
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)
         try:

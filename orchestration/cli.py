@@ -41,8 +41,8 @@ import tyro
 from orchestration.config import TrainConfig
 from orchestration.flag_parsing import parse
 from orchestration.result_line import print_result
-from orchestration.run_notes import (UnusedSettingWarning, check_resumed, note_past_selves, note_policy_fit,
-                                    note_schedule, note_unused)
+from orchestration.run_notes import (UnusedSettingWarning, check_resumed, note_env_batch, note_past_selves,
+                                    note_policy_fit, note_schedule, note_unused)
 from orchestration.signals import Terminated, stop_on_sigterm
 from orchestration.user_errors import exit_if_users_mistake, user_errors
 
@@ -219,6 +219,7 @@ def _setup_training(argv: list[str], command: str = "train"):
     ckpt_root = Path(config.run_dir) / "checkpoints"
     clean_stale(ckpt_root)  # half-written checkpoints a killed run left
     trainer = build_trainer(config, pretrain=not resume)  # a resumed run's checkpoint holds trained weights
+    config = note_env_batch(command, config, trainer.config)  # a factory's env may bring its own batch
     try:
         if config.past_selves != default.past_selves:  # flags set them (a preset's for self-play are not news)
             note_past_selves(command, config, trainer.tree)

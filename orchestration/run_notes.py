@@ -90,6 +90,17 @@ def note_capped(command: str, config: TrainConfig) -> None:
               f"burn in from", file=sys.stderr)
 
 
+def note_env_batch(command: str, config: TrainConfig, built: TrainConfig) -> TrainConfig:
+    """Says on stderr when the trainer ``built`` from ``config`` steps another number of envs than
+    ``--rollout.num-envs`` (a factory's env with a batch of its own: the builder takes its batch); returns the
+    config the run goes on with (``built``'s)."""
+    if built.rollout.num_envs != config.rollout.num_envs:
+        print(f"shoal {command}: --rollout.num-envs {config.rollout.num_envs} is not used: env {config.env} steps "
+              f"{built.rollout.num_envs} envs together itself (its own batch), and Shoal steps them as they are",
+              file=sys.stderr)
+    return built
+
+
 def note_policy_fit(command: str, config: TrainConfig, tree, learning: bool = True) -> None:
     """Says on stderr when the policy settings given (unlike their defaults) find nothing to act on in the env's
     observations: image encoder settings without an image leaf, normalisation without a float vector leaf; and
@@ -193,5 +204,5 @@ def note_past_selves(command: str, config: TrainConfig, tree) -> None:
               f"alone (feed-forward, learning), and this run has none: no past self plays", file=sys.stderr)
 
 
-__all__ = ["STALE_SHARE_TOLD", "UnusedSettingWarning", "check_resumed", "note_capped", "note_past_selves",
-           "note_policy_fit", "note_schedule", "note_stale", "note_unused", "unused_settings"]
+__all__ = ["STALE_SHARE_TOLD", "UnusedSettingWarning", "check_resumed", "note_capped", "note_env_batch",
+           "note_past_selves", "note_policy_fit", "note_schedule", "note_stale", "note_unused", "unused_settings"]
