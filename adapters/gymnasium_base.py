@@ -11,11 +11,12 @@ import gymnasium as gym
 import numpy as np
 from tensordict import TensorDict, TensorDictBase
 
-from core.layout import NEXT, OBSERVATION, REWARD
+from core.layout import ACTION_MASK, NEXT, OBSERVATION, REWARD
 from core.specs import AgentNode, Leaf
 
-from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout
-from .checking import ActionCheck, Checker, LeafCheck
+from .action_masks import MASK_KEY, check_source, split_mask, unmaskable, without_mask
+from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout, action_mask_size
+from .checking import ActionCheck, Checker, EnvOutputError, LeafCheck
 from .spaces import SpaceCodec, space_to_node
 
 AGENT = "agent"
@@ -25,7 +26,9 @@ _RESET_TRIES = 3
 class _GymnasiumBase(AdapterBase):
     """Shared machinery: codecs, checks, the lenient repair, resets of finished envs, step assembly."""
 
-    def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_envs: int, check: str) -> None:
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_envs: int, check: str,
+                 action_mask: str = "auto") -> None:
+        observation_space, self._mask_in_obs = split_mask(observation_space, check_source(action_mask))
         self._obs = SpaceCodec(observation_space, f"{AGENT}/{OBSERVATION}")
         self._act = SpaceCodec(action_space, f"{AGENT}/action")
         self._tree = AgentNode(observation=space_to_node(observation_space, f"{AGENT}/{OBSERVATION}"),
@@ -33,6 +36,11 @@ class _GymnasiumBase(AdapterBase):
         self._num_envs = num_envs
         self._layout = StepLayout(self._tree, num_envs)
         (self._group,) = self._layout.groups.values()
+        self._mask_n = action_mask_size(self._group)  # None: no Discrete action, no mask to apply
+        if self._mask_in_obs and self._mask_n is None:
+            raise ValueError(unmaskable("the env", action_space, "observation"))
+        self._info_mask = action_mask in ("auto", "info") and not self._mask_in_obs
+        self._amask: np.ndarray | None = None  # [E, n] the root's legal actions; None until the env gives masks
         self._names = self._group.agent_names
         self._checks = [LeafCheck(c.leaf) for c in self._obs.leaves]
         self._reward_check = LeafCheck(Leaf.box(()), finite_only=True)
@@ -53,7 +61,8 @@ class _GymnasiumBase(AdapterBase):
         """Applies ``actions[("agent", "action")]`` ``[env, 1, *act]``; see :mod:`adapters.protocol`."""
         if self._root is None:
             raise RuntimeError("call reset() before step()")
-        arrays = self._action_check.arrays(actions, None, None)  # every env present, no masks
+        legal = None if self._amask is None else self._amask[:, None]  # the root's masks: masked actions refused
+        arrays = self._action_check.arrays(actions, None, legal)  # every env present
         nxt, reward, term, trunc, root, auto = self._env_step([a[:, 0] for a in arrays])
         return self._finish(nxt, reward, term, trunc, root, auto)
 
@@ -149,9 +158,51 @@ class _GymnasiumBase(AdapterBase):
         step = GroupNext(nxt, reward, None, None, None)  # nothing ended: constant flags (adapters.assembly)
         return self._layout.build([self._root_step(root)], nxt=[step])
 
-    @staticmethod
-    def _root_step(root: list[np.ndarray]) -> GroupStep:
-        return GroupStep(root, None, None)  # every env present, every action legal (gymnasium has no masks)
+    def _root_step(self, root: list[np.ndarray]) -> GroupStep:  # every env present; masks as the env gave them
+        return GroupStep(root, None, None if self._amask is None else self._amask[:, None].copy())
+
+    # -- action masks (adapters.action_masks) ---------------------------------------------------------------
+    def _unmasked(self, obs, info, rows) -> object:
+        """``obs`` without its action mask; the masks of ``rows`` (the envs whose root ``obs`` is: an index
+        array, or None for every env) taken from it or from ``info`` (a vector env's: one row per env, and
+        ``"_action_mask"`` saying which have one; else one env's) into the root's masks."""
+        if self._mask_in_obs:
+            obs, mask = without_mask(obs)
+            if mask is None:
+                self._checker.report(EnvOutputError("missing", env_index=None if rows is None else int(rows[0]),
+                                                    agent=AGENT, key=(AGENT, OBSERVATION, MASK_KEY)))
+                return obs
+        elif self._info_mask and info and MASK_KEY in info:
+            mask, given = info[MASK_KEY], info.get(f"_{MASK_KEY}")
+            if given is not None:  # a vector env's info: only the envs that gave one
+                rows = np.flatnonzero(given) if rows is None else np.asarray(rows)[np.asarray(given)[rows]]
+                mask = [mask[i] for i in rows]
+        else:
+            return obs
+        self._set_masks(mask, rows)
+        return obs
+
+    def _set_masks(self, mask, rows) -> None:
+        n, e = self._mask_n, self._num_envs
+        where = np.arange(e) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+        if not len(where):
+            return
+        if n is None:
+            self._checker.report(EnvOutputError(unmaskable("the env", None, "info"), env_index=int(where[0]),
+                                                agent=AGENT, key=(AGENT, ACTION_MASK)))
+            return
+        try:
+            mask = np.asarray(mask).reshape(len(where), n)
+        except ValueError:
+            self._checker.report(EnvOutputError(f"expected action mask shape ({n},), got {np.shape(mask)}",
+                                                env_index=int(where[0]), agent=AGENT, key=(AGENT, ACTION_MASK)))
+            return
+        if self._amask is None:
+            self._amask = np.ones((e, n), dtype=bool)
+        self._amask[where] = mask
+        for i in where[~self._amask[where].any(-1)]:
+            self._checker.report(EnvOutputError("action mask allows no action", env_index=int(i), agent=AGENT,
+                                                key=(AGENT, ACTION_MASK)))
 
     def close(self) -> None:
         """Closes the env; idempotent."""

@@ -3,7 +3,8 @@
 The tree is an :class:`~core.specs.AgentNode` (a one-member population, so ``core.specs.groups`` names the
 group ``"agent"`` with capacity 1): observations ``("agent", "observation")`` ``[env, 1, *obs]``, rewards
 ``("next", "agent", "reward")`` ``[env, 1, 1]``. A group whose action is one ``Discrete`` also gets an
-all-True ``("agent", "action_mask")`` (gymnasium has no masks), so steps match ``core.specs.zeros(tree)``.
+``("agent", "action_mask")``: the masks the env gives in its observation ``Dict`` or ``info``
+(:mod:`adapters.action_masks`), else all True, so steps match ``core.specs.zeros(tree)``.
 
 Autoreset (see :class:`GymnasiumVectorEnv`): whatever the vector env's mode, a finished env's final
 observation lands under ``"next"`` and its reset observation at the root of the *same* step; no transition
@@ -21,6 +22,7 @@ from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, Vecto
 
 from core.layout import NEXT, OBSERVATION, REWARD, TERMINATED, TRUNCATED
 
+from .action_masks import without_mask
 from .checking import CheckMode, EnvOutputError
 from .gymnasium_base import AGENT, _GymnasiumBase
 from .gymnasium_first_calls import check_first_calls
@@ -35,10 +37,11 @@ class GymnasiumEnv(_GymnasiumBase):
     Args:
         env: the env; closed by :meth:`close`.
         check: ``"strict"`` or ``"lenient"`` (:mod:`adapters.checking`).
+        action_mask: where its action masks come from (:mod:`adapters.action_masks`).
     """
 
-    def __init__(self, env: gym.Env, *, check: CheckMode = "strict") -> None:
-        super().__init__(env.observation_space, env.action_space, 1, check)
+    def __init__(self, env: gym.Env, *, check: CheckMode = "strict", action_mask: str = "auto") -> None:
+        super().__init__(env.observation_space, env.action_space, 1, check, action_mask)
         self.env = env
 
     def _sample(self, obs, key: tuple[str, ...]) -> list[np.ndarray]:
@@ -49,12 +52,12 @@ class GymnasiumEnv(_GymnasiumBase):
         return bufs
 
     def _reset_envs(self, mask, seed):
-        obs, _ = self.env.reset(seed=seed)
-        return self._sample(obs, (AGENT, OBSERVATION)), None
+        obs, info = self.env.reset(seed=seed)
+        return self._sample(self._unmasked(obs, info, None), (AGENT, OBSERVATION)), None
 
     def _env_step(self, actions):
-        obs, reward, term, trunc, _ = self.env.step(self._act.unflatten([a[0] for a in actions], ()))
-        nxt = self._sample(obs, (NEXT, AGENT, OBSERVATION))
+        obs, reward, term, trunc, info = self.env.step(self._act.unflatten([a[0] for a in actions], ()))
+        nxt = self._sample(self._unmasked(obs, info, None), (NEXT, AGENT, OBSERVATION))
         reward = self._scalar(reward, (NEXT, AGENT, REWARD), real=True)
         return (nxt, reward, self._scalar(term, (NEXT, AGENT, TERMINATED)),
                 self._scalar(trunc, (NEXT, AGENT, TRUNCATED)), None, None)
@@ -91,10 +94,11 @@ class GymnasiumVectorEnv(_GymnasiumBase):
     Args:
         env: the vector env; closed by :meth:`close`.
         check: ``"strict"`` or ``"lenient"`` (:mod:`adapters.checking`).
+        action_mask: where its action masks come from (:mod:`adapters.action_masks`).
     """
 
-    def __init__(self, env: VectorEnv, *, check: CheckMode = "strict") -> None:
-        super().__init__(env.single_observation_space, env.single_action_space, env.num_envs, check)
+    def __init__(self, env: VectorEnv, *, check: CheckMode = "strict", action_mask: str = "auto") -> None:
+        super().__init__(env.single_observation_space, env.single_action_space, env.num_envs, check, action_mask)
         self.env = env
         base = env.unwrapped
         self.autoreset_mode = AutoresetMode(env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP))
@@ -122,9 +126,10 @@ class GymnasiumVectorEnv(_GymnasiumBase):
             plain, quick = self._obs.plain, self._checks[0].quick_ok
             unchecked = []
             for i in np.flatnonzero(mask).tolist():
-                obs, _ = self._base.envs[i].reset()
+                obs, info = self._base.envs[i].reset()
                 self._base._autoreset_envs[i] = False  # no NEXT_STEP dummy step, no DISABLED assertion
                 self._base._env_obs[i] = obs
+                obs = self._unmasked(obs, info, [i])
                 if plain is not None and type(obs) is np.ndarray and obs.shape == plain[0] and obs.dtype == plain[1]:
                     arrays[0][i] = obs  # the usual case: one array leaf of the right shape and dtype
                     if not quick(obs):  # values not known to be fine: the batched check locates the problem
@@ -138,7 +143,7 @@ class GymnasiumVectorEnv(_GymnasiumBase):
         else:
             options = None if mask is None else {"reset_mask": mask.copy()}
             try:
-                arrays = self._flat(self.env.reset(seed=seed, options=options)[0])
+                arrays = self._flat(self._unmasked(*self.env.reset(seed=seed, options=options), None))
             except ValueError as error:  # as in a step
                 raise self._misfit(error, after_step=False) from None
             rows = None
@@ -150,6 +155,7 @@ class GymnasiumVectorEnv(_GymnasiumBase):
             obs, reward, term, trunc, info = self.env.step(self._act.unflatten(actions, self._batch))
         except ValueError as error:  # gymnasium could not stack the sub-envs' observations
             raise self._misfit(error) from None
+        obs = self._unmasked(obs, info, None)
         if self.autoreset_mode != AutoresetMode.SAME_STEP:
             self._current = self._flat(obs)
             return self._current, reward, term, trunc, None, None
@@ -159,7 +165,8 @@ class GymnasiumVectorEnv(_GymnasiumBase):
             return root, reward, term, trunc, None, None
         nxt = [np.array(a) for a in root]  # final observations replace the reset ones in "next"
         for i in np.flatnonzero(auto):
-            self._obs.write(info["final_obs"][i], nxt, i)
+            final = info["final_obs"][i]
+            self._obs.write(without_mask(final)[0] if self._mask_in_obs else final, nxt, i)
         return nxt, reward, term, trunc, root, auto
 
 
@@ -173,6 +180,7 @@ class GymnasiumVectorEnv(_GymnasiumBase):
             return error
         scratch = self._obs.buffers(self._batch)
         for i, obs in enumerate(each):
+            obs = without_mask(obs)[0] if self._mask_in_obs and obs is not None else obs
             if obs is not None and (problem := self._obs.write(obs, scratch, i)) is not None:
                 return EnvOutputError(problem[1], env_index=i, agent=AGENT,
                                       key=(*((NEXT,) if after_step else ()), AGENT, OBSERVATION, *problem[0]))
@@ -184,7 +192,7 @@ class GymnasiumVectorEnv(_GymnasiumBase):
 
 
 def make_gymnasium(env_id: str, num_envs: int = 1, *, vectorization: str = "sync", check: CheckMode = "strict",
-                   **kwargs: Any) -> GymnasiumEnv | GymnasiumVectorEnv:
+                   action_mask: str = "auto", **kwargs: Any) -> GymnasiumEnv | GymnasiumVectorEnv:
     """Builds ``num_envs`` copies of ``gymnasium.make(env_id, **kwargs)`` behind the batched protocol.
 
     ``"sync"`` keeps gymnasium's default NEXT_STEP mode and resets finished sub-envs directly (the fast path
@@ -197,12 +205,13 @@ def make_gymnasium(env_id: str, num_envs: int = 1, *, vectorization: str = "sync
         vectorization: ``"sync"`` (:class:`SyncVectorEnv`), ``"async"`` (:class:`AsyncVectorEnv`, one process
             per env) or ``"none"`` (a single :class:`GymnasiumEnv`, ``num_envs`` must be 1).
         check: ``"strict"`` or ``"lenient"``.
+        action_mask: where the env's action masks come from (:mod:`adapters.action_masks`).
         **kwargs: passed to ``gymnasium.make``.
     """
     if vectorization == "none":
         if num_envs != 1:
             raise ValueError(f"vectorization='none' wraps one env, got num_envs={num_envs}")
-        return GymnasiumEnv(gym.make(env_id, **kwargs), check=check)
+        return GymnasiumEnv(gym.make(env_id, **kwargs), check=check, action_mask=action_mask)
     fns = [partial(gym.make, env_id, **kwargs)] * num_envs
     if vectorization == "sync":
         vec = SyncVectorEnv(fns)
@@ -210,7 +219,7 @@ def make_gymnasium(env_id: str, num_envs: int = 1, *, vectorization: str = "sync
         vec = AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     else:
         raise ValueError(f"vectorization must be 'sync', 'async' or 'none', got {vectorization!r}")
-    return GymnasiumVectorEnv(vec, check=check)
+    return GymnasiumVectorEnv(vec, check=check, action_mask=action_mask)
 
 
 __all__ = ["AGENT", "GymnasiumEnv", "GymnasiumVectorEnv", "make_gymnasium"]

@@ -16,11 +16,11 @@ from tensordict import TensorDict, TensorDictBase
 from core.layout import ACTION_MASK, NEXT, OBSERVATION, REWARD, SHARED, TERMINATED, TRUNCATED
 from core.specs import AgentNode, DictPopulation, Leaf, Payoff
 
+from .action_masks import MASK_KEY, check_source, split_mask, unmaskable
 from .assembly import AdapterBase, GroupNext, GroupStep, StepLayout, action_mask_size
 from .checking import ActionCheck, Checker, CheckMode, EnvOutputError, LeafCheck, is_flag
 from .spaces import SpaceCodec, space_to_node
 
-MASK_KEY = "action_mask"
 _RESET_TRIES = 3
 _SCALAR_TYPES = (float, int, np.float64, np.float32, np.int64, np.int32)
 
@@ -36,24 +36,6 @@ def _probe_state(env) -> spaces.Space | None:
     except NotImplementedError:
         return None
     return space
-
-
-def _unmaskable(agent: str, action_space: spaces.Space | None, where: str) -> str:
-    """Why the action mask an agent's ``where`` (observation or info) carries cannot be applied."""
-    action = f" (its action space is {action_space})" if action_space is not None else ""
-    return (f"agent {agent!r} has an {MASK_KEY!r} in its {where}, but Shoal applies a PettingZoo env's action mask "
-            f"to a Discrete action only{action}: it would train unmasked, its illegal actions chosen. Pass "
-            f"--env-kwargs action_mask none to train without the mask, or give the agent a Discrete action")
-
-
-def _split_mask(space: spaces.Space, action_mask: str) -> tuple[spaces.Space, bool]:
-    """The observation space without its ``"action_mask"`` entry, and whether it had one."""
-    if action_mask == "none" or not isinstance(space, spaces.Dict) or MASK_KEY not in space.spaces:
-        return space, False
-    rest = {k: s for k, s in space.spaces.items() if k != MASK_KEY}
-    if set(rest) == {OBSERVATION}:
-        return rest[OBSERVATION], True
-    return spaces.Dict(rest), True
 
 
 class _AgentSlot:
@@ -80,14 +62,13 @@ class _PettingZooBase(AdapterBase):
                  state: bool | None) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
-        if action_mask not in ("auto", "observation", "info", "none"):
-            raise ValueError(f"action_mask must be auto, observation, info or none, got {action_mask!r}")
+        check_source(action_mask)
         self.envs = [env_fn() for _ in range(num_envs)]
         env0, self._num_envs = self.envs[0], num_envs
         self._possible = list(env0.possible_agents)
         members, parts = {}, {}
         for agent in env0.possible_agents:
-            obs_space, in_obs = _split_mask(env0.observation_space(agent), action_mask)
+            obs_space, in_obs = split_mask(env0.observation_space(agent), action_mask)
             act_space = env0.action_space(agent)
             members[agent] = AgentNode(observation=space_to_node(obs_space, f"{agent}/{OBSERVATION}"),
                                        action=space_to_node(act_space, f"{agent}/action"))
@@ -108,7 +89,7 @@ class _PettingZooBase(AdapterBase):
         self._mask_n = [action_mask_size(spec) for spec in self._specs]
         for agent, (_, act_space, in_obs) in parts.items():
             if in_obs and self._mask_n[self._slots[agent].group] is None:
-                raise ValueError(_unmaskable(agent, act_space, "observation"))
+                raise ValueError(unmaskable(f"agent {agent!r}", act_space, "observation"))
         self._action_checks = [ActionCheck(spec, num_envs) for spec in self._specs]
         self._batch_shapes = [(num_envs, spec.capacity) for spec in self._specs]
         self._no_masks = [None] * len(self._specs)  # "every agent present", per group
@@ -231,8 +212,8 @@ class _PettingZooBase(AdapterBase):
             key = (NEXT, group, OBSERVATION) if prefix == NEXT else (group, OBSERVATION)
             self._checker.report(EnvOutputError(problem[1], env_index=e, agent=slot.name, key=(*key, *problem[0])))
         if mask is not None and root is not None and self._mask_n[gi] is None:  # an info mask Shoal cannot apply
-            self._checker.report(EnvOutputError(_unmaskable(slot.name, None, "info"), env_index=e, agent=slot.name,
-                                                key=(self._specs[gi].name, ACTION_MASK)))
+            self._checker.report(EnvOutputError(unmaskable(f"agent {slot.name!r}", None, "info"), env_index=e,
+                                                agent=slot.name, key=(self._specs[gi].name, ACTION_MASK)))
         elif mask is not None and root is not None and (n := self._mask_n[gi]) is not None:
             mask = np.asarray(mask)
             if mask.shape != (n,):

@@ -315,11 +315,12 @@ def from_factory(name: str, factory, num_envs: int, *, check: str = "strict", kw
         from adapters.gymnasium_env import GymnasiumVectorEnv
 
         probe.close()
+        action_mask = adapter_kwargs.pop("action_mask", "auto")  # its masks: adapters.action_masks
         if adapter_kwargs:  # taken by no one: refused, not dropped
             raise ValueError(f"env {name!r}: --env-kwargs {', '.join(adapter_kwargs)} configure the PettingZoo "
                              f"adapter, and this factory returns a gymnasium env, which takes no such setting (nor "
                              f"does the factory: it takes {sorted(own) or 'no keywords'})")
-        return GymnasiumVectorEnv(SyncVectorEnv([make] * num_envs), check=check)
+        return GymnasiumVectorEnv(SyncVectorEnv([make] * num_envs), check=check, action_mask=action_mask)
     from pettingzoo import AECEnv, ParallelEnv
 
     if isinstance(probe, (ParallelEnv, AECEnv)):

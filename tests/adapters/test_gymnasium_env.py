@@ -261,3 +261,84 @@ def test_a_vector_env_of_sub_envs_off_the_gymnasium_api_names_the_sub_env_and_th
                                    [2]))
         assert not out["next", "agent", "terminated"].any()
     assert "step" not in vars(fine.env.envs[0]) and "reset" not in vars(fine.env.envs[0])
+
+
+def taxi_reference(num_envs: int, steps: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Raw Taxi-v4 copies (10-step episodes) acting uniformly among the actions each one's info mask allows:
+    the actions ``[T, E]`` and the masks of every root ``[E, 6]`` (after a reset: the reset's)."""
+    rng = np.random.default_rng(0)
+    envs = [gym.make("Taxi-v4", max_episode_steps=10) for _ in range(num_envs)]
+    masks = [env.reset(seed=SEED + i)[1]["action_mask"] for i, env in enumerate(envs)]
+    actions, roots = [], [np.stack(masks)]
+    for _ in range(steps):
+        actions.append([int(rng.choice(np.flatnonzero(m))) for m in masks])
+        for i, env in enumerate(envs):
+            _, _, term, trunc, info = env.step(actions[-1][i])
+            masks[i] = (env.reset()[1] if term or trunc else info)["action_mask"]
+        roots.append(np.stack(masks))
+    return np.array(actions), roots
+
+
+@pytest.mark.parametrize("how", ["none", "direct", "public", "same_step"])
+def test_an_info_action_mask_is_every_roots_and_a_masked_action_never_reaches_the_env(how):
+    """Taxi-v4 gives ``info["action_mask"]``: each step's ``("agent", "action_mask")`` is the mask of the env's
+    observation there (a reset's after an episode ends), in every vectorisation and reset path; an action it
+    forbids is refused before it is sent. It used to be all True: the policy chose illegal moves."""
+    from adapters.checking import IllegalActionError
+
+    n = 1 if how == "none" else 3
+    actions, roots = taxi_reference(n, 40)
+    if how == "none":
+        env = make_gymnasium("Taxi-v4", 1, vectorization="none", max_episode_steps=10)
+    else:
+        mode = AutoresetMode.SAME_STEP if how == "same_step" else AutoresetMode.NEXT_STEP
+        env = GymnasiumVectorEnv(SyncVectorEnv([partial(gym.make, "Taxi-v4", max_episode_steps=10)] * n,
+                                               autoreset_mode=mode))
+        env._direct = how == "direct"
+    outs = run_adapter(env, actions)
+    for out, want in zip(outs, roots):
+        np.testing.assert_array_equal(out["agent", "action_mask"][:, 0].numpy(), want.astype(bool))
+    assert sum(int(out["next", "done"].sum()) for out in outs[1:]) >= 3 * n
+    illegal = (~outs[-1]["agent", "action_mask"][:, 0]).float().argmax(-1).numpy()
+    with pytest.raises(IllegalActionError, match="is masked"):
+        env.step(action_td(illegal))
+    env.close()
+
+
+class MaskInObservationEnv(gym.Env):
+    """Its observation ``Dict`` carries the mask: action ``t % 3`` is illegal at step ``t``."""
+
+    def __init__(self, action_space=None) -> None:
+        self.observation_space = spaces.Dict({"observation": spaces.Box(0, 100, (1,), np.float32),
+                                              "action_mask": spaces.MultiBinary(3)})
+        self.action_space = action_space or spaces.Discrete(3)
+
+    def _obs(self):
+        mask = np.ones(3, np.int8)
+        mask[self.t % 3] = 0
+        return {"observation": np.array([self.t], np.float32), "action_mask": mask}
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), 1.0, False, self.t >= 5, {}
+
+
+def test_a_mask_in_the_observation_dict_leaves_it_for_the_action_mask():
+    env = GymnasiumVectorEnv(SyncVectorEnv([MaskInObservationEnv] * 2))
+    assert groups(env.tree)["agent"].agent.observation.shape == (1,)  # the "observation" entry alone
+    out = env.reset(seed=0)
+    for t in range(1, 8):
+        assert out["agent", "action_mask"][:, 0].tolist() == [[i != (t - 1) % 5 % 3 for i in range(3)]] * 2
+        out = env.step(action_td(np.full(2, (t - 1) % 5 % 3 + 1) % 3))
+    kept = GymnasiumVectorEnv(SyncVectorEnv([MaskInObservationEnv] * 2), action_mask="none")
+    assert "action_mask" in groups(kept.tree)["agent"].agent.observation.children  # kept as an observation
+    with pytest.raises(ValueError, match="'action_mask' in its observation, but Shoal applies an env's action mask "
+                                         "to a Discrete action only .*--env-kwargs action_mask none"):
+        GymnasiumEnv(MaskInObservationEnv(spaces.MultiDiscrete([3, 2])))
+    for adapter in (env, kept):
+        adapter.close()

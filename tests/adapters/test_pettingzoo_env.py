@@ -223,7 +223,7 @@ class MultiDiscreteMaskEnv(ParallelEnv):
 @pytest.mark.parametrize("where", ["observation", "info"])
 def test_an_action_mask_shoal_cannot_apply_is_refused_not_dropped(where):
     with pytest.raises((ValueError, EnvOutputError), match=r"agent 'p_\d' has an 'action_mask' in its " + where +
-                       r", but Shoal applies a PettingZoo env's action mask to a Discrete action only"):
+                       r", but Shoal applies an env's action mask to a Discrete action only"):
         PettingZooParallelEnv(partial(MultiDiscreteMaskEnv, where), 1).reset(seed=0)
     env = PettingZooParallelEnv(partial(MultiDiscreteMaskEnv, where), 1, action_mask="none")  # the user's choice
     assert "action_mask" not in env.reset(seed=0)["p"].keys()

@@ -61,9 +61,10 @@ def test_adapter_keywords_given_to_a_gymnasium_factory_are_refused_not_dropped(t
     (tmp_path / "keyword_envs.py").write_text(CUSTOM_ENVS + "\n\ndef make_stateful(state=1):\n    assert state == 7\n"
                                               "    return gymnasium.make('CartPole-v1')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match="--env-kwargs action_mask configure the PettingZoo adapter, and this factory "
+    with pytest.raises(ValueError, match="--env-kwargs payoff configure the PettingZoo adapter, and this factory "
                                          "returns a gymnasium env"):
-        make_env("keyword_envs:make_cartpole", 2, kwargs={"action_mask": "info"})
+        make_env("keyword_envs:make_cartpole", 2, kwargs={"payoff": "zero_sum"})
+    assert make_env("keyword_envs:make_cartpole", 2, kwargs={"action_mask": "none"}).num_envs == 2  # its masks
     assert make_env("keyword_envs:make_stateful", 2, kwargs={"state": 7}).num_envs == 2  # the factory's own
 
 
