@@ -162,8 +162,7 @@ def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
 
 def _setup_training(argv: list[str], command: str = "train"):
     """Config, trainer and restored state of ``shoal train``: every user error surfaces here."""
-    from orchestration.envs import imports_code
-
+    from orchestration.checkpoint_trust import refuse_untrusted
     from orchestration.presets import preset_names
 
     rest, config_file, resume, progress, preset = _split_train_args(argv)
@@ -189,10 +188,7 @@ def _setup_training(argv: list[str], command: str = "train"):
             print(f"shoal {command} --resume: --preset {preset} is not applied: a resumed run goes on with its own "
                   f"config (flags given still change it)", file=sys.stderr)
         default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
-        if "--env" not in rest and (why := imports_code(saved.env)):
-            raise ValueError(f"--resume: the checkpoint names env {saved.env!r}; {why}, and an env read from a "
-                             f"checkpoint is never allowed to import code. Pass the env yourself: shoal {command} "
-                             f"--resume --env {saved.env} ...")
+        refuse_untrusted(saved, rest, f"shoal {command} --resume")  # nothing it names imports or runs code
     config = parse(command, TrainConfig, args=rest, default=default, prog=f"shoal {command}",
                       description=_TRAIN_HELP.format(headline=_HEADLINES.get(command, _HEADLINES["train"]),
                                                      presets=", ".join(preset_names())))

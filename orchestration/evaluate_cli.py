@@ -61,7 +61,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     from orchestration.checkpoint import load_checkpoint
     from orchestration.collection_driver import evaluate_members
     from orchestration.env_collection import load_collection, member_config
-    from orchestration.envs import imports_code
+    from orchestration.checkpoint_trust import refuse_untrusted
     from orchestration.run_state import load_config
 
     for flag, value in (("--episodes", episodes), ("--num-envs", num_envs), ("--threads", threads)):
@@ -83,9 +83,10 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
                          f"player's{league_players_hint(checkpoint)}")
     config = load_config(state)
     config = config if seed is None else dataclasses.replace(config, seed=seed)
-    if env is None and (why := imports_code(config.env)):
-        raise ValueError(f"the checkpoint names env {config.env!r}; {why}, and an env read from a checkpoint is "
-                         f"never allowed to import code. Pass it yourself: --env {config.env}")
+    if env is None and config.env == "external":
+        raise ValueError(f"{checkpoint} is of a run on external simulators, which Shoal cannot start to play: "
+                         f"name an env with their observations and actions to play in (--env ID)")
+    refuse_untrusted(config, ["--env"] if env is not None else [], f"shoal evaluate {checkpoint}")
     if env is None and env_kwargs and config.collection:
         raise ValueError("--env-kwargs: this checkpoint was trained on a collection, whose envs keep their own "
                          "keyword arguments; name the env to play in with --env too")

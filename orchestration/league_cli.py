@@ -93,7 +93,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
                          f"shoal train --resume --run-dir {named}")
     if resume:
         from orchestration.checkpoint import load_checkpoint
-        from orchestration.envs import imports_code
+        from orchestration.checkpoint_trust import refuse_untrusted
         from orchestration.run_state import load_config
 
         checkpoint = load_checkpoint(Path(named) / "league" / "checkpoints")
@@ -103,9 +103,7 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
         saved = load_config(state)
         default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
         league_default = LeagueConfig(**state["league"]["config"])
-        if "--env" not in train_args and (why := imports_code(default.env)):
-            raise ValueError(f"the checkpoint names env {default.env!r}; {why}, and an env read from a checkpoint "
-                             f"is never allowed to import code. Pass it yourself: --env {default.env}")
+        refuse_untrusted(saved, train_args, "shoal league --resume")  # nothing it names imports or runs code
     config = parse_flags("league", TrainConfig, args=train_args, default=default, prog="shoal league",
                          description="Train a league (shoal league --help lists the --league.* flags first).")
     league = parse_flags("league", _LeagueFlags, args=league_args, default=_LeagueFlags(league_default),

@@ -177,6 +177,38 @@ def test_a_checkpoint_naming_a_module_env_imports_nothing(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("hazard", ["external_command", "collection_file"])
+def test_a_checkpoint_that_would_run_a_command_or_open_a_collection_file_runs_nothing(tmp_path, monkeypatch, capsys,
+                                                                                     hazard):
+    """A checkpoint's external.command (run by the launcher) and a collection named by its file (whose members
+    may import code) are taken only when the user names them again; a resume and an evaluation ran them."""
+    from orchestration.cli import main
+
+    directory, marker = _valid(tmp_path), tmp_path / "ran"
+    if hazard == "external_command":
+        _edit_state(directory, lambda s: (s["config"].update(env="external"),
+                                          s["config"]["external"].update(command=f"touch {marker}")))
+        said = {"train": "the checkpoint launches its simulators with external.command 'touch ",
+                "evaluate": "is of a run on external simulators, which Shoal cannot start to play"}
+    else:
+        (tmp_path / "evil_member.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef make():\n    pass\n")
+        (tmp_path / "evil.json").write_text(json.dumps({"format": "shoal.envcollection/1",
+                                                        "members": {"a": "evil_member:make"}}))
+        _edit_state(directory, lambda s: s["config"].update(collection=str(tmp_path / "evil.json")))
+        said = dict.fromkeys(("train", "evaluate"), f"the checkpoint names the collection file '{tmp_path}/evil.json'")
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    os.rename(directory, run_dir / "checkpoints" / directory.name)
+    (run_dir / "checkpoints" / "latest").write_text(directory.name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for args in (["train", "--resume", "--run-dir", str(run_dir), "--iterations", "2"], ["evaluate", str(run_dir)]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and said[args[0]] in err and "Traceback" not in err, err
+    assert not marker.exists()
+
+
 # -- interrupted and failing runs ----------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["local", "ray"])
