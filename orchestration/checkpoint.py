@@ -310,14 +310,32 @@ def flatten_optimizer(prefix: str, optimizer: torch.optim.Optimizer) -> tuple[di
 
 def restore_optimizer(prefix: str, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
                       meta: dict) -> None:
-    """Inverse of :func:`flatten_optimizer`: loads the state into ``optimizer``."""
-    state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in meta["state"].items()}
-    head = f"{prefix}/state/"
-    for key, value in tensors.items():
-        if key.startswith(head):
-            idx, name = key[len(head):].split("/", 1)
-            state.setdefault(int(idx), {})[name] = value
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
+    """Inverse of :func:`flatten_optimizer`: loads the state into ``optimizer``.
+
+    Raises:
+        ValueError: a state that does not fit ``optimizer``'s parameters (a moment of another shape: torch's
+            fused Adam would write past the parameter's memory), or malformed metadata; naming ``prefix``.
+    """
+    try:
+        state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in meta["state"].items()}
+        head = f"{prefix}/state/"
+        for key, value in tensors.items():
+            if key.startswith(head):
+                idx, name = key[len(head):].split("/", 1)
+                state.setdefault(int(idx), {})[name] = value
+        groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
+        params = {int(i): p for saved, group in zip(groups, optimizer.param_groups)
+                  for i, p in zip(saved["params"], group["params"])}
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{prefix}: the checkpoint's optimizer state is malformed ({type(err).__name__}: {err})") \
+            from None
+    for idx, entries in state.items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() and (idx not in params or
+                                                                    value.shape != params[idx].shape):
+                want = tuple(params[idx].shape) if idx in params else "no parameter"
+                raise ValueError(f"{prefix}: the checkpoint's optimizer state {name!r} of parameter {idx} has shape "
+                                 f"{tuple(value.shape)}, the parameter {want}: it is another network's")
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -23,8 +23,10 @@ def load_learners_(learners: Mapping[str, Any], states: Mapping[str, Any], keep_
         try:
             learner.load_state_(state)
         except (RuntimeError, KeyError, ValueError) as err:
+            from orchestration.run_state import shape_detail  # torch's lines of mismatches: the one that says it
+
             raise ValueError(f"policy {pid!r}: its state does not fit this trainer's learner (another env, network "
-                             f"or mapping?); {type(err).__name__}:\n{err}") from err  # the lines below: torch's
+                             f"or mapping?); {type(err).__name__}: {shape_detail(err)}") from err
 
 
 __all__ = ["load_learners_"]

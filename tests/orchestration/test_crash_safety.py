@@ -177,6 +177,26 @@ def test_a_checkpoint_naming_a_module_env_imports_nothing(tmp_path):
     assert not marker.exists()
 
 
+def test_an_optimizer_state_of_another_network_is_refused_before_torch_reads_it():
+    """Adam's moments of a 32-unit network beside a 64-unit one's weights: torch's fused Adam wrote past the
+    parameters' memory (a segfault, or a Ray learner aborted by malloc); now a ValueError names the tensor."""
+    import dataclasses
+
+    from core.policies import PolicyConfig
+    from orchestration.run_state import restore_trainer_
+
+    small = build_trainer(dataclasses.replace(FAST, policy=PolicyConfig(hidden_sizes=(32, 32))))
+    small.train()
+    weights, tensors, state = trainer_state(build_trainer(FAST))
+    tensors = {**tensors, **{k: v for k, v in trainer_state(small)[1].items() if k.startswith("optimizer/")}}
+    with pytest.raises(ValueError, match=r"policy 'agent': its state does not fit .* optimizer state 'exp_avg' of "
+                                         r"parameter 0 has shape \(32, 4\), the parameter \(64, 4\)"):
+        restore_trainer_(build_trainer(FAST), weights, tensors, state)
+    state["learners"]["agent"]["optimizer"]["param_groups"] = "x"  # was an AttributeError
+    with pytest.raises(ValueError, match="the checkpoint's optimizer state is malformed"):
+        restore_trainer_(build_trainer(FAST), weights, tensors, state)
+
+
 @pytest.mark.parametrize("hazard", ["external_command", "collection_file"])
 def test_a_checkpoint_that_would_run_a_command_or_open_a_collection_file_runs_nothing(tmp_path, monkeypatch, capsys,
                                                                                      hazard):
