@@ -225,7 +225,7 @@ def misfit(err: BaseException, saved, config) -> BaseException:
                                          for key in [c.split()[0][2:].replace("-", "_")])]
     changed = shaping or changed  # a changed --lr next to a changed --policy.hidden-sizes is not the misfit
     return ValueError(f"--resume: the checkpoint in {config.run_dir} does not fit this run, which changes "
-                      f"{'; '.join(changed)} ({shape_detail(err)}). Resume without changing "
+                      f"{'; '.join(changed)} ({shape_detail(err.__cause__ or err)}). Resume without changing "
                       f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another --run-dir")
 
 
