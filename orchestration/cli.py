@@ -151,13 +151,15 @@ def train(argv: Sequence[str], command: str = "train") -> dict[str, float]:
 
 def _run_training(trainer, config: TrainConfig, resume: bool, progress: bool,
                   command: str = "train") -> dict[str, float]:
-    from orchestration.run_loop import run_training  # imported once a run is set up (it imports torch)
+    from orchestration.run_loop import release_run_dir, run_training  # once a run is set up (it imports torch)
 
     try:  # run_training wrote a checkpoint of what was trained before the error
         return run_training(trainer, config, resume, progress, command)
     except (RuntimeError, ValueError) as err:
         exit_if_users_mistake(err, command, config.run_dir)
         raise
+    finally:
+        release_run_dir(config.run_dir)
 
 
 def _setup_training(argv: list[str], command: str = "train"):
@@ -203,7 +205,7 @@ def _setup_training(argv: list[str], command: str = "train"):
 
     from orchestration.builder import build_trainer
     from orchestration.checkpoint import clean_stale, load_checkpoint
-    from orchestration.run_loop import fresh_run_dir
+    from orchestration.run_loop import fresh_run_dir, hold_run_dir
     from orchestration.run_state import misfit, restore_trainer_
 
     if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
@@ -213,6 +215,7 @@ def _setup_training(argv: list[str], command: str = "train"):
         config = dataclasses.replace(config, run_dir=str(fresh_run_dir(Path("runs") / f"{name}__{config.seed}__{stamp}")))
     torch.set_num_threads(config.threads)
     ckpt_root = Path(config.run_dir) / "checkpoints"
+    hold_run_dir(config.run_dir)  # one process per run directory; released when the run ends
     clean_stale(ckpt_root)  # half-written checkpoints a killed run left
     trainer = build_trainer(config, pretrain=not resume)  # a resumed run's checkpoint holds trained weights
     config = note_env_batch(command, config, trainer.config)  # a factory's env may bring its own batch

@@ -129,12 +129,13 @@ def run(argv: Sequence[str]) -> dict:
         import torch
 
         from orchestration.league_roles import RoleLeague
-        from orchestration.run_loop import fresh_run_dir
+        from orchestration.run_loop import fresh_run_dir, hold_run_dir, release_run_dir
 
         if not config.run_dir:
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.env)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             config = dataclasses.replace(config, run_dir=str(fresh_run_dir(Path("runs") / f"league__{name}__{stamp}")))
+        hold_run_dir(config.run_dir)  # one process per run directory; released when the league ends
         torch.set_num_threads(config.threads)
         league = RoleLeague(config, league_config)
         if checkpoint is not None:
@@ -153,6 +154,8 @@ def run(argv: Sequence[str]) -> dict:
     except (RuntimeError, ValueError) as err:  # the checkpoint is written; a user's mistake is one paragraph
         exit_if_users_mistake(err, "league", config.run_dir)
         raise
+    finally:
+        release_run_dir(config.run_dir)
 
 
 def restore_league_(league, run_dir: Path, checkpoint: tuple) -> None:

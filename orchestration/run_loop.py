@@ -165,6 +165,49 @@ def fresh_run_dir(path: Path) -> Path:
     return candidate
 
 
+_HELD: dict[str, int] = {}  # run directory -> descriptor of its lock file, while this process runs in it
+
+
+def hold_run_dir(run_dir: str | Path) -> None:
+    """Takes ``RUN_DIR/.lock`` for this process (an exclusive ``flock``, released by :func:`release_run_dir` or
+    when the process ends; taking it again in the same process is a no-op): a second ``shoal`` process in the
+    same directory would interleave its checkpoints and metrics with this one's, and clean up its half-written
+    checkpoint as stale.
+
+    Raises:
+        ValueError: another process holds it, naming the directory and that process.
+    """
+    import fcntl
+    import os
+
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    key = str(path.resolve())
+    if key in _HELD:
+        return
+    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 16).decode(errors="replace").strip()
+        os.close(fd)
+        raise ValueError(f"{run_dir} is in use by another shoal process (pid {holder or '?'}): two runs in one "
+                         f"directory would mix their checkpoints and metrics. Wait for it to end, or use another "
+                         f"--run-dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _HELD[key] = fd
+
+
+def release_run_dir(run_dir: str | Path) -> None:
+    """Lets :func:`hold_run_dir`'s lock of ``run_dir`` go (no-op when this process does not hold it)."""
+    import os
+
+    fd = _HELD.pop(str(Path(run_dir).resolve()), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases its flock
+
+
 def redacted(argv: list[str]) -> list[str]:
     """``argv`` with the value of ``--external.token`` replaced (run.json is not a secret; the run keeps its token
     in its own 0600 file)."""
@@ -228,5 +271,5 @@ def record_final_accounting(run_dir: Path, settled: dict[str, Any]) -> None:
                                 indent=1))
 
 
-__all__ = ["env_faults", "exit_stopped", "fresh_run_dir", "provenance", "record_final_accounting", "run_training",
+__all__ = ["env_faults", "exit_stopped", "fresh_run_dir", "hold_run_dir", "release_run_dir", "provenance", "record_final_accounting", "run_training",
            "write_provenance"]

@@ -229,6 +229,32 @@ def test_a_checkpoint_that_would_run_a_command_or_open_a_collection_file_runs_no
     assert not marker.exists()
 
 
+def test_a_run_directory_in_use_by_another_process_is_refused_until_it_ends(tmp_path, monkeypatch, capsys):
+    """Two runs started on one directory at once both trained, their checkpoints interleaved, one's metrics
+    lost (a resume's iteration counted twice); the second is now refused while the first holds the directory."""
+    from orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom orchestration.run_loop import "
+                               "hold_run_dir\nhold_run_dir('r')\nprint('held', flush=True)\ntime.sleep(300)"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for args in (["train", *ARGS, "--iterations", "1", "--run-dir", "r"],
+                     ["league", "pettingzoo:classic.tictactoe_v3", "--iterations", "1", "--run-dir", "r"]):
+            with pytest.raises(SystemExit) as exit_:
+                main(args)
+            err = capsys.readouterr().err
+            assert exit_.value.code == 2 and f"r is in use by another shoal process (pid {holder.pid})" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    main(["train", *ARGS, "--iterations", "1", "--run-dir", "r"])  # free again
+    main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress"])  # and again once it ended
+    assert _iterations(tmp_path / "r" / "metrics.csv") == [1, 2]
+
+
 # -- interrupted and failing runs ----------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["local", "ray"])
