@@ -228,8 +228,8 @@ def _expect(ok: bool, where: str, what: str) -> None:
         raise CheckpointError(f"state.json: {where} must be {what}")
 
 
-def _is_int(x: Any, low: int = 0) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+def _is_int(x: Any, low: int = 0) -> bool:  # and below 2**62: counters are stored in int64 tensors
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x < 2 ** 62
 
 
 def validate_state(state: Any) -> None:
@@ -240,11 +240,14 @@ def validate_state(state: Any) -> None:
     """
     _expect(isinstance(state, dict), "the document", "a JSON object")
     _expect(isinstance(state.get("config"), dict), "'config'", "an object (the run's TrainConfig)")
+    for section in ("rollout", "ppo", "policy", "ray", "external", "curiosity", "pretrain", "past_selves",
+                    "team_critic"):  # the TrainConfig records: objects (absent ones are an older run's defaults)
+        _expect(isinstance(state["config"].get(section, {}), dict), f"'config.{section}'", "an object")
     _expect(isinstance(state.get("config", {}).get("env"), str), "'config.env'", "a string")
     _expect(isinstance(state.get("tree"), str), "'tree'", "a string (the env's tree as JSON)")
     for key in ("iteration", "env_steps"):
-        _expect(_is_int(state.get(key)), f"'{key}'", "an integer >= 0")
-    _expect(_is_int(state.get("episodes_total", 0)), "'episodes_total'", "an integer >= 0")  # older runs: none
+        _expect(_is_int(state.get(key)), f"'{key}'", "an integer in [0, 2**62)")
+    _expect(_is_int(state.get("episodes_total", 0)), "'episodes_total'", "an integer in [0, 2**62)")  # older runs: none
     history = state.get("history", {})
     _expect(isinstance(history, dict) and all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
                                               for v in history.values()), "'history'", "an object of number lists")
@@ -256,7 +259,7 @@ def validate_state(state: Any) -> None:
     _expect(isinstance(learners, dict) and bool(learners), "'learners'", "a non-empty object")
     for pid, entry in learners.items():
         _expect(isinstance(entry, dict) and _is_int(entry.get("version")), f"'learners.{pid}.version'",
-                "an integer >= 0")
+                "an integer in [0, 2**62)")
     _expect(isinstance(state.get("actors", []), list), "'actors'", "a list")
 
 
@@ -281,8 +284,8 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     try:
         with open(directory / "state.json") as f:
             state = json.load(f)
-    except ValueError as err:
-        raise CheckpointError(f"{directory / 'state.json'}: not valid JSON ({err})") from err
+    except (ValueError, RecursionError) as err:  # RecursionError: arrays nested deeper than Python's stack
+        raise CheckpointError(f"{directory / 'state.json'}: not valid JSON ({type(err).__name__}: {err})") from None
     validate_state(state)
     for kind, table in (("weight", weights), ("state tensor", tensors)):
         for name, tensor in table.items():

@@ -62,7 +62,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     from orchestration.collection_driver import evaluate_members
     from orchestration.env_collection import load_collection, member_config
     from orchestration.checkpoint_trust import refuse_untrusted
-    from orchestration.run_state import load_config
+    from orchestration.run_state import load_config, load_policy_weights_
 
     for flag, value in (("--episodes", episodes), ("--num-envs", num_envs), ("--threads", threads)):
         if value < 1:
@@ -111,7 +111,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     assignment = assignment_for(config, tree)
     policies, fixed = build_policies(config, tree, assignment)
     for pid, policy in policies.items():
-        policy.load_state_dict({k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")})
+        load_policy_weights_(policy, weights, pid)
     def summarize(returns) -> dict[str, float]:
         out = {}
         for key, values in returns.items():

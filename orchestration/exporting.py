@@ -10,7 +10,7 @@ import tyro
 
 from orchestration.checkpoint import load_checkpoint
 from orchestration.result_line import print_result
-from orchestration.run_state import load_config
+from orchestration.run_state import load_config, load_policy_weights_
 
 
 def export(checkpoint: tyro.conf.Positional[str], out: str = "exported") -> list[str]:
@@ -114,11 +114,7 @@ def _export_policies(weights, config, tree, assignment) -> dict:
 
     policies, _ = build_policies(config, tree, assignment)
     for pid, policy in policies.items():
-        own = {k.split("/", 1)[1]: v for k, v in weights.items() if k.startswith(f"{pid}/")}
-        if not own:
-            raise ValueError(f"checkpoint policy {pid!r} has no weights (no '{pid}/' keys); its policies are "
-                             f"{sorted({k.split('/', 1)[0] for k in weights})}")
-        policy.load_state_dict(own)
+        load_policy_weights_(policy, weights, pid)
         policy.eval()
     return policies
 

@@ -24,7 +24,7 @@ import torch
 from core.specs import agent_index, from_json, groups
 from orchestration.builder import assignment_for, build_evaluator, build_policies, is_fixed
 from orchestration.checkpoint import load_checkpoint
-from orchestration.run_state import load_config
+from orchestration.run_state import load_config, load_policy_weights_
 
 OPPONENT = "opponent"
 
@@ -104,10 +104,11 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
         group, _ = agent_index(tree)[seat]
         mine = assignment[group].main_policy if assignment[group].single else _policy_of(assignment, group, seat,
                                                                                          agents, foe)
-        _load(policies[mine], weights, checkpoint_policy(load_config(state), tree, seat))
+        load_policy_weights_(policies[mine], weights, checkpoint_policy(load_config(state), tree, seat))
         if other is not None:
             foe_seat = next(a for a in agents if a != seat)
-            _load(policies[OPPONENT], other[0], checkpoint_policy(load_config(other_state), tree, foe_seat))
+            load_policy_weights_(policies[OPPONENT], other[0],
+                                 checkpoint_policy(load_config(other_state), tree, foe_seat))
         deterministic = [] if sample else [mine]
         actor = build_evaluator(seat_config, policies, assignment, set(policies) - set(deterministic),
                                 num_envs=num_envs)
@@ -156,14 +157,6 @@ def _differ(opponents: str, checkpoints: str) -> str:
                             there="in the checkpoint's")
     return (f": {where}; play an opponent of the same env (its checkpoint, a league snapshot of it, random or "
             f"scripted:MODULE:FUNCTION)")
-
-
-def _load(policy, weights, pid: str) -> None:
-    prefix = f"{pid}/"
-    own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-    if not own:
-        raise ValueError(f"the checkpoint has no weights of policy {pid!r}")
-    policy.load_state_dict(own)
 
 
 __all__ = ["checkpoint_policy", "play_seats", "wilson_interval"]

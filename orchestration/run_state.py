@@ -229,6 +229,23 @@ def misfit(err: BaseException, saved, config) -> BaseException:
                       f"{'it' if len(changed) == 1 else 'them'}, or train a new run in another --run-dir")
 
 
+def load_policy_weights_(policy: torch.nn.Module, weights: dict[str, torch.Tensor], pid: str) -> None:
+    """Loads the ``pid/`` entries of a checkpoint's ``weights`` into ``policy`` (built from its config).
+
+    Raises:
+        ValueError: it holds none (naming the policies it has), or another network's (torch's mismatch line).
+    """
+    own = {k[len(pid) + 1:]: v for k, v in weights.items() if k.startswith(f"{pid}/")}
+    if not own:
+        raise ValueError(f"checkpoint policy {pid!r} has no weights (no '{pid}/' keys); its policies are "
+                         f"{sorted({k.split('/', 1)[0] for k in weights})}")
+    try:
+        policy.load_state_dict(own)
+    except RuntimeError as err:
+        raise ValueError(f"checkpoint policy {pid!r}: its weights are another network's than the one its config "
+                         f"builds ({shape_detail(err)}); were they copied from another run?") from None
+
+
 def shape_detail(err: BaseException) -> str:
     """The line of a failed restore that names the mismatch (torch's "size mismatch for ...", also inside a Ray
     actor's error, whose first lines name the actor), without terminal colours."""
@@ -240,5 +257,5 @@ def shape_detail(err: BaseException) -> str:
     return line.rstrip(".")  # it goes inside parentheses, before the sentence's own full stop
 
 
-__all__ = ["changed_settings", "config_to_dict", "load_config", "misfit", "restore_trainer_", "secret_free",
+__all__ = ["changed_settings", "config_to_dict", "load_config", "load_policy_weights_", "misfit", "restore_trainer_", "secret_free",
            "shape_detail", "trainer_state"]

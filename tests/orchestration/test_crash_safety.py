@@ -133,6 +133,9 @@ CRAFTED = {
     "missing state tensors": lambda d: (d / "state.safetensors").unlink(),
     "unknown config key": lambda d: _edit_state(d, lambda s: s["config"].update(evil=1)),
     "config value out of range": lambda d: _edit_state(d, lambda s: s["config"].update(lr=-1.0)),
+    "JSON nested deeper than the stack": lambda d: (d / "state.json").write_text("[" * 200_000),  # RecursionError
+    "config section a string": lambda d: _edit_state(d, lambda s: s["config"].update(policy="big")),  # AttributeError
+    "version past int64": lambda d: _edit_state(d, lambda s: s["learners"]["agent"].update(version=10 ** 30)),
 }
 
 
@@ -175,6 +178,26 @@ def test_a_checkpoint_naming_a_module_env_imports_nothing(tmp_path):
         assert process.returncode == 2 and "never allowed to import code" in err, err[-2000:]  # a user error's status
         assert "Traceback" not in err
     assert not marker.exists()
+
+
+def test_weights_of_another_network_are_one_paragraph_in_evaluate_and_export(tmp_path, capsys):
+    """A checkpoint whose weights file came from a 32-unit run: torch's size-mismatch traceback before."""
+    import dataclasses
+
+    from core.policies import PolicyConfig
+    from orchestration.cli import main
+
+    directory = _valid(tmp_path)
+    small = build_trainer(dataclasses.replace(FAST, policy=PolicyConfig(hidden_sizes=(32, 32))))
+    save_file(trainer_state(small)[0], str(directory / "weights.safetensors"))
+    for args in (["evaluate", str(directory), "--episodes", "1"], ["export", str(directory), "--out",
+                                                                    str(tmp_path / "out")]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err, err
+        assert ("checkpoint policy 'agent': its weights are another network's than the one its config builds (size "
+                "mismatch for actor_trunk.0.weight") in err, err
 
 
 def test_an_optimizer_state_of_another_network_is_refused_before_torch_reads_it():
