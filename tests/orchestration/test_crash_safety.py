@@ -273,6 +273,10 @@ def test_a_run_directory_in_use_by_another_process_is_refused_until_it_ends(tmp_
     finally:
         holder.kill()
         holder.wait()
+    (tmp_path / "afile").write_text("")  # a run directory that cannot be one: FileExistsError's traceback before
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *ARGS, "--iterations", "1", "--run-dir", "afile"])
+    assert exit_.value.code == 2 and "--run-dir afile: File exists" in capsys.readouterr().err
     main(["train", *ARGS, "--iterations", "1", "--run-dir", "r"])  # free again
     main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress"])  # and again once it ended
     assert _iterations(tmp_path / "r" / "metrics.csv") == [1, 2]
