@@ -159,6 +159,9 @@ def load_config(state: dict[str, Any]) -> TrainConfig:
         return _load_config(state)
     except TypeError as err:  # an unknown or missing field: dataclasses name it
         raise ValueError(f"checkpoint config: {err}") from err
+    except KeyError as err:  # a section every saved config has
+        raise ValueError(f"checkpoint config: it has no {err.args[0]!r} section (state.json's config is not a "
+                         f"run's whole TrainConfig)") from None
 
 
 def _load_config(state: dict[str, Any]) -> TrainConfig:
