@@ -102,7 +102,10 @@ def parse(argv: Sequence[str]) -> tuple[TrainConfig, LeagueConfig, bool, tuple |
             raise ValueError(f"{named} holds no league checkpoint (shoal train --resume continues a training run)")
         saved = load_config(state)
         default = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)  # the schedule goes on
-        league_default = LeagueConfig(**state["league"]["config"])
+        try:
+            league_default = LeagueConfig(**state["league"]["config"])
+        except TypeError as err:  # an edited checkpoint: an unknown setting, or no settings object
+            raise ValueError(f"{named}/league/checkpoints: its league settings do not load ({err})") from None
         refuse_untrusted(saved, train_args, "shoal league --resume")  # nothing it names imports or runs code
     config = parse_flags("league", TrainConfig, args=train_args, default=default, prog="shoal league",
                          description="Train a league (shoal league --help lists the --league.* flags first).")
@@ -145,7 +148,9 @@ def run(argv: Sequence[str]) -> dict:
                 league.close()
                 from orchestration.run_state import load_config, misfit
 
-                raise misfit(err, load_config(checkpoint[2]), config) from None
+                saved = load_config(checkpoint[2])  # with its schedule kept, as parse() resumed it: not a change
+                saved = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)
+                raise misfit(err, saved, config) from None
             except BaseException:
                 league.close()
                 raise
@@ -165,8 +170,9 @@ def restore_league_(league, run_dir: Path, checkpoint: tuple) -> None:
 
     try:
         league.load_state_(*checkpoint)
-    except ValueError as err:
-        raise ValueError(f"{run_dir / 'league' / 'checkpoints'}: {err}") from None
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as err:  # an edited or another league's
+        raise ValueError(f"{run_dir / 'league' / 'checkpoints'}: the league's state does not load "
+                         f"({type(err).__name__}: {err})") from None
     paired = checkpoint[2].get("player_checkpoints", {})  # the player checkpoints this league checkpoint saved
     for player, trainer in zip(league.players, league.trainers):
         root = run_dir / "players" / player.name / "checkpoints"

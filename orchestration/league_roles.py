@@ -333,6 +333,11 @@ class RoleLeague:
         self.wins, self.games = tensors["wins"].clone(), tensors["games"].clone()
         self.ratings = tensors["ratings"].clone()
         self.played = tensors["played"].clone() if "played" in tensors else self.games.sum(1)  # older checkpoints
+        n = len(self.players)  # tables of another roster fail later, mid-training: refused here, by name
+        for name, table, shape in (("wins", self.wins, (n, n)), ("games", self.games, (n, n)),
+                                   ("ratings", self.ratings, (n,)), ("played", self.played, (n,))):
+            if tuple(table.shape) != shape:
+                raise ValueError(f"its {name!r} table is {tuple(table.shape)}, and its {n} players need {shape}")
         self.generator.set_state(tensors["rng"])
         self.iteration, self.resets = int(state["iteration"]), int(state["league"]["resets"])
         active = [p.name for p in self.players[:len(self.trainers)]]

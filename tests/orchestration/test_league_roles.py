@@ -210,6 +210,9 @@ def test_a_league_state_loads_into_a_fresh_league_with_the_same_pool_table_and_r
         assert torch.equal(again.generator.get_state(), league.generator.get_state())
         with pytest.raises(ValueError, match="active players"):
             RoleLeague(config, LeagueConfig(main_exploiters=2, league_exploiters=0)).load_state_(*saved)
+        weights, tensors, state = saved  # a table of another roster: it failed mid-training (a RuntimeError)
+        with pytest.raises(ValueError, match=r"its 'wins' table is \(2, 2\), and its 7 players need \(7, 7\)"):
+            RoleLeague(config, rules).load_state_(weights, {**tensors, "wins": torch.zeros(2, 2)}, state)
     finally:
         again.close()
 
