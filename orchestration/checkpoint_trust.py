@@ -14,10 +14,11 @@ import shlex
 from typing import Sequence
 
 
-def refuse_untrusted(saved, given: Sequence[str], command: str) -> None:
+def refuse_untrusted(saved, given: Sequence[str], command: str, *, evaluating: bool = False) -> None:
     """Raises ValueError when ``saved`` (a checkpoint's TrainConfig) would import or run code that the
     arguments ``given`` now do not name themselves; ``command`` (``shoal train --resume``, say) heads the
-    way to pass it."""
+    way to pass it. ``evaluating``: ``shoal evaluate``, whose ``--env`` replaces the env and the collection
+    (a run's ``--env`` leaves its collection, which is trained on instead) and which launches no simulator."""
     from orchestration.envs import imports_code
 
     named = {arg.split("=", 1)[0] for arg in given}
@@ -25,12 +26,14 @@ def refuse_untrusted(saved, given: Sequence[str], command: str) -> None:
         raise ValueError(f"the checkpoint names env {saved.env!r}; {why}, and an env read from a checkpoint is "
                          f"never allowed to import code. Pass the env yourself: {command} --env {saved.env} ...")
     collection = saved.collection
-    if collection and not collection.lstrip().startswith("{") and not {"--collection", "--env"} & named:
+    replaced = "--env" in named if evaluating else "--collection" in named
+    if collection and not collection.lstrip().startswith("{") and not replaced:
+        way = ("name the env to play in: --env ID" if evaluating else
+               f"pass it yourself: {command} --collection {shlex.quote(collection)} ...")
         raise ValueError(f"the checkpoint names the collection file {collection!r}, whose members may be envs that "
-                         f"import code, and a file read from a checkpoint is never opened by itself. Pass it "
-                         f"yourself: {command} --collection {shlex.quote(collection)} ...")
+                         f"import code, and a file read from a checkpoint is never opened by itself; {way}")
     launched = getattr(saved.external, "command", None)
-    if saved.env == "external" and launched and "--external.command" not in named:
+    if saved.env == "external" and launched and "--external.command" not in named and not evaluating:
         raise ValueError(f"the checkpoint launches its simulators with external.command {launched!r}, and a "
                          f"command read from a checkpoint is never run. Pass it yourself: {command} "
                          f"--external.command {shlex.quote(launched)} ...")

@@ -86,7 +86,7 @@ def evaluate(checkpoint: tyro.conf.Positional[str], episodes: int = 10, num_envs
     if env is None and config.env == "external":
         raise ValueError(f"{checkpoint} is of a run on external simulators, which Shoal cannot start to play: "
                          f"name an env with their observations and actions to play in (--env ID)")
-    refuse_untrusted(config, ["--env"] if env is not None else [], f"shoal evaluate {checkpoint}")
+    refuse_untrusted(config, ["--env"] if env is not None else [], f"shoal evaluate {checkpoint}", evaluating=True)
     if env is None and env_kwargs and config.collection:
         raise ValueError("--env-kwargs: this checkpoint was trained on a collection, whose envs keep their own "
                          "keyword arguments; name the env to play in with --env too")

@@ -47,7 +47,7 @@ def play_seats(checkpoint: str, opponent: str, *, episodes: int, seats: tuple[st
         ValueError: an unknown seat (the tree's agents are named), an opponent checkpoint of another tree.
     """
     weights, _, state = load_checkpoint(checkpoint)
-    config = dataclasses.replace(load_config(state), env=env, seed=seed)
+    config = dataclasses.replace(load_config(state), env=env, seed=seed, collection=None)  # games in ``env`` only
     tree = from_json(state["tree"])
     agents = list(agent_index(tree))
     if len(agents) < 2:
