@@ -1,5 +1,5 @@
 """Where an env's action masks come from: an ``"action_mask"`` entry of its observation ``Dict``, or
-``info["action_mask"]`` (PettingZoo's two conventions, which gymnasium envs such as Taxi-v3 follow too).
+``info["action_mask"]`` (PettingZoo's two conventions, which gymnasium envs such as Taxi-v4 follow too).
 
 The adapters take the mask out of the observation (the tree's observation is the rest: the ``"observation"``
 entry alone when only it is left) and hand it to the step as ``(group, "action_mask")``, where the policies

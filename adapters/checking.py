@@ -3,7 +3,8 @@
 ``strict``  Any problem raises :class:`EnvOutputError` naming the env index, the agent and the key.
 ``lenient`` A problem in an env's output truncates that env's episode (``truncated`` True for its present
             agents and at env level), the env is reset, the problem is counted in
-            ``counters["invalid_output_truncations"]`` (one per truncated episode), logged, kept in
+            ``counters["invalid_output_truncations"]`` (one per truncated episode), logged (the first of each
+            agent and key), kept in
             :attr:`Checker.recent`, and the batch goes on. Repairs, so that nothing invalid reaches training:
             an invalid observation of an agent is replaced by the observation that agent acted on (a real
             state to bootstrap from; padding if it had none), an invalid reward by 0. Other envs and earlier

@@ -165,13 +165,18 @@ class _GymnasiumBase(AdapterBase):
     def _unmasked(self, obs, info, rows) -> object:
         """``obs`` without its action mask; the masks of ``rows`` (the envs whose root ``obs`` is: an index
         array, or None for every env) taken from it or from ``info`` (a vector env's: one row per env, and
-        ``"_action_mask"`` saying which have one; else one env's) into the root's masks."""
+        ``"_action_mask"`` saying which have one; else one env's) into the root's masks. Those of ``rows``
+        without one allow every action (a mask does not outlive the observation it came with)."""
+        if self._amask is not None:
+            self._amask[slice(None) if rows is None else rows] = True
         if self._mask_in_obs:
             obs, mask = without_mask(obs)
             if mask is None:
                 self._checker.report(EnvOutputError("missing", env_index=None if rows is None else int(rows[0]),
                                                     agent=AGENT, key=(AGENT, OBSERVATION, MASK_KEY)))
                 return obs
+            if rows is not None and np.ndim(mask) == 2:  # a vector env's batch: the rows asked for
+                mask = np.asarray(mask)[rows]
         elif self._info_mask and info and MASK_KEY in info:
             mask, given = info[MASK_KEY], info.get(f"_{MASK_KEY}")
             if given is not None:  # a vector env's info: only the envs that gave one

@@ -143,7 +143,8 @@ class GymnasiumVectorEnv(_GymnasiumBase):
         else:
             options = None if mask is None else {"reset_mask": mask.copy()}
             try:
-                arrays = self._flat(self._unmasked(*self.env.reset(seed=seed, options=options), None))
+                arrays = self._flat(self._unmasked(*self.env.reset(seed=seed, options=options),
+                                                   None if mask is None else np.flatnonzero(mask)))
             except ValueError as error:  # as in a step
                 raise self._misfit(error, after_step=False) from None
             rows = None

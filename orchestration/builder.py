@@ -30,10 +30,10 @@ from orchestration.assignment import GroupAssignment, assign, groups_of
 from orchestration.config import TrainConfig
 from orchestration.collection_env import make_actor_env
 from orchestration.env_collection import load_collection, probe_members, with_collection
-from orchestration.envs import make_run_env
+from orchestration.envs import imports_code, make_run_env
 from orchestration.devices import resolve_device
 from orchestration.learner import FixedLearner, PPOLearner
-from orchestration.run_notes import UnusedSettingWarning, unused_settings
+from orchestration.run_notes import UnusedSettingWarning, env_batch_sentence, unused_settings
 from orchestration.team_critic import TEAM_CRITIC, build_team_critic, teams_for
 
 
@@ -281,9 +281,7 @@ def _with_env_batch(config: TrainConfig, built: int | None) -> TrainConfig:
 
     if built is None or built == config.rollout.num_envs:
         return config
-    warnings.warn(f"--rollout.num-envs {config.rollout.num_envs} is not used: env {config.env} steps {built} envs "
-                  f"together itself (its own batch), and Shoal steps them as they are", UnusedSettingWarning,
-                  stacklevel=3)
+    warnings.warn(env_batch_sentence(config, built), UnusedSettingWarning, stacklevel=3)
     return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, num_envs=built))
 
 
@@ -325,8 +323,11 @@ def build_trainer(config: TrainConfig, *, pretrain: bool = True):
         tree = probe_members(config, collection)
     if config.backend == "ray":
         if collection is None:
-            probe = make_run_env(config, 1)
-            tree, config = probe.tree, _with_env_batch(config, probe.num_envs if probe.num_envs != 1 else None)
+            # a user's module:factory may bring an env batch of its own, whatever it is asked for: build the
+            # number asked, so that it shows (a probe of 1 cannot tell a batch of 1 from one env as asked)
+            own = ":" in config.env and imports_code(config.env) is not None
+            probe = make_run_env(config, rc.num_envs if own else 1)
+            tree, config = probe.tree, _with_env_batch(config, probe.num_envs if own else None)
             probe.close()
         assignment = assignment_for(config, tree)
         policies, fixed = build_policies(config, tree, assignment)

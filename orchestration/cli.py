@@ -205,7 +205,7 @@ def _setup_training(argv: list[str], command: str = "train"):
 
     from orchestration.builder import build_trainer
     from orchestration.checkpoint import clean_stale, load_checkpoint
-    from orchestration.run_loop import fresh_run_dir, hold_run_dir
+    from orchestration.run_loop import fresh_run_dir, run_dir_held
     from orchestration.run_state import misfit, restore_trainer_
 
     if not config.run_dir:  # a fresh directory per run: reruns never mix checkpoints or TensorBoard files
@@ -215,22 +215,22 @@ def _setup_training(argv: list[str], command: str = "train"):
         config = dataclasses.replace(config, run_dir=str(fresh_run_dir(Path("runs") / f"{name}__{config.seed}__{stamp}")))
     torch.set_num_threads(config.threads)
     ckpt_root = Path(config.run_dir) / "checkpoints"
-    hold_run_dir(config.run_dir)  # one process per run directory; released when the run ends
-    clean_stale(ckpt_root)  # half-written checkpoints a killed run left
-    trainer = build_trainer(config, pretrain=not resume)  # a resumed run's checkpoint holds trained weights
-    config = note_env_batch(command, config, trainer.config)  # a factory's env may bring its own batch
-    try:
-        if config.past_selves != default.past_selves:  # flags set them (a preset's for self-play are not news)
-            note_past_selves(command, config, trainer.tree)
-        note_policy_fit(command, config, trainer.tree, learning=bool(trainer.trainable))
-        if resume:
-            try:
-                restore_trainer_(trainer, *load_checkpoint(ckpt_root))
-            except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
-                raise misfit(err, default, config) from None
-    except BaseException:
-        trainer.close()
-        raise
+    with run_dir_held(config.run_dir):  # one process per run directory: until the run ends, or this fails
+        clean_stale(ckpt_root)  # half-written checkpoints a killed run left
+        trainer = build_trainer(config, pretrain=not resume)  # a resumed run's checkpoint holds trained weights
+        config = note_env_batch(command, config, trainer.config)  # a factory's env may bring its own batch
+        try:
+            if config.past_selves != default.past_selves:  # flags set them (a preset's for self-play: not news)
+                note_past_selves(command, config, trainer.tree)
+            note_policy_fit(command, config, trainer.tree, learning=bool(trainer.trainable))
+            if resume:
+                try:
+                    restore_trainer_(trainer, *load_checkpoint(ckpt_root))
+                except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
+                    raise misfit(err, default, config) from None
+        except BaseException:
+            trainer.close()
+            raise
     note_schedule(command, config, resume)  # after a resume that does not fit was refused: that error alone
     return trainer, config, resume, progress
 

@@ -24,7 +24,7 @@ _ADAPTER_KEYWORDS = {"vmas": ("payoff", "seed"), "mpe2": ("payoff", "action_mask
 _SET_BY_SHOAL = {family: {"num_envs": "--rollout.num-envs"} for family in ("builtin", "vmas", "torchrl")}
 
 _PAYOFFS = ("cooperative", "zero_sum", "general")  # core.specs.PAYOFFS, without importing torch here
-_MASK_SOURCES = ("auto", "observation", "info", "none")  # the PettingZoo adapters' action_mask
+_MASK_SOURCES = ("auto", "observation", "info", "none")  # adapters.action_masks.MASK_SOURCES, without torch
 
 
 def factory_of(name: str):
@@ -60,15 +60,16 @@ def check_values(name: str, kwargs: dict[str, Any]) -> None:
     torch_device = name.split(":", 1)[0] in ("builtin", "vmas", "torchrl")  # the others may mean their own thing
     if isinstance(device := kwargs.get("device"), str) and (why := _unusable(device, torch_device)):
         raise ValueError(f"env {name!r}: --env-kwargs device {device!r}: {why}; use --env-kwargs device cpu")
+    params = parameters(name) if kwargs else {}
+    factory = ":" in name and name.split(":", 1)[0] not in ("builtin", "vmas", "mpe2", "pettingzoo", "torchrl")
     for key, kind, choices in (("payoff", "payoff", _PAYOFFS), ("action_mask", "mask source", _MASK_SOURCES)):
-        value = kwargs.get(key, choices[0])  # the adapters' keywords; they would refuse it later without the flag
-        if isinstance(value, str) and value not in choices:
+        value = kwargs.get(key, choices[0])  # the adapters' keywords (a factory's own keyword of the name is its)
+        if isinstance(value, str) and value not in choices and not (factory and key in params):
             import difflib
 
             near = difflib.get_close_matches(value, choices, n=1)
             raise ValueError(f"env {name!r}: --env-kwargs {key} {value!r} is not a {kind}"
                              + (f" (did you mean {near[0]!r}?)" if near else f"; they are {', '.join(choices)}"))
-    params = parameters(name) if kwargs else {}
     if name.startswith("vmas:") and params:
         from core.envsets.ids import hint  # imports torch: only on this path (the command's --help stays light)
 

@@ -87,6 +87,8 @@ def _blame_kwargs(name: str, kwargs: dict[str, Any] | None, err: BaseException) 
     if name in str(err):
         return
     if _raised_by_shoal(err):
+        if isinstance(err, TypeError):  # a user error's type, as the commands tell them (user_errors)
+            raise ValueError(f"env {name!r}: {err}") from None
         err.args = (f"env {name!r}: {err}", *err.args[1:])
         return
     if not kwargs:
@@ -104,14 +106,16 @@ def _blame_kwargs(name: str, kwargs: dict[str, Any] | None, err: BaseException) 
 
 
 def _raised_by_shoal(err: BaseException) -> bool:
-    """Whether the innermost frame of ``err``'s traceback is Shoal's own code (adapters/, core/, orchestration/)."""
+    """Whether the innermost frame of ``err``'s traceback is Shoal's own code (adapters/, core/, orchestration/),
+    not one of its built-in envs (adapters/builtin/: their refusals are of the keywords they were given)."""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is None:
         return False
     here = Path(tb.tb_frame.f_code.co_filename).resolve()
-    return any(here.is_relative_to(_ROOT / part) for part in ("adapters", "core", "orchestration"))
+    return (any(here.is_relative_to(_ROOT / part) for part in ("adapters", "core", "orchestration"))
+            and not here.is_relative_to(_ROOT / "adapters" / "builtin"))
 
 
 _ROOT = Path(__file__).resolve().parents[1]

@@ -132,28 +132,28 @@ def run(argv: Sequence[str]) -> dict:
         import torch
 
         from orchestration.league_roles import RoleLeague
-        from orchestration.run_loop import fresh_run_dir, hold_run_dir, release_run_dir
+        from orchestration.run_loop import fresh_run_dir, release_run_dir, run_dir_held
 
         if not config.run_dir:
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.env)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             config = dataclasses.replace(config, run_dir=str(fresh_run_dir(Path("runs") / f"league__{name}__{stamp}")))
-        hold_run_dir(config.run_dir)  # one process per run directory; released when the league ends
-        torch.set_num_threads(config.threads)
-        league = RoleLeague(config, league_config)
-        if checkpoint is not None:
-            try:
-                restore_league_(league, Path(config.run_dir), checkpoint)
-            except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
-                league.close()
-                from orchestration.run_state import load_config, misfit
+        with run_dir_held(config.run_dir):  # one process per run directory: until the league ends, or this fails
+            torch.set_num_threads(config.threads)
+            league = RoleLeague(config, league_config)
+            if checkpoint is not None:
+                try:
+                    restore_league_(league, Path(config.run_dir), checkpoint)
+                except (RuntimeError, ValueError) as err:  # shapes that differ: name the settings that made them
+                    league.close()
+                    from orchestration.run_state import load_config, misfit
 
-                saved = load_config(checkpoint[2])  # with its schedule kept, as parse() resumed it: not a change
-                saved = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)
-                raise misfit(err, saved, config) from None
-            except BaseException:
-                league.close()
-                raise
+                    saved = load_config(checkpoint[2])  # with its schedule kept, as parse() resumed it: not a change
+                    saved = dataclasses.replace(saved, anneal_iterations=saved.schedule_iterations)
+                    raise misfit(err, saved, config) from None
+                except BaseException:
+                    league.close()
+                    raise
     try:
         return train_league(league, config, progress, resume=checkpoint is not None)
     except (RuntimeError, ValueError) as err:  # the checkpoint is written; a user's mistake is one paragraph

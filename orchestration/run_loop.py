@@ -3,6 +3,7 @@ error), the progress line, provenance. ``orchestration.cli`` parses and builds; 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -211,6 +212,18 @@ def hold_run_dir(run_dir: str | Path) -> None:
     _HELD[key] = fd
 
 
+@contextlib.contextmanager
+def run_dir_held(run_dir: str | Path):
+    """:func:`hold_run_dir` for a run's set-up: released when the block raises (the run never starts), kept
+    for the run otherwise (its end releases it)."""
+    hold_run_dir(run_dir)
+    try:
+        yield
+    except BaseException:
+        release_run_dir(run_dir)
+        raise
+
+
 def release_run_dir(run_dir: str | Path) -> None:
     """Lets :func:`hold_run_dir`'s lock of ``run_dir`` go (no-op when this process does not hold it)."""
     import os
@@ -283,5 +296,5 @@ def record_final_accounting(run_dir: Path, settled: dict[str, Any]) -> None:
                                 indent=1))
 
 
-__all__ = ["env_faults", "exit_stopped", "fresh_run_dir", "hold_run_dir", "release_run_dir", "provenance", "record_final_accounting", "run_training",
-           "write_provenance"]
+__all__ = ["env_faults", "exit_stopped", "fresh_run_dir", "hold_run_dir", "provenance", "record_final_accounting",
+           "release_run_dir", "run_dir_held", "run_training", "write_provenance"]

@@ -95,10 +95,14 @@ def note_env_batch(command: str, config: TrainConfig, built: TrainConfig) -> Tra
     ``--rollout.num-envs`` (a factory's env with a batch of its own: the builder takes its batch); returns the
     config the run goes on with (``built``'s)."""
     if built.rollout.num_envs != config.rollout.num_envs:
-        print(f"shoal {command}: --rollout.num-envs {config.rollout.num_envs} is not used: env {config.env} steps "
-              f"{built.rollout.num_envs} envs together itself (its own batch), and Shoal steps them as they are",
-              file=sys.stderr)
+        print(f"shoal {command}: {env_batch_sentence(config, built.rollout.num_envs)}", file=sys.stderr)
     return built
+
+
+def env_batch_sentence(config: TrainConfig, built: int) -> str:
+    """What is said when ``config``'s env steps ``built`` envs, not ``--rollout.num-envs``."""
+    return (f"--rollout.num-envs {config.rollout.num_envs} is not used: env {config.env} steps {built} envs together "
+            f"itself (its own batch), and Shoal steps them as they are")
 
 
 def note_policy_fit(command: str, config: TrainConfig, tree, learning: bool = True) -> None:
@@ -204,5 +208,6 @@ def note_past_selves(command: str, config: TrainConfig, tree) -> None:
               f"alone (feed-forward, learning), and this run has none: no past self plays", file=sys.stderr)
 
 
-__all__ = ["STALE_SHARE_TOLD", "UnusedSettingWarning", "check_resumed", "note_capped", "note_env_batch",
-           "note_past_selves", "note_policy_fit", "note_schedule", "note_stale", "note_unused", "unused_settings"]
+__all__ = ["STALE_SHARE_TOLD", "UnusedSettingWarning", "check_resumed", "env_batch_sentence", "note_capped",
+           "note_env_batch", "note_past_selves", "note_policy_fit", "note_schedule", "note_stale", "note_unused",
+           "unused_settings"]

@@ -260,5 +260,5 @@ def shape_detail(err: BaseException) -> str:
     return line.rstrip(".")  # it goes inside parentheses, before the sentence's own full stop
 
 
-__all__ = ["changed_settings", "config_to_dict", "load_config", "load_policy_weights_", "misfit", "restore_trainer_", "secret_free",
-           "shape_detail", "trainer_state"]
+__all__ = ["changed_settings", "config_to_dict", "load_config", "load_policy_weights_", "misfit", "restore_trainer_",
+           "secret_free", "shape_detail", "trainer_state"]

@@ -11,8 +11,8 @@ import sys
 def user_errors(command: str):
     """Turns a user's mistake found while setting a run up (a bad flag value, an unknown env id, agent or
     policy, a missing or refused checkpoint) into one paragraph on stderr and exit status 2, not a traceback.
-    Errors once training runs (an env that raises, a diverging update) keep their traceback, except the
-    mistakes :func:`is_users_mistake` names."""
+    Errors once training runs (an env that raises) keep their traceback, except the mistakes
+    :func:`is_users_mistake` names (a diverging update among them: :func:`exit_if_users_mistake`)."""
     try:
         yield
     except (ValueError, KeyError, LookupError, FileNotFoundError, ImportError, TimeoutError) as err:

@@ -328,6 +328,34 @@ class MaskInObservationEnv(gym.Env):
         return self._obs(), 1.0, False, self.t >= 5, {}
 
 
+class StepMaskEnv(MaskInObservationEnv):
+    """Its ``info`` carries a mask after a step only (action 0 illegal); its reset gives none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = self.observation_space["observation"]
+
+    def reset(self, seed=None, options=None):
+        return super().reset(seed=seed)[0]["observation"], {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([self.t], np.float32), 1.0, False, self.t >= 2, {"action_mask": np.array([0, 1, 1], np.int8)}
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_mask_lasts_as_long_as_the_observation_it_came_with(direct):
+    """A reset without a mask allows every action: the previous episode's last mask did not carry over."""
+    env = GymnasiumVectorEnv(SyncVectorEnv([StepMaskEnv] * 2))
+    env._direct = direct
+    out, legal = env.reset(seed=0), []
+    for _ in range(4):
+        out = env.step(action_td(np.ones(2, np.int64)))
+        legal.append(out["agent", "action_mask"][0, 0].tolist())
+    assert legal == [[False, True, True], [True, True, True]] * 2  # steps 1 and 3 masked, 2 and 4 reset
+    env.close()
+
+
 def test_a_mask_in_the_observation_dict_leaves_it_for_the_action_mask():
     env = GymnasiumVectorEnv(SyncVectorEnv([MaskInObservationEnv] * 2))
     assert groups(env.tree)["agent"].agent.observation.shape == (1,)  # the "observation" entry alone

@@ -31,8 +31,8 @@ SEED = 3
 class JoinLeaveEnv(ParallelEnv):
     """A real ParallelEnv: walker_2 joins at t=2, walker_0 terminates at t=3, the rest truncate at t=6.
 
-    Action masks come in ``infos``; ``fault`` makes it emit an unknown agent, drop one without a flag, leave
-    out the reward of one that acted, or keep one that ended in ``agents``.
+    Action masks come in ``infos``; ``fault`` makes it emit an unknown agent, drop one without a flag, leave out
+    the reward of one that acted, or keep one that ended in ``agents``.
     """
 
     metadata = {"name": "join_leave_v0"}
@@ -71,7 +71,8 @@ class JoinLeaveEnv(ParallelEnv):
             self.agents.append("walker_2")
         obs = {a: self._obs(a) for a in self.agents}
         rewards = {a: float(actions.get(a, 0)) + 10 * self.possible_agents.index(a) for a in self.agents}
-        terms = {a: a == "walker_0" and self.t == 3 for a in self.agents}
+        terms = {a: a == "walker_0" and self.t == 3 or self.fault == "zombie" and (a, self.t) == ("walker_1", 2)
+                 for a in self.agents}  # zombie: ended, yet kept in agents below (PettingZoo removes it)
         truncs = {a: self.t >= 6 for a in self.agents}
         if self.fault == "unknown" and self.t == 2:
             obs["ghost_0"] = np.zeros(2, np.float32)
@@ -84,8 +85,6 @@ class JoinLeaveEnv(ParallelEnv):
             return obs, rewards, dones, {a: self._info(a) for a in self.agents}
         if self.fault == "str_flag" and self.t == 2:  # "False" is a non-empty string: read as True, it ended them
             truncs = {a: "False" for a in self.agents}
-        if self.fault == "zombie" and self.t == 2:  # ended, yet kept in agents (PettingZoo removes it)
-            terms["walker_1"] = True
         infos = {a: self._info(a) for a in self.agents}
         self.agents = [a for a in self.agents if not (terms[a] or truncs[a]) or self.fault == "zombie"]
         return obs, rewards, terms, truncs, infos
@@ -174,8 +173,7 @@ def test_join_and_leave_via_masks_matches_raw_env():
     assert not outs[5]["next", "terminated"][0].item()
     assert outs[5]["next", "walker", "truncated"][0, :, 0].tolist() == [False, True, True]
     assert groups(env.tree)["walker"].capacity == 3 and env._state is None
-    # only present agents get an action
-    sent = [sorted(a) for a in env.envs[0].received[:7]]
+    sent = [sorted(a) for a in env.envs[0].received[:7]]  # only present agents get an action
     w01, w12 = ["walker_0", "walker_1"], ["walker_1", "walker_2"]
     assert sent == [w01, w01, ["walker_0", "walker_1", "walker_2"], w12, w12, w12, w01]
 

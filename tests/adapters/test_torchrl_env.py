@@ -255,9 +255,10 @@ def test_the_initial_weights_do_not_depend_on_how_many_torchrl_envs_are_built():
 
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
-def test_a_factorys_own_env_batch_is_the_runs_on_either_backend(backend, request):
-    """A factory's torchrl env steps 3 envs: the run takes 3 (said once), and counts 3 x 16 env steps per
-    fragment on both backends (Ray counted the 2 asked for; its probe env, never started, failed to close)."""
+@pytest.mark.parametrize("batch", [3, 1])
+def test_a_factorys_own_env_batch_is_the_runs_on_either_backend(backend, batch, request):
+    """A factory's torchrl env steps its own batch (3, or 1 for 2 asked): the run takes it (said once) and counts
+    its env steps on both backends (Ray counted the 2 asked for; its probe env, never started, failed to close)."""
     import dataclasses
 
     from orchestration.builder import build_trainer
@@ -266,14 +267,14 @@ def test_a_factorys_own_env_batch_is_the_runs_on_either_backend(backend, request
 
     if backend == "ray":
         request.getfixturevalue("ray_session")
-    config = TrainConfig(env="tests.adapters.own_batch_factories:make_three", backend=backend, iterations=2,
+    env = "tests.adapters.own_batch_factories:make_serial"
+    config = TrainConfig(env=env, env_kwargs=(("n", str(batch)),), backend=backend, iterations=2,
                          rollout=RolloutConfig(num_envs=2, fragment_length=16),
                          ray=RayConfig(worker_num_cpus=0, learner_num_cpus=0))
-    with pytest.warns(UnusedSettingWarning, match="--rollout.num-envs 2 is not used: env tests.adapters.own_batch_"
-                                                  "factories:make_three steps 3 envs together itself"):
+    with pytest.warns(UnusedSettingWarning, match=f"--rollout.num-envs 2 is not used: env {env} steps {batch} envs"):
         trainer = build_trainer(config)
     try:
-        assert trainer.config == dataclasses.replace(config, rollout=RolloutConfig(num_envs=3, fragment_length=16))
-        assert [trainer.train()["env_steps"] for _ in range(2)] == [48, 96]
+        assert trainer.config == dataclasses.replace(config, rollout=RolloutConfig(num_envs=batch, fragment_length=16))
+        assert [trainer.train()["env_steps"] for _ in range(2)] == [16 * batch, 32 * batch]
     finally:
         trainer.close()

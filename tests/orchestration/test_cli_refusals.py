@@ -79,6 +79,8 @@ import pytest
      "env 'mpe2:simple_spread_v3' failed to build with --env-kwargs N 0: ValueError: "),
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "payoff", "cooperativ"],
      "--env-kwargs payoff 'cooperativ' is not a payoff (did you mean 'cooperative'?)"),
+    (["train", "builtin:spread", "--env-kwargs", "join_prob", "2.0"],  # a built-in env's refusal: of the keyword
+     "env 'builtin:spread' failed to build with --env-kwargs join_prob 2.0: ValueError: "),
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "action_mask", "non"],  # was the env failing to build
      "env 'mpe2:simple_spread_v3': --env-kwargs action_mask 'non' is not a mask source (did you mean 'none'?)"),
     (["train", "builtin:spred"], "unknown built-in env 'builtin:spred' (did you mean 'builtin:spread'?)"),

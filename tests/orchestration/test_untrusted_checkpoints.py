@@ -211,3 +211,9 @@ def test_a_run_directory_in_use_by_another_process_is_refused_until_it_ends(tmp_
     main(["train", *ARGS, "--iterations", "1", "--run-dir", "r"])  # free again
     main(["train", "--resume", "--run-dir", "r", "--iterations", "2", "--no-progress"])  # and again once it ended
     assert _iterations(tmp_path / "r" / "metrics.csv") == [1, 2]
+    with pytest.raises(SystemExit):  # a resume refused while it was set up lets the directory go too
+        main(["train", "--resume", "--run-dir", "r", "--iterations", "3", "--policy.hidden-sizes", "32"])
+    taken = subprocess.run([sys.executable, "-c", "from orchestration.run_loop import hold_run_dir\nhold_run_dir('r')"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert taken.returncode == 0, taken.stderr
