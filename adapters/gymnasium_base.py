@@ -181,7 +181,7 @@ class _GymnasiumBase(AdapterBase):
             mask, given = info[MASK_KEY], info.get(f"_{MASK_KEY}")
             if given is not None:  # a vector env's info: only the envs that gave one
                 rows = np.flatnonzero(given) if rows is None else np.asarray(rows)[np.asarray(given)[rows]]
-                mask = [mask[i] for i in rows]
+                mask = np.asarray(mask)[rows]
         else:
             return obs
         self._set_masks(mask, rows)
@@ -196,8 +196,11 @@ class _GymnasiumBase(AdapterBase):
             self._checker.report(EnvOutputError(unmaskable("the env", None, "info"), env_index=int(where[0]),
                                                 agent=AGENT, key=(AGENT, ACTION_MASK)))
             return
+        mask = np.asarray(mask)
         try:
-            mask = np.asarray(mask).reshape(len(where), n)
+            if mask.dtype == object:  # rows gymnasium could not stack into one array (of other shapes)
+                mask = np.stack(list(mask))
+            mask = mask.reshape(len(where), n)
         except ValueError:
             self._checker.report(EnvOutputError(f"expected action mask shape ({n},), got {np.shape(mask)}",
                                                 env_index=int(where[0]), agent=AGENT, key=(AGENT, ACTION_MASK)))

@@ -32,7 +32,7 @@ def refuse_untrusted(saved, given: Sequence[str], command: str, *, evaluating: b
                f"pass it yourself: {command} --collection {shlex.quote(collection)} ...")
         raise ValueError(f"the checkpoint names the collection file {collection!r}, whose members may be envs that "
                          f"import code, and a file read from a checkpoint is never opened by itself; {way}")
-    launched = getattr(saved.external, "command", None)
+    launched = saved.external.command
     if saved.env == "external" and launched and "--external.command" not in named and not evaluating:
         raise ValueError(f"the checkpoint launches its simulators with external.command {launched!r}, and a "
                          f"command read from a checkpoint is never run. Pass it yourself: {command} "

@@ -180,7 +180,6 @@ def hold_run_dir(run_dir: str | Path) -> None:
     """
     import fcntl
     import os
-
     import tempfile
 
     path = Path(run_dir)
@@ -189,13 +188,13 @@ def hold_run_dir(run_dir: str | Path) -> None:
         return
     try:  # a directory this run cannot write to fails now, not after its first iterations (they would be lost)
         path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         for place in (path, path / "checkpoints"):
             if place.is_dir():
                 tempfile.TemporaryFile(dir=place).close()
         for name in ("metrics.csv", "run.json", "config.json"):
             if (path / name).is_file():
                 open(path / name, "a").close()
+        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
         raise ValueError(f"--run-dir {run_dir}: {err.strerror or err} ({err.filename or path}): the run could "
                          f"not write its files there; give a directory it can write to") from None

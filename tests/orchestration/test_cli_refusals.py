@@ -56,7 +56,7 @@ import pytest
     (["train", "builtin:cartpole", "--policy.recurrent-critic"], "--policy.recurrent-critic must be False unless"),
     (["train", "builtin:cartpole", "--lr", "inf"], "--lr must be > 0 and finite, got inf"),  # was accepted: NaN losses
     (["train", "builtin:cartpole", "--eval-every", "1", "--eval-episodes", "0"], "--eval-episodes must be >= 1"),
-    (["train", "builtin:cartpole", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["train", "builtin:cartpole", "--seed", "-1"], "--seed must be in [0, 2**62), got -1"),
     (["train", "builtin:cartpole", "--checkpoint-every", "-1"], "--checkpoint-every must be >= 0, got -1"),
     (["train", "builtin:cartpole", "--ray.iteration-timeout-s", "0"], "--ray.iteration-timeout-s must be > 0"),
     (["train", "builtin:cartpole", "--ray.num-cpus", "0"], "--ray.num-cpus must be > 0 (or left out), got 0"),
@@ -79,6 +79,7 @@ import pytest
      "env 'mpe2:simple_spread_v3' failed to build with --env-kwargs N 0: ValueError: "),
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "payoff", "cooperativ"],
      "--env-kwargs payoff 'cooperativ' is not a payoff (did you mean 'cooperative'?)"),
+    (["train", "builtin:cartpole", "--seed", str(2 ** 70)], "--seed must be in [0, 2**62)"),  # torch's overflow
     (["train", "builtin:spread", "--env-kwargs", "join_prob", "2.0"],  # a built-in env's refusal: of the keyword
      "env 'builtin:spread' failed to build with --env-kwargs join_prob 2.0: ValueError: "),
     (["train", "mpe2:simple_spread_v3", "--env-kwargs", "action_mask", "non"],  # was the env failing to build

@@ -65,11 +65,14 @@ TORCHRL = {"env": "torchrl:CartPole-v1"}  # building its envs draws from torch's
 CURIOSITY = {"curiosity": CuriosityConfig(coef=0.1)}  # the RND bonus, its predictor and statistics in the learner
 FIXED = {"env": "builtin:spread", "policy_mapping": (("agents_1", "frozen"),),  # --fixed-policies: acts, never
          "fixed_policies": ("frozen",)}                                            # trains, is checkpointed
+MASKED = {"env": "Taxi-v4", "env_kwargs": (("max_episode_steps", "10"),)}  # gymnasium masks from info
 
 
-@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS, TORCHRL, CURIOSITY, FIXED],
+@pytest.mark.parametrize("overrides", [{}, SPLIT, IMAGES, MEMORY, CENTRAL, CONTINUOUS, TORCHRL, CURIOSITY, FIXED,
+                                       MASKED],
                          ids=["cartpole", "spread_3_policies", "images_scaled_rewards", "lstm_burn_in_normalised",
-                              "central_critic", "continuous_actions", "torchrl_env", "curiosity", "fixed_policy"])
+                              "central_critic", "continuous_actions", "torchrl_env", "curiosity", "fixed_policy",
+                              "gymnasium_masks"])
 def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overrides):
     from orchestration.builder import build_trainer
 
@@ -94,6 +97,8 @@ def test_sync_ray_matches_local_fragments_weights_and_metrics(ray_session, overr
                     [int(f["fragment_id"][0, 0]) for f in received[pid]]
                 for a, b in zip(received[pid], batch):
                     assert (a == b).all(), "fragments differ"
+                    if overrides is MASKED:  # the env's masks reach the fragments (and the actions keep to them)
+                        assert not b["agent", "action_mask"].all()
                 version, refs = remote.weights[pid]
                 assert version == learner.version
                 ray_weights = from_wire(ray_session.get(refs[0]))
